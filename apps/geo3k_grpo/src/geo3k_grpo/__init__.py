@@ -1,0 +1,1 @@
+"""geo3k_grpo launcher."""

@@ -1,0 +1,59 @@
+"""Test settings shared by every package: where the real data and model files live.
+
+The real Geometry3K parquet files and the Qwen3-VL tokenizer/processor files are read from one
+place, `GLIMPSE_SHARED` (default: `../shared` beside the checkout). They are never copied into
+the repository.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent
+
+
+def shared_root() -> Path:
+    return Path(os.environ.get("GLIMPSE_SHARED", ROOT.parent / "shared")).resolve()
+
+
+def _require(path: Path) -> Path:
+    if not path.exists():
+        pytest.skip(f"{path} not found: set GLIMPSE_SHARED to the folder holding data/ and models/")
+    return path
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    """The shared folder (data/geo3k, models/Qwen3-VL-4B-Instruct, models/reference-configs)."""
+    return _require(shared_root())
+
+
+@pytest.fixture(scope="session")
+def geo3k_dir(shared_dir: Path) -> Path:
+    """Folder with the real Geometry3K `train.parquet` and `validation.parquet`."""
+    return _require(shared_dir / "data" / "geo3k")
+
+
+@pytest.fixture(scope="session")
+def qwen3vl_dir(shared_dir: Path) -> Path:
+    """Real Qwen3-VL-4B-Instruct tokenizer, processor and config files (no weights)."""
+    return _require(shared_dir / "models" / "Qwen3-VL-4B-Instruct")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests marked `gpu` where no CUDA device is present."""
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    if has_gpu:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,1 @@
+"""rewards_math."""
