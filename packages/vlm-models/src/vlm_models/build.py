@@ -1,0 +1,142 @@
+"""Build Qwen3-VL / Qwen3.5 models through transformers, from weights or from a config alone."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig
+
+from vlm_models.patch_embed import set_fast_patch_embed
+from vlm_models.presets import PRESETS, apply_overrides, preset_config
+
+logger = logging.getLogger(__name__)
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+# attention implementation -> (module that must import, install hint)
+_ATTN_REQUIREMENTS = {
+    "flash_attention_2": (
+        "flash_attn",
+        "flash-attn is not installed: `uv sync --extra gpu` (or "
+        "`pip install flash-attn --no-build-isolation`) on a CUDA machine, or use 'sdpa'",
+    ),
+    "flash_attention_3": (
+        "flash_attn_interface",
+        "FlashAttention-3 is not installed: build `hopper/` of "
+        "https://github.com/Dao-AILab/flash-attention on an H100/H200, or use 'sdpa'",
+    ),
+}
+
+
+def check_attn_implementation(name: str) -> None:
+    """Raise ImportError with an install hint when ``name`` needs a package that is missing."""
+    requirement = _ATTN_REQUIREMENTS.get(name)
+    if requirement and importlib.util.find_spec(requirement[0]) is None:
+        raise ImportError(requirement[1])
+
+
+def resolve_config(source: str | Path | PretrainedConfig, **overrides: Any) -> PretrainedConfig:
+    """The config for ``source`` (preset name, local folder, hub id or config), overrides applied."""
+    if isinstance(source, PretrainedConfig):
+        return apply_overrides(copy.deepcopy(source), overrides)
+    if isinstance(source, str) and source in PRESETS:
+        return preset_config(source, **overrides)
+    return apply_overrides(AutoConfig.from_pretrained(str(source)), overrides)
+
+
+def _has_local_weights(path: Path) -> bool:
+    return any(p.name.endswith(_WEIGHT_SUFFIXES) for p in path.iterdir())
+
+
+def vision_tower(model: nn.Module) -> nn.Module:
+    """The vision encoder (``model.model.visual`` for Qwen3-VL and Qwen3.5)."""
+    inner = getattr(model, "model", model)
+    visual = getattr(inner, "visual", None)
+    if visual is None:
+        raise AttributeError(f"{type(model).__name__} has no vision tower at .model.visual")
+    return visual
+
+
+def build_model(
+    source: str | Path | PretrainedConfig,
+    *,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+    vision_attn_implementation: str | None = None,
+    fast_patch_embed: bool = True,
+    gradient_checkpointing: bool = False,
+    freeze_vision: bool = False,
+    device: str | torch.device | None = None,
+    **config_overrides: Any,
+) -> nn.Module:
+    """Build a ``*ForConditionalGeneration`` vision-language model.
+
+    ``source`` is a preset name (``"qwen3-vl-4b"``, ``"qwen3-vl-tiny"``...; random init), a
+    config object (random init), a local folder (weights loaded when it holds any, otherwise
+    random init from its ``config.json``) or a hub id (weights loaded).
+
+    ``attn_implementation`` applies to the language model, ``vision_attn_implementation``
+    (default: the same) to the vision tower: "sdpa", "eager", "flash_attention_2",
+    "flash_attention_3". ``fast_patch_embed`` swaps the Conv3d patch embedding for the
+    equivalent GEMM (same parameters, see :mod:`vlm_models.patch_embed`).
+    ``config_overrides`` are set on the config first (see :func:`~vlm_models.presets.apply_overrides`).
+    """
+    vision_attn = vision_attn_implementation or attn_implementation
+    for name in {attn_implementation, vision_attn}:
+        check_attn_implementation(name)
+    attn = {
+        "": attn_implementation,
+        "text_config": attn_implementation,
+        "vision_config": vision_attn,
+    }
+
+    config = resolve_config(source, **config_overrides)
+    load_weights = False
+    if not isinstance(source, PretrainedConfig) and not (
+        isinstance(source, str) and source in PRESETS
+    ):
+        path = Path(source)
+        load_weights = _has_local_weights(path) if path.is_dir() else True
+        if path.is_dir() and not load_weights:
+            logger.warning(
+                "%s holds no weights: building %s with random init", path, config.model_type
+            )
+
+    if load_weights:
+        model = AutoModelForImageTextToText.from_pretrained(
+            str(source), config=config, dtype=dtype, attn_implementation=attn
+        )
+    else:
+        model = AutoModelForImageTextToText.from_config(
+            config, dtype=dtype, attn_implementation=attn
+        )
+    logger.info(
+        "built %s (%s, text attn %s, vision attn %s, %.1fM params)",
+        type(model).__name__,
+        "pretrained" if load_weights else "random init",
+        attn_implementation,
+        vision_attn,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+    )
+
+    if fast_patch_embed:
+        set_fast_patch_embed(model, True)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if freeze_vision:
+        set_vision_trainable(model, False)
+    if device is not None:
+        model.to(device)
+    return model
+
+
+def set_vision_trainable(model: nn.Module, trainable: bool) -> None:
+    """Freeze (``False``) or unfreeze the whole vision tower, mergers and deepstack mergers included."""
+    for p in vision_tower(model).parameters():
+        p.requires_grad_(trainable)
