@@ -1,0 +1,150 @@
+"""The batch type the trainers consume, and helpers to pack its per-sample lists.
+
+Every per-token tensor of a sample is aligned with that sample's ``input_ids`` (see the token
+alignment convention in ``docs/architecture.md``), so packing samples end to end is plain
+concatenation and ``cu_seqlens`` recovers them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+_TOKEN_FIELDS = (
+    "loss_mask",
+    "advantages",
+    "old_logprobs",
+    "ref_logprobs",
+    "rollout_logprobs",
+    "mm_token_type_ids",
+)
+
+
+@dataclass
+class TrainBatch:
+    """Per-sample lists of one training batch; sample ``i`` has ``L_i = len(input_ids[i])`` tokens.
+
+    Optional per-token fields are ``None`` (absent for the whole batch) or a list with one tensor
+    of length ``L_i`` per sample. ``pixel_values`` / ``image_grid_thw`` hold one entry per sample,
+    ``None`` for a text-only sample.
+    """
+
+    input_ids: list[Tensor]  # LongTensor[L_i]: prompt + response, exactly as the rollout produced
+    loss_mask: list[Tensor]  # FloatTensor[L_i]: 1.0 on response tokens the loss counts
+    advantages: list[Tensor] | None = None  # FloatTensor[L_i], zero outside the mask
+    old_logprobs: list[Tensor] | None = None  # FloatTensor[L_i]: trainer, before the update
+    ref_logprobs: list[Tensor] | None = None  # FloatTensor[L_i]: reference model
+    rollout_logprobs: list[Tensor] | None = None  # FloatTensor[L_i]: as the engine reported
+    pixel_values: list[Tensor | None] | None = None  # FloatTensor[P_i, D] per sample
+    image_grid_thw: list[Tensor | None] | None = None  # LongTensor[n_img_i, 3] per sample
+    mm_token_type_ids: list[Tensor] | None = None  # LongTensor[L_i], 1 at image tokens
+
+    def __post_init__(self) -> None:
+        n = len(self.input_ids)
+        lengths = self.lengths
+        for name in (f.name for f in fields(self)):
+            value = getattr(self, name)
+            if value is None or name == "input_ids":
+                continue
+            if len(value) != n:
+                raise ValueError(f"TrainBatch.{name} has {len(value)} entries, input_ids has {n}")
+            if name in _TOKEN_FIELDS:
+                for i, (t, length) in enumerate(zip(value, lengths, strict=True)):
+                    if t.shape != (length,):
+                        raise ValueError(
+                            f"TrainBatch.{name}[{i}] has shape {tuple(t.shape)}, "
+                            f"expected ({length},) to align with input_ids[{i}]"
+                        )
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Token count of each sample."""
+        return [int(t.shape[0]) for t in self.input_ids]
+
+    @property
+    def num_tokens(self) -> int:
+        """Total tokens over all samples (prompt + response)."""
+        return sum(self.lengths)
+
+    def select(self, indices: Sequence[int]) -> TrainBatch:
+        """A new batch with the samples at ``indices``, in that order (tensors are shared)."""
+        idx = [int(i) for i in indices]
+        picked = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            picked[f.name] = None if value is None else [value[i] for i in idx]
+        return TrainBatch(**picked)
+
+
+def pack_sequences(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """Concatenate per-sample tensors end to end; returns ``(packed, cu_seqlens)``.
+
+    ``cu_seqlens`` is an int32 tensor ``[0, L_0, L_0 + L_1, ...]`` (the flash-attention layout).
+    """
+    if len(tensors) == 0:
+        raise ValueError("pack_sequences needs at least one tensor")
+    lengths = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64)
+    cu_seqlens = torch.zeros(len(tensors) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(lengths, 0)
+    return torch.cat(list(tensors), dim=0), cu_seqlens.to(tensors[0].device)
+
+
+def unpack_sequences(packed: Tensor, cu_seqlens: Tensor | Sequence[int]) -> list[Tensor]:
+    """Split a packed tensor back into per-sample views (the inverse of :func:`pack_sequences`)."""
+    bounds = [int(b) for b in cu_seqlens]
+    if bounds[0] != 0 or bounds[-1] != packed.shape[0]:
+        raise ValueError(
+            f"cu_seqlens must run from 0 to {packed.shape[0]} (the packed length); got "
+            f"{bounds[0]}..{bounds[-1]}"
+        )
+    return [packed[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def pack_by_token_budget(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Group sample indices into micro-batches of at most ``max_tokens`` tokens each.
+
+    First-fit decreasing: samples are placed longest first into the first micro-batch with room,
+    which keeps the number of micro-batches low and their sizes even. A sample longer than the
+    budget gets a micro-batch of its own (logged once). Indices inside each micro-batch are in
+    ascending order; micro-batches are ordered by their first index. Deterministic.
+    """
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    too_long = 0
+    for i in order:
+        length = int(lengths[i])
+        if length > max_tokens:
+            too_long += 1
+            bins.append([i])
+            room.append(0)
+            continue
+        for b, free in enumerate(room):
+            if free >= length:
+                bins[b].append(i)
+                room[b] -= length
+                break
+        else:
+            bins.append([i])
+            room.append(max_tokens - length)
+    if too_long:
+        logger.warning(
+            "%d sample(s) are longer than max_tokens=%d; each gets its own micro-batch",
+            too_long,
+            max_tokens,
+        )
+    packed = [sorted(b) for b in bins]
+    packed.sort(key=lambda b: b[0])
+    return packed

@@ -1,0 +1,294 @@
+"""GRPO / PPO policy losses, KL penalties, loss aggregation and SFT cross-entropy.
+
+All functions take flat packed ``[T]`` tensors aligned to ``input_ids`` (the token alignment
+convention), with ``cu_seqlens`` marking the samples, so one call covers a whole micro-batch.
+Metrics are detached scalar tensors computed over the masked tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KlType = Literal["k1", "kl", "k2", "mse", "k3", "low_var_kl"]
+
+# exp() of a log-ratio beyond this overflows float32 or means the policies share no support.
+_MAX_LOG_RATIO = 20.0
+_LOW_VAR_KL_CLAMP = 10.0
+
+
+def _seq_index(cu_seqlens: Tensor | Sequence[int], total: int, device) -> tuple[Tensor, int]:
+    bounds = torch.as_tensor([int(b) for b in cu_seqlens], dtype=torch.long)
+    if bounds[0] != 0 or bounds[-1] != total:
+        raise ValueError(f"cu_seqlens must run from 0 to {total}, got {bounds[0]}..{bounds[-1]}")
+    lengths = bounds[1:] - bounds[:-1]
+    index = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    return index.to(device), len(lengths)
+
+
+def _seq_sum(values: Tensor, index: Tensor, num_seqs: int) -> Tensor:
+    return torch.zeros(num_seqs, dtype=values.dtype, device=values.device).index_add(
+        0, index, values
+    )
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``values`` over ``mask != 0`` (0 when the mask is empty)."""
+    m = mask.to(values.dtype)
+    return (values * m).sum() / m.sum().clamp(min=1)
+
+
+def aggregate_loss(
+    values: Tensor,
+    loss_mask: Tensor,
+    cu_seqlens: Tensor | Sequence[int],
+    mode: LossAggMode = "token-mean",
+    *,
+    norm_length: float | None = None,
+) -> Tensor:
+    """Reduce per-token ``values [T]`` to a scalar over the masked tokens.
+
+    - ``token-mean``: every masked token of the micro-batch weighs the same.
+    - ``seq-mean-token-mean``: mean over tokens inside each sample, then over samples (samples
+      with no masked token are left out); GSPO's choice.
+    - ``seq-mean-token-sum-norm``: each sample's token sum divided by a constant
+      ``norm_length``, then averaged over samples (Dr. GRPO: no length bias). Pass the maximum
+      response length as ``norm_length``; by default the longest masked span in the batch.
+    """
+    mask = loss_mask.to(values.dtype)
+    if mode == "token-mean":
+        return masked_mean(values, mask)
+    index, num_seqs = _seq_index(cu_seqlens, values.shape[0], values.device)
+    seq_sums = _seq_sum(values * mask, index, num_seqs)
+    seq_counts = _seq_sum(mask, index, num_seqs)
+    if mode == "seq-mean-token-mean":
+        has_tokens = seq_counts > 0
+        seq_means = seq_sums / seq_counts.clamp(min=1)
+        return (seq_means * has_tokens).sum() / has_tokens.sum().clamp(min=1)
+    if mode == "seq-mean-token-sum-norm":
+        norm = (
+            float(norm_length) if norm_length is not None else float(seq_counts.max().clamp(min=1))
+        )
+        return seq_sums.sum() / (num_seqs * norm)
+    raise ValueError(
+        f"unknown loss_agg_mode {mode!r}; use token-mean, seq-mean-token-mean or "
+        "seq-mean-token-sum-norm"
+    )
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: KlType = "low_var_kl") -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's estimators).
+
+    - ``k1`` / ``kl``: ``log pi - log pi_ref`` (unbiased, high variance, can be negative).
+    - ``k2`` / ``mse``: ``0.5 * (log pi - log pi_ref)^2``.
+    - ``k3`` / ``low_var_kl``: ``exp(ref - logp) - (ref - logp) - 1`` (unbiased, >= 0), with the
+      log-ratio clamped to +-20 and the result to [-10, 10] so one bad token cannot blow up.
+    """
+    diff = logprobs - ref_logprobs
+    if kind in ("k1", "kl"):
+        return diff
+    if kind in ("k2", "mse"):
+        return 0.5 * diff.square()
+    if kind in ("k3", "low_var_kl"):
+        log_ratio = (-diff).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        k3 = torch.exp(log_ratio) - log_ratio - 1
+        return k3.clamp(-_LOW_VAR_KL_CLAMP, _LOW_VAR_KL_CLAMP)
+    raise ValueError(f"unknown kl kind {kind!r}; use k1/kl, k2/mse or k3/low_var_kl")
+
+
+@dataclass
+class GrpoLossConfig:
+    """Settings of :func:`grpo_loss` (defaults: DAPO-style clip-higher, token-mean, no KL)."""
+
+    eps_clip: float = 0.2  # lower clip: ratio >= 1 - eps_clip
+    eps_clip_high: float = 0.28  # upper clip: ratio <= 1 + eps_clip_high ("clip-higher")
+    dual_clip_c: float | None = None  # dual clip for negative advantages (e.g. 3.0); > 1
+    loss_agg_mode: LossAggMode = "token-mean"
+    norm_length: float | None = None  # seq-mean-token-sum-norm constant (max response length)
+    kl_coef: float = 0.0  # KL-to-reference loss weight (needs ref_logprobs when > 0)
+    kl_type: KlType = "low_var_kl"
+    entropy_coef: float = 0.0  # entropy bonus weight (needs entropy when > 0)
+    use_tis: bool = (
+        False  # truncated importance sampling, rollout -> trainer (needs rollout_logprobs)
+    )
+    tis_cap: float = 2.0  # upper bound of the TIS weight
+    gspo: bool = False  # sequence-level ratio (GSPO); pair with small eps and seq-mean-token-mean
+
+    def __post_init__(self) -> None:
+        if self.dual_clip_c is not None and self.dual_clip_c <= 1.0:
+            raise ValueError(f"dual_clip_c must be > 1, got {self.dual_clip_c}")
+        if self.eps_clip < 0 or self.eps_clip_high < 0:
+            raise ValueError("eps_clip and eps_clip_high must be >= 0")
+        if self.tis_cap <= 0:
+            raise ValueError(f"tis_cap must be positive, got {self.tis_cap}")
+
+
+def _gspo_log_ratio(
+    logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, cu_seqlens, total: int
+) -> Tensor:
+    """GSPO-token log-ratio: value = the sample's mean token log-ratio, gradient per token."""
+    index, num_seqs = _seq_index(cu_seqlens, total, logprobs.device)
+    log_ratio = (logprobs - old_logprobs) * mask
+    seq_mean = _seq_sum(log_ratio, index, num_seqs) / _seq_sum(mask, index, num_seqs).clamp(min=1)
+    return seq_mean.detach()[index] + logprobs - logprobs.detach()
+
+
+def policy_loss(
+    logprobs: Tensor,
+    *,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    cu_seqlens: Tensor | Sequence[int],
+    config: GrpoLossConfig,
+    rollout_logprobs: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate (clip-higher, optional dual clip, GSPO, TIS); ``(loss, metrics)``."""
+    mask = loss_mask.to(logprobs.dtype)
+    total = logprobs.shape[0]
+    if config.gspo:
+        log_ratio = _gspo_log_ratio(logprobs, old_logprobs, mask, cu_seqlens, total)
+    else:
+        log_ratio = logprobs - old_logprobs
+    log_ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    adv = advantages.to(logprobs.dtype)
+
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - config.eps_clip, 1.0 + config.eps_clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    clip_active = clipped > unclipped
+    metrics: dict[str, Tensor] = {}
+    if config.dual_clip_c is not None:
+        bound = -adv * config.dual_clip_c
+        dual_active = (adv < 0) & (per_token > bound)
+        per_token = torch.where(adv < 0, torch.minimum(per_token, bound), per_token)
+        metrics["dual_clip_frac"] = masked_mean(dual_active.to(mask.dtype), mask).detach()
+
+    if rollout_logprobs is not None:
+        gap = (old_logprobs - rollout_logprobs).detach()
+        metrics["rollout_logprob_abs_diff"] = masked_mean(gap.abs(), mask)
+        metrics["rollout_logprob_abs_diff_max"] = _masked_max(gap.abs(), mask)
+    if config.use_tis:
+        if rollout_logprobs is None:
+            raise ValueError("use_tis=True needs rollout_logprobs")
+        log_w = (old_logprobs - rollout_logprobs).detach().clamp(max=_MAX_LOG_RATIO)
+        weight = torch.exp(log_w).clamp(max=config.tis_cap)
+        per_token = per_token * weight
+        metrics["tis_weight_mean"] = masked_mean(weight, mask)
+        metrics["tis_clip_frac"] = masked_mean(
+            (torch.exp(log_w) > config.tis_cap).to(mask.dtype), mask
+        )
+
+    loss = aggregate_loss(
+        per_token, mask, cu_seqlens, config.loss_agg_mode, norm_length=config.norm_length
+    )
+    with torch.no_grad():
+        token_log_ratio = logprobs - old_logprobs
+        metrics["pg_loss"] = loss.detach()
+        metrics["clip_frac"] = masked_mean(clip_active.to(mask.dtype), mask)
+        metrics["clip_frac_low"] = masked_mean(
+            (clip_active & (ratio < 1.0 - config.eps_clip)).to(mask.dtype), mask
+        )
+        metrics["clip_frac_high"] = masked_mean(
+            (clip_active & (ratio > 1.0 + config.eps_clip_high)).to(mask.dtype), mask
+        )
+        metrics["approx_kl"] = masked_mean(kl_penalty(logprobs, old_logprobs, "k3"), mask)
+        metrics["ppo_kl"] = masked_mean(-token_log_ratio, mask)
+        metrics["ratio_mean"] = masked_mean(ratio, mask)
+        metrics["ratio_min"] = -_masked_max(-ratio, mask)
+        metrics["ratio_max"] = _masked_max(ratio, mask)
+    return loss, metrics
+
+
+def _masked_max(values: Tensor, mask: Tensor) -> Tensor:
+    picked = values.detach()[mask != 0]
+    return picked.max() if picked.numel() else values.new_zeros(())
+
+
+def grpo_loss(
+    logprobs: Tensor,
+    *,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    cu_seqlens: Tensor | Sequence[int],
+    config: GrpoLossConfig,
+    ref_logprobs: Tensor | None = None,
+    rollout_logprobs: Tensor | None = None,
+    entropy: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Policy loss + ``kl_coef`` * KL to the reference - ``entropy_coef`` * entropy.
+
+    All inputs are flat packed ``[T]`` tensors aligned to ``input_ids``; ``logprobs`` (and
+    ``entropy``) carry the gradient. Returns the scalar loss and detached metrics (``loss``,
+    ``pg_loss``, ``clip_frac``, ``approx_kl``, ``ratio_min`` / ``ratio_max``, ``kl_loss`` and
+    ``entropy`` when computed, ``rollout_logprob_abs_diff`` when rollout log-probs are given).
+    """
+    total = logprobs.shape[0]
+    for name, t in (
+        ("old_logprobs", old_logprobs),
+        ("advantages", advantages),
+        ("loss_mask", loss_mask),
+        ("ref_logprobs", ref_logprobs),
+        ("rollout_logprobs", rollout_logprobs),
+        ("entropy", entropy),
+    ):
+        if t is not None and t.shape != (total,):
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)}, expected ({total},) like logprobs"
+            )
+    loss, metrics = policy_loss(
+        logprobs,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+        loss_mask=loss_mask,
+        cu_seqlens=cu_seqlens,
+        config=config,
+        rollout_logprobs=rollout_logprobs,
+    )
+    agg = {"mode": config.loss_agg_mode, "norm_length": config.norm_length}
+    if config.kl_coef != 0.0:
+        if ref_logprobs is None:
+            raise ValueError("kl_coef != 0 needs ref_logprobs")
+        kl = kl_penalty(logprobs, ref_logprobs, config.kl_type)
+        kl_loss = aggregate_loss(kl, loss_mask, cu_seqlens, **agg)
+        loss = loss + config.kl_coef * kl_loss
+        metrics["kl_loss"] = kl_loss.detach()
+    elif ref_logprobs is not None:
+        with torch.no_grad():
+            metrics["kl_loss"] = aggregate_loss(
+                kl_penalty(logprobs, ref_logprobs, config.kl_type), loss_mask, cu_seqlens, **agg
+            )
+    if entropy is not None:
+        ent = aggregate_loss(entropy, loss_mask, cu_seqlens, **agg)
+        if config.entropy_coef != 0.0:
+            loss = loss - config.entropy_coef * ent
+        metrics["entropy"] = ent.detach()
+    elif config.entropy_coef != 0.0:
+        raise ValueError("entropy_coef != 0 needs entropy")
+    metrics["loss"] = loss.detach()
+    return loss, metrics
+
+
+def sft_loss(
+    logprobs: Tensor,
+    loss_mask: Tensor,
+    cu_seqlens: Tensor | Sequence[int],
+    mode: LossAggMode = "token-mean",
+    *,
+    norm_length: float | None = None,
+) -> Tensor:
+    """Cross-entropy (negative log-likelihood) over the masked tokens of packed samples.
+
+    ``logprobs`` come from :func:`rl_algos.aligned_logprobs`, so position ``t`` scores token ``t``.
+    """
+    return aggregate_loss(-logprobs, loss_mask, cu_seqlens, mode, norm_length=norm_length)
