@@ -1,0 +1,138 @@
+"""Load image+question datasets from the hub, a local parquet file or folder, or JSONL.
+
+Rows come back with canonical column names (`problem`, `answer`, `images`) whatever the source
+calls them, and with images left undecoded (`{"bytes", "path"}` dicts, strings, ...) so that a
+corrupt image fails one row in `PromptBuilder`, not the whole iteration.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+from vlm_data.images import is_relative_file_path
+
+logger = logging.getLogger(__name__)
+
+PROMPT_KEY = "problem"
+ANSWER_KEY = "answer"
+IMAGE_KEY = "images"
+
+_PARQUET = (".parquet",)
+_JSONL = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+
+
+class DatasetLoadError(RuntimeError):
+    """A dataset source that could not be found or read; the message says what to pass instead."""
+
+
+def load_rows(
+    source: str | Path,
+    *,
+    split: str = "train",
+    prompt_key: str = PROMPT_KEY,
+    answer_key: str = ANSWER_KEY,
+    image_key: str = IMAGE_KEY,
+) -> datasets.Dataset:
+    """Load one split as a `datasets.Dataset` with columns `problem`, `answer`, `images`.
+
+    source: a local `.parquet`/`.jsonl` file; a folder holding `{split}.parquet`,
+    `{split}-*.parquet`, `data/{split}-*.parquet` or `{split}.jsonl`; or a hub dataset name
+    (`hiyouga/geometry3k`). Relative image file paths in rows resolve inside the file's folder.
+    """
+    path = Path(source).expanduser()
+    if path.exists():
+        files = _split_files(path, split)
+        base_dir = files[0].parent
+        kind = "json" if files[0].name.endswith(_JSONL) else "parquet"
+        dataset = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
+        logger.info("loaded %d rows of %s from %s", len(dataset), split, path)
+    else:
+        base_dir = None
+        dataset = _load_hub(str(source), split)
+    dataset = _canonical_columns(dataset, prompt_key, answer_key, image_key, source)
+    dataset = _undecoded_images(dataset)
+    if base_dir is not None:
+        dataset = _absolute_image_paths(dataset, base_dir)
+    return dataset
+
+
+def _split_files(path: Path, split: str) -> list[Path]:
+    if path.is_file():
+        if not path.name.endswith(_PARQUET + _JSONL):
+            raise DatasetLoadError(f"{path}: expected a .parquet or .jsonl file")
+        return [path]
+    patterns = (
+        f"{split}.parquet",
+        f"{split}-*.parquet",
+        f"data/{split}-*.parquet",
+        f"{split}/*.parquet",
+        f"{split}.jsonl",
+        f"{split}.json",
+    )
+    for pattern in patterns:
+        found = sorted(path.glob(pattern))
+        if found:
+            return found
+    raise DatasetLoadError(
+        f"no file for split {split!r} in {path} (looked for {', '.join(patterns)})"
+    )
+
+
+def _load_hub(name: str, split: str) -> datasets.Dataset:
+    try:
+        return datasets.load_dataset(name, split=split)
+    except Exception as exc:  # offline, unknown name, missing split: all end the same way
+        raise DatasetLoadError(
+            f"could not load dataset {name!r} (split {split!r}) from the Hugging Face hub: "
+            f"{exc.__class__.__name__}: {exc}. It is not a local path either; without network, "
+            "pass a local parquet/JSONL file or folder (e.g. ../shared/data/geo3k)."
+        ) from exc
+
+
+def _canonical_columns(
+    dataset: datasets.Dataset, prompt_key: str, answer_key: str, image_key: str, source: Any
+) -> datasets.Dataset:
+    renames = {prompt_key: PROMPT_KEY, answer_key: ANSWER_KEY, image_key: IMAGE_KEY}
+    missing = [key for key in (prompt_key, answer_key) if key not in dataset.column_names]
+    if missing:
+        raise DatasetLoadError(
+            f"{source}: missing column(s) {missing}; columns are {dataset.column_names} "
+            "(set prompt_key/answer_key/image_key)"
+        )
+    renames = {k: v for k, v in renames.items() if k != v and k in dataset.column_names}
+    for new in renames.values():
+        if new in dataset.column_names and new not in renames:
+            dataset = dataset.remove_columns(new)  # the canonical name is taken by another column
+    return dataset.rename_columns(renames) if renames else dataset
+
+
+def _undecoded_images(dataset: datasets.Dataset) -> datasets.Dataset:
+    feature = dataset.features.get(IMAGE_KEY)
+    inner = getattr(feature, "feature", feature)
+    if isinstance(inner, datasets.Image) and inner.decode:
+        new = datasets.Image(decode=False)
+        dataset = dataset.cast_column(IMAGE_KEY, new if feature is inner else datasets.List(new))
+    return dataset
+
+
+def _absolute_image_paths(dataset: datasets.Dataset, base_dir: Path) -> datasets.Dataset:
+    """Make relative image file paths absolute (inside the dataset's folder) where rows have any."""
+    if IMAGE_KEY not in dataset.column_names:
+        return dataset
+    feature = dataset.features[IMAGE_KEY]
+    inner = getattr(feature, "feature", feature)
+    if not (isinstance(inner, datasets.Value) and inner.dtype in ("string", "large_string")):
+        return dataset  # bytes dicts resolve their own paths through ImageLoader(base_dir)
+
+    def fix(value: Any) -> Any:
+        if isinstance(value, list):
+            return [fix(v) for v in value]
+        if isinstance(value, str) and is_relative_file_path(value):
+            return str(base_dir / value)
+        return value
+
+    return dataset.map(lambda row: {IMAGE_KEY: fix(row[IMAGE_KEY])}, desc="resolving image paths")
