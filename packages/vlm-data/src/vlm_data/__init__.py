@@ -17,6 +17,14 @@ from vlm_data.prompts import (
     split_placeholders,
     user_messages,
 )
+from vlm_data.sft import (
+    SftSample,
+    SftSampleBuilder,
+    build_sft_sample,
+    collate_sft,
+    format_answer,
+    format_sft_messages,
+)
 from vlm_data.synthetic import make_synthetic_rows
 
 __all__ = [
@@ -27,12 +35,18 @@ __all__ = [
     "ImageLoader",
     "PromptBuilder",
     "PromptSample",
+    "SftSample",
+    "SftSampleBuilder",
     "SkipReason",
     "SkipRow",
     "apply_template",
     "build_processor",
+    "build_sft_sample",
     "collate",
+    "collate_sft",
     "expand_image_pads",
+    "format_answer",
+    "format_sft_messages",
     "load_rows",
     "make_synthetic_rows",
     "num_image_tokens",

@@ -81,6 +81,7 @@ _TINY_CORPUS: tuple[str, ...] = (
     "\\frac { 3 } { 7 } 5 \\sqrt { 13 } 2 \\sqrt { 3 } \\pi 180 90 45 30 60 sin cos tan",
     "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 25 50 100 . , ; : ? ! ( ) [ ] { } = + - * /",
     "the of and to in is a that for it as with be on by this are at from or an which",
+    "system\nYou are a helpful assistant.\nuser\nassistant\nWhat color is the square? red green blue",
 )
 
 
