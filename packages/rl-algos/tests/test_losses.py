@@ -1,5 +1,6 @@
 """Policy / KL / SFT losses and aggregation: hand-computed values and metrics."""
 
+import itertools
 import math
 
 import pytest
@@ -212,3 +213,39 @@ def test_sft_loss_hand_values():
         sft_loss(lp, mask, cu, "seq-mean-token-mean"),
         torch.tensor(((LN(2) + LN(4)) / 2 + LN(2)) / 2),
     )
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_denominator_makes_micro_batches_sum_to_full_batch(mode):
+    torch.manual_seed(3)
+    lengths = [3, 5, 2, 4]
+    total = sum(lengths)
+    lp = torch.randn(total) * 0.1
+    old = lp + 0.05 * torch.randn(total)
+    adv = torch.randn(total)
+    mask = (torch.rand(total) > 0.3).float()
+    cu = [0, 3, 8, 10, 14]
+    cfg = GrpoLossConfig(loss_agg_mode=mode, norm_length=6)
+    full, _ = grpo_loss(
+        lp, old_logprobs=old, advantages=adv, loss_mask=mask, cu_seqlens=cu, config=cfg
+    )
+    seq_has = [mask[a:b].sum() > 0 for a, b in itertools.pairwise(cu)]
+    if mode == "token-mean":
+        denom = float(mask.sum())
+    elif mode == "seq-mean-token-mean":
+        denom = float(sum(seq_has))
+    else:
+        denom = float(len(lengths))
+    parts = []
+    for lo, hi, sub_cu in ((0, 8, [0, 3, 8]), (8, 14, [0, 2, 6])):
+        loss, _ = grpo_loss(
+            lp[lo:hi],
+            old_logprobs=old[lo:hi],
+            advantages=adv[lo:hi],
+            loss_mask=mask[lo:hi],
+            cu_seqlens=sub_cu,
+            config=cfg,
+            denominator=denom,
+        )
+        parts.append(loss)
+    torch.testing.assert_close(parts[0] + parts[1], full)

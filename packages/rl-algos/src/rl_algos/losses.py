@@ -53,6 +53,7 @@ def aggregate_loss(
     mode: LossAggMode = "token-mean",
     *,
     norm_length: float | None = None,
+    denominator: float | None = None,
 ) -> Tensor:
     """Reduce per-token ``values [T]`` to a scalar over the masked tokens.
 
@@ -62,9 +63,15 @@ def aggregate_loss(
     - ``seq-mean-token-sum-norm``: each sample's token sum divided by a constant
       ``norm_length``, then averaged over samples (Dr. GRPO: no length bias). Pass the maximum
       response length as ``norm_length``; by default the longest masked span in the batch.
+
+    ``denominator`` replaces this micro-batch's own count (masked tokens for ``token-mean``,
+    samples for the seq modes) with the count of the whole optimizer step, across micro-batches
+    and data-parallel ranks; summing the micro-batch losses then gives the exact step mean.
     """
     mask = loss_mask.to(values.dtype)
     if mode == "token-mean":
+        if denominator is not None:
+            return (values * mask).sum() / denominator
         return masked_mean(values, mask)
     index, num_seqs = _seq_index(cu_seqlens, values.shape[0], values.device)
     seq_sums = _seq_sum(values * mask, index, num_seqs)
@@ -72,12 +79,14 @@ def aggregate_loss(
     if mode == "seq-mean-token-mean":
         has_tokens = seq_counts > 0
         seq_means = seq_sums / seq_counts.clamp(min=1)
-        return (seq_means * has_tokens).sum() / has_tokens.sum().clamp(min=1)
+        count = has_tokens.sum().clamp(min=1) if denominator is None else denominator
+        return (seq_means * has_tokens).sum() / count
     if mode == "seq-mean-token-sum-norm":
         norm = (
             float(norm_length) if norm_length is not None else float(seq_counts.max().clamp(min=1))
         )
-        return seq_sums.sum() / (num_seqs * norm)
+        count = num_seqs if denominator is None else denominator
+        return seq_sums.sum() / (count * norm)
     raise ValueError(
         f"unknown loss_agg_mode {mode!r}; use token-mean, seq-mean-token-mean or "
         "seq-mean-token-sum-norm"
@@ -150,6 +159,7 @@ def policy_loss(
     cu_seqlens: Tensor | Sequence[int],
     config: GrpoLossConfig,
     rollout_logprobs: Tensor | None = None,
+    denominator: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate (clip-higher, optional dual clip, GSPO, TIS); ``(loss, metrics)``."""
     mask = loss_mask.to(logprobs.dtype)
@@ -189,7 +199,12 @@ def policy_loss(
         )
 
     loss = aggregate_loss(
-        per_token, mask, cu_seqlens, config.loss_agg_mode, norm_length=config.norm_length
+        per_token,
+        mask,
+        cu_seqlens,
+        config.loss_agg_mode,
+        norm_length=config.norm_length,
+        denominator=denominator,
     )
     with torch.no_grad():
         token_log_ratio = logprobs - old_logprobs
@@ -225,11 +240,13 @@ def grpo_loss(
     ref_logprobs: Tensor | None = None,
     rollout_logprobs: Tensor | None = None,
     entropy: Tensor | None = None,
+    denominator: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Policy loss + ``kl_coef`` * KL to the reference - ``entropy_coef`` * entropy.
 
     All inputs are flat packed ``[T]`` tensors aligned to ``input_ids``; ``logprobs`` (and
-    ``entropy``) carry the gradient. Returns the scalar loss and detached metrics (``loss``,
+    ``entropy``) carry the gradient. ``denominator``: see :func:`aggregate_loss` (the step-wide
+    token or sample count, for gradient accumulation). Returns the scalar loss and detached metrics (``loss``,
     ``pg_loss``, ``clip_frac``, ``approx_kl``, ``ratio_min`` / ``ratio_max``, ``kl_loss`` and
     ``entropy`` when computed, ``rollout_logprob_abs_diff`` when rollout log-probs are given).
     """
@@ -254,8 +271,13 @@ def grpo_loss(
         cu_seqlens=cu_seqlens,
         config=config,
         rollout_logprobs=rollout_logprobs,
+        denominator=denominator,
     )
-    agg = {"mode": config.loss_agg_mode, "norm_length": config.norm_length}
+    agg = {
+        "mode": config.loss_agg_mode,
+        "norm_length": config.norm_length,
+        "denominator": denominator,
+    }
     if config.kl_coef != 0.0:
         if ref_logprobs is None:
             raise ValueError("kl_coef != 0 needs ref_logprobs")
@@ -286,9 +308,12 @@ def sft_loss(
     mode: LossAggMode = "token-mean",
     *,
     norm_length: float | None = None,
+    denominator: float | None = None,
 ) -> Tensor:
     """Cross-entropy (negative log-likelihood) over the masked tokens of packed samples.
 
     ``logprobs`` come from :func:`rl_algos.aligned_logprobs`, so position ``t`` scores token ``t``.
     """
-    return aggregate_loss(-logprobs, loss_mask, cu_seqlens, mode, norm_length=norm_length)
+    return aggregate_loss(
+        -logprobs, loss_mask, cu_seqlens, mode, norm_length=norm_length, denominator=denominator
+    )
