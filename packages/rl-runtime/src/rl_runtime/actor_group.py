@@ -1,0 +1,284 @@
+"""Ray actor groups: the trainer ranks (`TrainGroup`) and the rollout engines (`RolloutGroup`).
+
+Each group is a handful of Ray actors with explicit methods (no generated attributes), driven
+from the loop in the driver process. The concrete trainer / engine is built inside its actor by
+a picklable factory the app passes in, so this module knows only the protocols.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from rl_runtime.placement import Placement
+
+log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _configure_worker_logging() -> None:
+    logging.basicConfig(
+        level=os.environ.get("GLIMPSE_LOG_LEVEL", "INFO"),
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+
+
+class TrainWorker:
+    """One trainer rank. Sets the torch.distributed variables, then builds the actor."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str | None,
+        master_port: int | None,
+        factory: Callable[[], Any],
+    ) -> None:
+        _configure_worker_logging()
+        self.rank = rank
+        self.world_size = world_size
+        if world_size > 1 or master_addr:
+            os.environ.update(
+                RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                LOCAL_RANK="0",  # Ray shows each rank only its own GPU
+                MASTER_ADDR=str(master_addr),
+                MASTER_PORT=str(master_port),
+            )
+        self.actor = factory()
+
+    def address(self) -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def compute_logprobs(self, batch: Any, reference: bool = False) -> list[Any]:
+        return self.actor.compute_logprobs(batch, reference=reference)
+
+    def train_step(self, batch: Any, loss: str = "grpo") -> dict[str, float]:
+        return self.actor.train_step(batch, loss=loss)
+
+    def save_checkpoint(self, path: str) -> None:
+        self.actor.save_checkpoint(path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.actor.load_checkpoint(path)
+
+    def export_hf(self, path: str) -> None:
+        self.actor.export_hf(path)
+
+    def offload(self) -> None:
+        self.actor.offload()
+
+    def onload(self) -> None:
+        self.actor.onload()
+
+    def push_weights(self, engines: Sequence[Any], bucket_bytes: int) -> int:
+        """Stream HF-named weights to every engine, one bucket in flight at a time.
+
+        Every rank iterates (gathering full tensors is collective); rank 0 sends. Returns the
+        number of tensors sent.
+        """
+        sent = 0
+        pending: list[Any] = []
+        for bucket in self.actor.iter_hf_weights(bucket_bytes):
+            if self.rank != 0:
+                continue
+            cpu_bucket = [(name, t.detach().to("cpu")) for name, t in bucket]
+            ref = ray.put(cpu_bucket)
+            ray.get(pending)
+            pending = [e.update_weights.remote(ref) for e in engines]
+            sent += len(cpu_bucket)
+        ray.get(pending)
+        return sent
+
+
+class EngineWorker:
+    """One rollout engine. `request_fn(prompt)` and `params_fn(**sampling)` turn the loop's
+    prompts and sampling dict into the engine's request and parameter types."""
+
+    def __init__(
+        self,
+        factory: Callable[[], Any],
+        request_fn: Callable[[Any], Any],
+        params_fn: Callable[..., Any],
+    ) -> None:
+        _configure_worker_logging()
+        self.engine = factory()
+        self.request_fn = request_fn
+        self.params_fn = params_fn
+
+    def generate(self, prompts: Sequence[Any], n: int, sampling: dict[str, Any]) -> list[Any]:
+        requests = [self.request_fn(p) for p in prompts for _ in range(n)]
+        if not requests:
+            return []
+        return self.engine.generate(requests, self.params_fn(**sampling))
+
+    def update_weights(self, bucket: list[tuple[str, Any]]) -> None:
+        self.engine.update_weights([bucket])
+
+    def release_memory(self) -> None:
+        self.engine.release_memory()
+
+    def resume_memory(self) -> None:
+        self.engine.resume_memory()
+
+    def health(self) -> bool:
+        return bool(self.engine.health())
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def _split(items: Sequence[Any], parts: int) -> list[list[int]]:
+    """Contiguous, near-equal index ranges (the order of results stays the order of items)."""
+    n = len(items)
+    bounds = [round(i * n / parts) for i in range(parts + 1)]
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(parts)]
+
+
+class TrainGroup:
+    """The trainer ranks. Each call goes to every rank with that rank's share of the batch."""
+
+    def __init__(
+        self,
+        factory: Callable[[], Any],
+        *,
+        world_size: int,
+        placement: Placement,
+        num_cpus: float = 0.25,
+    ) -> None:
+        remote_cls = ray.remote(TrainWorker)
+        self.world_size = world_size
+        self.workers: list[Any] = []
+        master: tuple[str, int] | None = None
+        for rank in range(world_size):
+            opts = {
+                "num_cpus": num_cpus,
+                "num_gpus": placement.trainer_gpus,
+                "scheduling_strategy": placement.strategy(placement.trainer_bundles[rank]),
+            }
+            if rank == 0 and world_size > 1:
+                # Rank 0 picks the rendezvous address on its own node; the others join it.
+                probe = ray.remote(_probe_address).options(**opts)
+                master = ray.get(probe.remote())
+            addr, port = master if master else (None, None)
+            self.workers.append(
+                remote_cls.options(**opts).remote(rank, world_size, addr, port, factory)
+            )
+        ray.get([w.address.remote() for w in self.workers])  # surface construction errors now
+        log.info("trainer group: %d rank(s) ready", world_size)
+
+    def _shard(self, batch: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [batch]
+        parts = _split(range(len(batch)), self.world_size)
+        return [batch.select(idx) for idx in parts]
+
+    def compute_logprobs(self, batch: Any, *, reference: bool = False) -> list[Any]:
+        shards = self._shard(batch)
+        outs = ray.get(
+            [
+                w.compute_logprobs.remote(s, reference)
+                for w, s in zip(self.workers, shards, strict=True)
+            ]
+        )
+        return [lp for out in outs for lp in out]
+
+    def train_step(self, batch: Any, *, loss: str = "grpo") -> dict[str, float]:
+        shards = self._shard(batch)
+        outs = ray.get(
+            [w.train_step.remote(s, loss) for w, s in zip(self.workers, shards, strict=True)]
+        )
+        return outs[0]
+
+    def save_checkpoint(self, path: str | Path) -> None:
+        ray.get([w.save_checkpoint.remote(str(path)) for w in self.workers])
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        ray.get([w.load_checkpoint.remote(str(path)) for w in self.workers])
+
+    def export_hf(self, path: str | Path) -> None:
+        ray.get([w.export_hf.remote(str(path)) for w in self.workers])
+
+    def offload(self) -> None:
+        ray.get([w.offload.remote() for w in self.workers])
+
+    def onload(self) -> None:
+        ray.get([w.onload.remote() for w in self.workers])
+
+    def push_weights(self, rollout: RolloutGroup, bucket_bytes: int = 256 << 20) -> int:
+        outs = ray.get([w.push_weights.remote(rollout.workers, bucket_bytes) for w in self.workers])
+        return outs[0]
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
+
+
+def _probe_address() -> tuple[str, int]:
+    return ray.util.get_node_ip_address(), _free_port()
+
+
+class RolloutGroup:
+    """The rollout engines. Prompts are split in contiguous chunks, one per engine."""
+
+    def __init__(
+        self,
+        factory: Callable[[], Any],
+        *,
+        num_engines: int,
+        placement: Placement,
+        request_fn: Callable[[Any], Any],
+        params_fn: Callable[..., Any],
+        num_cpus: float = 0.25,
+    ) -> None:
+        remote_cls = ray.remote(EngineWorker)
+        self.workers = [
+            remote_cls.options(
+                num_cpus=num_cpus,
+                num_gpus=placement.engine_gpus,
+                scheduling_strategy=placement.strategy(placement.engine_bundles[i]),
+            ).remote(factory, request_fn, params_fn)
+            for i in range(num_engines)
+        ]
+        ray.get([w.health.remote() for w in self.workers])
+        log.info("rollout group: %d engine(s) ready", num_engines)
+
+    def generate(self, prompts: Sequence[Any], *, n: int, **sampling: Any) -> list[list[Any]]:
+        """`n` completions for each prompt, grouped per prompt, in prompt order. A `seed` in
+        `sampling` is offset per engine so that engines do not repeat each other."""
+        chunks = _split(prompts, len(self.workers))
+        futures = []
+        for i, (w, idx) in enumerate(zip(self.workers, chunks, strict=True)):
+            params = dict(sampling)
+            if params.get("seed") is not None:
+                params["seed"] = int(params["seed"]) + 1000003 * i
+            futures.append(w.generate.remote([prompts[j] for j in idx], n, params))
+        flat = [c for out in ray.get(futures) for c in out]
+        return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def release_memory(self) -> None:
+        ray.get([w.release_memory.remote() for w in self.workers])
+
+    def resume_memory(self) -> None:
+        ray.get([w.resume_memory.remote() for w in self.workers])
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            try:
+                ray.get(w.shutdown.remote(), timeout=30)
+            except Exception:  # an engine that is already gone needs no shutdown
+                log.debug("engine shutdown failed", exc_info=True)
+            ray.kill(w)
+        self.workers = []

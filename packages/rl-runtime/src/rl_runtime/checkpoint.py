@@ -1,0 +1,115 @@
+"""Atomic checkpoints: write everything into a temporary folder, then rename it into place.
+
+A checkpoint folder `step_000040/` holds `trainer/` (written by the trainer actors) and
+`loop_state.json` (step, data sampler position, RNG state, anything the loop needs). The rename
+is the commit: a crash at any moment during a save leaves at most a `*.tmp` folder, which is
+ignored and cleaned up, and the previous checkpoint stays usable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+LOOP_STATE = "loop_state.json"
+TRAINER_DIR = "trainer"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class CheckpointManager:
+    """Saves and finds checkpoints under `root` (usually `<run dir>/checkpoints`)."""
+
+    def __init__(self, root: str | Path, *, keep_last: int | None = 2) -> None:
+        self.root = Path(root)
+        self.keep_last = keep_last
+
+    def path_for(self, step: int) -> Path:
+        return self.root / f"step_{step:06d}"
+
+    def complete(self) -> list[tuple[int, Path]]:
+        """All complete checkpoints, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for p in self.root.iterdir():
+            m = _STEP_RE.match(p.name)
+            if m and p.is_dir() and (p / LOOP_STATE).is_file():
+                found.append((int(m.group(1)), p))
+        return sorted(found)
+
+    def latest(self) -> tuple[int, Path] | None:
+        done = self.complete()
+        return done[-1] if done else None
+
+    def clean_partial(self) -> None:
+        """Remove folders left by a save that never finished."""
+        if not self.root.is_dir():
+            return
+        for p in self.root.iterdir():
+            if p.name.endswith(".tmp"):
+                log.warning("removing unfinished checkpoint %s", p)
+                shutil.rmtree(p, ignore_errors=True)
+
+    def save(
+        self, step: int, loop_state: dict[str, Any], write_trainer: Callable[[Path], None]
+    ) -> Path:
+        """Write a checkpoint for `step`. `write_trainer(path)` stores the trainer state in
+        `path` (a folder that exists). Returns the final folder."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.path_for(step)
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        trainer_dir = tmp / TRAINER_DIR
+        trainer_dir.mkdir()
+        write_trainer(trainer_dir)
+        state_file = tmp / LOOP_STATE
+        with open(state_file, "w") as f:
+            json.dump({"step": step, **loop_state}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():
+            # Re-saving a step (e.g. after a resume): move the old one aside first.
+            old = final.with_name(final.name + ".old.tmp")
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(self.root)
+        log.info("checkpoint saved: %s", final)
+        self._prune()
+        return final
+
+    def load_state(self, path: Path) -> dict[str, Any]:
+        with open(path / LOOP_STATE) as f:
+            return json.load(f)
+
+    def _prune(self) -> None:
+        if not self.keep_last:
+            return
+        done = self.complete()
+        for _, p in done[: -self.keep_last]:
+            shutil.rmtree(p, ignore_errors=True)

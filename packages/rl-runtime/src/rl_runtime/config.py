@@ -1,0 +1,288 @@
+"""Typed configuration: nested dataclasses -> command-line flags, then environment, then defaults.
+
+An app describes its whole configuration as one dataclass whose fields are dataclasses (the
+sections). Every leaf field becomes a flag named after it (`num_rollout` -> `--num-rollout`), so
+leaf names must be unique across sections. The help text comes from `field(metadata={"help"})`.
+
+Precedence, highest first: command-line flag, environment variable (the app passes the mapping
+and the aliases; this module never reads `os.environ`), preset, dataclass default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+class ConfigError(ValueError):
+    """A flag, environment variable or preset value that does not fit the config."""
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", **kwargs: Any) -> Any:
+    """`dataclasses.field` with a help text (and a mutable default made safe)."""
+    if isinstance(default, list | dict):
+        value = default
+        return dataclasses.field(
+            default_factory=lambda: type(value)(value), metadata={"help": help}, **kwargs
+        )
+    return dataclasses.field(default=default, metadata={"help": help}, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One configurable value: where it sits (`section.name`) and its type."""
+
+    section: str | None
+    name: str
+    type: Any
+    default: Any
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def leaves(cls: type) -> list[Leaf]:
+    """The leaf fields of a (one level nested) config dataclass, in declaration order."""
+    out: list[Leaf] = []
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            sub_hints = _hints(tp)
+            for g in dataclasses.fields(tp):
+                out.append(Leaf(f.name, g.name, sub_hints[g.name], _default(g), _help(g)))
+        else:
+            out.append(Leaf(None, f.name, tp, _default(f), _help(f)))
+    names = [leaf.name for leaf in out]
+    dupes = {n for n in names if names.count(n) > 1}
+    if dupes:
+        raise ConfigError(f"{cls.__name__}: field names must be unique across sections: {dupes}")
+    return out
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def _help(f: dataclasses.Field) -> str:
+    return f.metadata.get("help", "")
+
+
+def _strip_optional(tp: Any) -> tuple[Any, bool]:
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(args) < len(get_args(tp)):
+            return args[0], True
+    return tp, False
+
+
+def convert(value: str, tp: Any, where: str) -> Any:
+    """Turn a string from the command line or environment into a value of type `tp`."""
+    base, optional = _strip_optional(tp)
+    if optional and value.strip().lower() in {"none", "null"}:
+        return None
+    try:
+        if base is bool:
+            v = value.strip().lower()
+            if v in _TRUE:
+                return True
+            if v in _FALSE:
+                return False
+            raise ValueError("expected one of 1/0, true/false, yes/no")
+        if get_origin(base) is Literal:
+            choices = get_args(base)
+            if value not in choices:
+                raise ValueError(f"expected one of {list(choices)}")
+            return value
+        if get_origin(base) in (list, tuple):
+            (item,) = get_args(base)[:1]
+            parts = [p for p in value.replace(",", " ").split() if p]
+            items = [convert(p, item, where) for p in parts]
+            return items if get_origin(base) is list else tuple(items)
+        if base in (int, float, str):
+            return base(value)
+    except ValueError as e:
+        raise ConfigError(f"{where}: cannot read {value!r} as {_type_name(tp)}: {e}") from None
+    raise ConfigError(f"{where}: unsupported config type {tp!r}")
+
+
+def _type_name(tp: Any) -> str:
+    base, optional = _strip_optional(tp)
+    if get_origin(base) is Literal:
+        name = "|".join(map(str, get_args(base)))
+    elif get_origin(base) in (list, tuple):
+        name = f"list of {getattr(get_args(base)[0], '__name__', 'value')}"
+    else:
+        name = getattr(base, "__name__", str(base))
+    return f"{name} or none" if optional else name
+
+
+def build_parser(
+    cls: type,
+    *,
+    description: str = "",
+    env_aliases: Mapping[str, Sequence[str]] | None = None,
+    presets: Mapping[str, Mapping[str, Any]] | None = None,
+    prog: str | None = None,
+) -> argparse.ArgumentParser:
+    """An argparse parser with one flag per leaf field (plus `--print-config`)."""
+    env_aliases = env_aliases or {}
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved configuration as JSON and exit",
+    )
+    groups: dict[str | None, argparse._ArgumentGroup] = {}
+    for leaf in leaves(cls):
+        group = groups.get(leaf.section)
+        if group is None:
+            group = parser.add_argument_group(leaf.section or "general")
+            groups[leaf.section] = group
+        help_text = leaf.help or leaf.name
+        if leaf.name in env_aliases:
+            help_text += f" [env: {', '.join(env_aliases[leaf.name])}]"
+        if leaf.name == "preset" and presets:
+            help_text += f" (presets: {', '.join(presets)})"
+        default = None if leaf.default is dataclasses.MISSING else leaf.default
+        base, _ = _strip_optional(leaf.type)
+        kwargs: dict[str, Any] = {"dest": leaf.name, "default": argparse.SUPPRESS}
+        if base is bool:
+            group.add_argument(
+                leaf.flag,
+                action=argparse.BooleanOptionalAction,
+                help=f"{help_text} (default: {default})",
+                **kwargs,
+            )
+            continue
+        metavar = leaf.name.upper()
+        if get_origin(base) is Literal:
+            metavar = "{" + ",".join(map(str, get_args(base))) + "}"
+        group.add_argument(
+            leaf.flag,
+            type=str,
+            metavar=metavar,
+            help=f"{help_text} (default: {default})",
+            **kwargs,
+        )
+    return parser
+
+
+def parse_config(
+    cls: type[T],
+    argv: Sequence[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    env_aliases: Mapping[str, Sequence[str]] | None = None,
+    presets: Mapping[str, Mapping[str, Any]] | None = None,
+    description: str = "",
+    prog: str | None = None,
+) -> T:
+    """Resolve `cls` from flags, then `env` (names in `env_aliases`, first set wins), then the
+    preset named by the `preset` field, then defaults. `--print-config` prints JSON and exits."""
+    env = env or {}
+    env_aliases = env_aliases or {}
+    presets = presets or {}
+    parser = build_parser(
+        cls, description=description, env_aliases=env_aliases, presets=presets, prog=prog
+    )
+    args = vars(parser.parse_args(argv))
+    print_config = args.pop("print_config", False)
+    all_leaves = {leaf.name: leaf for leaf in leaves(cls)}
+
+    values: dict[str, Any] = {}
+    for name, leaf in all_leaves.items():
+        if leaf.default is not dataclasses.MISSING:
+            values[name] = leaf.default
+
+    def from_env(name: str) -> tuple[bool, Any]:
+        for var in env_aliases.get(name, ()):
+            if var in env and env[var] != "":
+                return True, convert(env[var], all_leaves[name].type, f"environment {var}")
+        return False, None
+
+    # The preset is itself a config value: resolve it first (flag > env > default).
+    if "preset" in all_leaves:
+        if "preset" in args:
+            values["preset"] = convert(args["preset"], all_leaves["preset"].type, "--preset")
+        else:
+            found, v = from_env("preset")
+            if found:
+                values["preset"] = v
+        preset = values.get("preset")
+        if preset is not None:
+            if preset not in presets:
+                raise ConfigError(f"--preset {preset!r}: unknown preset; known: {list(presets)}")
+            for name, v in presets[preset].items():
+                if name not in all_leaves:
+                    raise ConfigError(f"preset {preset!r} sets unknown field {name!r}")
+                values[name] = v
+
+    for name in all_leaves:
+        found, v = from_env(name)
+        if found and name != "preset":
+            values[name] = v
+    for name, raw in args.items():
+        leaf = all_leaves[name]
+        if isinstance(raw, bool):
+            values[name] = raw
+        else:
+            values[name] = convert(raw, leaf.type, leaf.flag)
+
+    missing = [all_leaves[n].flag for n in all_leaves if n not in values]
+    if missing:
+        parser.error(f"missing required values: {', '.join(missing)}")
+    cfg = _build(cls, values)
+    if print_config:
+        print(to_json(cfg))
+        raise SystemExit(0)
+    return cfg
+
+
+def _build(cls: type[T], values: Mapping[str, Any]) -> T:
+    hints = _hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[f.name] = tp(**{g.name: values[g.name] for g in dataclasses.fields(tp)})
+        else:
+            kwargs[f.name] = values[f.name]
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as plain JSON-able data (nested by section)."""
+    return dataclasses.asdict(cfg)
+
+
+def to_json(cfg: Any) -> str:
+    return json.dumps(to_dict(cfg), indent=2, sort_keys=False, default=str)

@@ -1,0 +1,83 @@
+"""Deterministic prompt sampling with a resumable position.
+
+The order of epoch `e` is a permutation drawn from `(seed, e)`, so the whole sampler state is
+three integers (epoch, cursor, skipped) and a resumed run draws exactly the prompts the
+uninterrupted run would have drawn.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from rl_runtime.protocols import PromptSource
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SamplerState:
+    epoch: int = 0
+    cursor: int = 0
+    skipped: int = 0
+
+
+class PromptSampler:
+    """Draws batches of valid prompts from a `PromptSource`, epoch after epoch.
+
+    Bad rows (`source.get(i)` is None) are skipped and counted; the batch is filled from the
+    next rows. `shuffle=False` walks the rows in order (evaluation).
+    """
+
+    def __init__(self, source: PromptSource, *, seed: int = 0, shuffle: bool = True) -> None:
+        if len(source) == 0:
+            raise ValueError("the prompt source is empty")
+        self.source = source
+        self.seed = seed
+        self.shuffle = shuffle
+        self.state = SamplerState()
+        self._order: np.ndarray | None = None
+        self._order_epoch = -1
+
+    def _epoch_order(self) -> np.ndarray:
+        if self._order_epoch != self.state.epoch:
+            n = len(self.source)
+            if self.shuffle:
+                rng = np.random.default_rng([self.seed, self.state.epoch])
+                self._order = rng.permutation(n)
+            else:
+                self._order = np.arange(n)
+            self._order_epoch = self.state.epoch
+        assert self._order is not None
+        return self._order
+
+    def next_batch(self, size: int) -> list[Any]:
+        """`size` valid prompts (crossing epoch boundaries as needed)."""
+        out: list[Any] = []
+        misses = 0
+        while len(out) < size:
+            order = self._epoch_order()
+            if self.state.cursor >= len(order):
+                self.state.epoch += 1
+                self.state.cursor = 0
+                continue
+            index = int(order[self.state.cursor])
+            self.state.cursor += 1
+            sample = self.source.get(index)
+            if sample is None:
+                self.state.skipped += 1
+                misses += 1
+                if misses > 2 * len(order):
+                    raise RuntimeError("every row of the prompt source was skipped as bad")
+                continue
+            out.append(sample)
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return asdict(self.state)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.state = SamplerState(**state)

@@ -1,0 +1,231 @@
+"""The GRPO loop, in one file: sample prompts, roll out, score, advantages, log-probs, train,
+sync weights, evaluate, log, checkpoint. It sees only the groups and callables in `GrpoParts`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from rl_algos import compute_grpo_advantages, filter_zero_variance_groups
+from rl_runtime.checkpoint import CheckpointManager
+from rl_runtime.config import option
+from rl_runtime.data import PromptSampler
+from rl_runtime.evaluation import eval_prompts, evaluate
+from rl_runtime.metrics import RunLogger
+from rl_runtime.progress import step_progress
+from rl_runtime.protocols import Decoder, PromptSource
+from rl_runtime.rollout_batch import build_train_batch, usable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GrpoLoopConfig:
+    num_rollout: int = option(300, "training steps (rollouts)")
+    rollout_batch_size: int = option(64, "prompts per rollout")
+    n_samples_per_prompt: int = option(8, "responses sampled per prompt (the GRPO group)")
+    global_batch_size: int = option(512, "samples per optimizer step")
+    rollout_temperature: float = option(0.8, "sampling temperature")
+    rollout_top_p: float = option(1.0, "top-p of sampling")
+    rollout_max_response_len: int = option(4096, "max new tokens per response")
+    std_normalization: bool = option(True, "divide advantages by the group std (off: Dr. GRPO)")
+    reward_dtype: str = option("float32", "dtype rewards are rounded to (float32|float16|...)")
+    dynamic_sampling: bool = option(False, "drop groups whose rewards are all equal (DAPO)")
+    use_ref_logprobs: bool = option(False, "compute reference log-probs (needed for KL)")
+    eval_interval: int = option(20, "evaluate every N steps (0: never)")
+    eval_max_prompts: int | None = option(None, "evaluate on at most this many prompts")
+    n_samples_per_eval_prompt: int = option(1, "samples per eval prompt (pass@1 over them)")
+    eval_temperature: float = option(0.0, "eval sampling temperature (0: greedy)")
+    save_interval: int = option(20, "checkpoint every N steps (0: only at the end)")
+    keep_checkpoints: int = option(2, "how many checkpoints to keep")
+    weight_bucket_mb: int = option(512, "weight sync bucket size (MiB)")
+    seed: int = option(1234, "seed of prompt order and sampling")
+
+
+@dataclass
+class GrpoParts:
+    """What the app assembles: the two groups, the data, the reward, the run folder."""
+
+    train: Any  # TrainGroup
+    rollout: Any  # RolloutGroup
+    train_prompts: PromptSource
+    decode: Decoder
+    score: Callable[[Sequence[str], Sequence[str]], list[float]]
+    logger: RunLogger
+    checkpoints: CheckpointManager
+    eval_prompts: PromptSource | None = None
+    resume: bool = False
+    offload_between_phases: bool = False  # colocated on GPUs
+    extra_loop_state: dict[str, Any] = field(default_factory=dict)
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.times: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t = time.perf_counter()
+        yield
+        self.times[f"time_{name}_s"] += time.perf_counter() - t
+
+
+def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
+    """Train for `cfg.num_rollout` steps (continuing from the last checkpoint when resuming)."""
+    sampler = PromptSampler(p.train_prompts, seed=cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
+    start = 0
+    if p.resume and (latest := p.checkpoints.latest()):
+        start, path = latest
+        state = p.checkpoints.load_state(path)
+        p.train.load_checkpoint(path / "trainer")
+        sampler.load_state_dict(state["sampler"])
+        rng.bit_generator.state = state["rng"]
+        log.info("resumed from %s (step %d)", path, start)
+    evals = eval_prompts(p.eval_prompts, cfg.eval_max_prompts) if p.eval_prompts else []
+    sampling = dict(temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p)
+    sampling["max_new_tokens"] = cfg.rollout_max_response_len
+    p.train.push_weights(p.rollout, cfg.weight_bucket_mb << 20)  # engines start from the trainer
+    with step_progress(cfg.num_rollout, start, "GRPO") as advance:
+        for step in range(start + 1, cfg.num_rollout + 1):
+            timer, t_step, row = Timer(), time.perf_counter(), {"step": step}
+            # 1. Rollout: n responses for each prompt.
+            with timer("rollout"):
+                prompts = sampler.next_batch(cfg.rollout_batch_size)
+                seed = cfg.seed * 1_000_003 + step
+                groups = p.rollout.generate(
+                    prompts, n=cfg.n_samples_per_prompt, seed=seed, **sampling
+                )
+            # 2. Reward, over every usable completion (engine errors are counted and dropped).
+            with timer("reward"):
+                flat = [
+                    (g, pr, c)
+                    for g, (pr, cs) in enumerate(zip(prompts, groups, strict=True))
+                    for c in cs
+                ]
+                bad = sum(not usable(c) for _, _, c in flat)
+                flat = [x for x in flat if usable(x[2])]
+                texts = [p.decode(c.token_ids) for _, _, c in flat]
+                rewards = p.score(texts, [str(pr.answer) for _, pr, _ in flat])
+            # 3. Advantages within each prompt's group; optional dynamic-sampling filter.
+            gids = torch.tensor([g for g, _, _ in flat])
+            r = torch.tensor(rewards, dtype=torch.float64)
+            adv = compute_grpo_advantages(
+                r,
+                group_ids=gids,
+                std_normalization=cfg.std_normalization,
+                reward_dtype=getattr(torch, cfg.reward_dtype),
+            )
+            keep = list(range(len(flat)))
+            if cfg.dynamic_sampling:
+                kept = filter_zero_variance_groups(r, group_ids=gids)
+                keep = kept.keep_indices.tolist()
+                row["dynamic_sampling_kept_frac"] = len(keep) / max(1, len(flat))
+            lengths = [len(c.token_ids) for _, _, c in flat]
+            row.update(_rollout_stats(rewards, lengths, flat, bad, cfg))
+            row["skipped_rows"] = sampler.state.skipped
+            # 4. Old (and reference) log-probs, then the policy update.
+            if keep:
+                batch = build_train_batch(
+                    [flat[i][1] for i in keep], [flat[i][2] for i in keep], adv[keep].float()
+                )
+                if p.offload_between_phases:
+                    p.rollout.release_memory()
+                    p.train.onload()
+                with timer("logprobs"):
+                    batch.old_logprobs = p.train.compute_logprobs(batch)
+                    if cfg.use_ref_logprobs:
+                        batch.ref_logprobs = p.train.compute_logprobs(batch, reference=True)
+                with timer("train"):
+                    row.update(_train(p.train, batch, cfg.global_batch_size, rng))
+                row["train_tokens_per_s"] = batch.num_tokens / max(
+                    timer.times["time_train_s"], 1e-9
+                )
+                # 5. Weight sync: the engines sample from the updated policy next step.
+                with timer("sync"):
+                    if p.offload_between_phases:
+                        p.rollout.resume_memory()
+                    p.train.push_weights(p.rollout, cfg.weight_bucket_mb << 20)
+                    if p.offload_between_phases:
+                        p.train.offload()
+            else:
+                log.warning("step %d: no group with a learning signal; update skipped", step)
+            # 6. Evaluation every eval_interval steps and at the end.
+            if (
+                evals
+                and cfg.eval_interval
+                and (step % cfg.eval_interval == 0 or step == cfg.num_rollout)
+            ):
+                with timer("eval"):
+                    row.update(_evaluate(p, evals, cfg, step))
+            row.update(timer.times)
+            row["time_step_s"] = time.perf_counter() - t_step
+            row["rollout_tokens_per_s"] = sum(lengths) / max(timer.times["time_rollout_s"], 1e-9)
+            p.logger.log(row)
+            if "eval_accuracy" in row:
+                p.logger.plot()
+            # 7. Checkpoint (after the row is logged, so a resumed run rewrites nothing twice).
+            if step == cfg.num_rollout or (cfg.save_interval and step % cfg.save_interval == 0):
+                _save(p, step, sampler, rng)
+            advance(row)
+    p.logger.plot()
+    return p.logger.rows()
+
+
+def _rollout_stats(rewards, lengths, flat, bad, cfg) -> dict[str, float]:
+    n = max(1, len(rewards))
+    truncated = sum(c.finish_reason == "length" for _, _, c in flat)
+    return {
+        "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
+        "reward_std": float(np.std(rewards)) if rewards else 0.0,
+        "accuracy": sum(x >= 1.0 for x in rewards) / n,
+        "response_length_mean": float(np.mean(lengths)) if lengths else 0.0,
+        "response_length_max": max(lengths, default=0),
+        "truncated_frac": truncated / n,
+        "bad_completions": bad,
+        "num_samples": len(rewards),
+    }
+
+
+def _train(train, batch, global_batch_size: int, rng: np.random.Generator) -> dict[str, float]:
+    """One optimizer step per `global_batch_size` samples (shuffled); metrics averaged."""
+    order = rng.permutation(len(batch)).tolist()
+    chunks = [order[i : i + global_batch_size] for i in range(0, len(order), global_batch_size)]
+    totals: dict[str, list[float]] = defaultdict(list)
+    for chunk in chunks:
+        for k, v in train.train_step(batch.select(chunk), loss="grpo").items():
+            totals[k].append(float(v))
+    return {k: float(np.mean(v)) for k, v in totals.items()} | {"optimizer_steps": len(chunks)}
+
+
+def _evaluate(p: GrpoParts, evals, cfg: GrpoLoopConfig, step: int) -> dict[str, float]:
+    return evaluate(
+        p.rollout,
+        evals,
+        decode=p.decode,
+        score=p.score,
+        n=cfg.n_samples_per_eval_prompt,
+        batch_size=cfg.rollout_batch_size,
+        temperature=cfg.eval_temperature,
+        top_p=1.0,
+        max_new_tokens=cfg.rollout_max_response_len,
+        seed=cfg.seed * 7_919 + step,
+    )
+
+
+def _save(p: GrpoParts, step: int, sampler: PromptSampler, rng: np.random.Generator) -> None:
+    if p.offload_between_phases:
+        p.train.onload()
+    state = {"sampler": sampler.state_dict(), "rng": rng.bit_generator.state}
+    p.checkpoints.save(step, state | p.extra_loop_state, p.train.save_checkpoint)
+    if p.offload_between_phases:
+        p.train.offload()

@@ -1,0 +1,74 @@
+"""metrics.jsonl, the plot, the resumable sampler, the preflight messages."""
+
+import json
+
+import pytest
+
+from rl_runtime.data import PromptSampler
+from rl_runtime.metrics import RunLogger, read_metrics
+from rl_runtime.preflight import PreflightError, check_backend, check_gpus
+
+
+def test_metrics_rows_plot_and_resume_truncation(tmp_path):
+    logger = RunLogger(tmp_path)
+    for step in range(1, 6):
+        row = {"step": step, "reward_mean": step / 10, "response_length_mean": 3.0}
+        if step % 2 == 0:
+            row["eval_accuracy"] = step / 5
+        logger.log(row)
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    png = logger.plot()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A torn last line (crash mid-write) is ignored; resuming from step 3 drops rows 4 and 5.
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "rew')
+    resumed = RunLogger(tmp_path, resume_step=3)
+    assert [r["step"] for r in resumed.rows()] == [1, 2, 3]
+    resumed.log({"step": 4, "reward_mean": float("nan")})
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last == {"step": 4, "reward_mean": None}
+
+
+class Source:
+    """Rows 0..n-1; the rows in `bad` are unusable."""
+
+    def __init__(self, n, bad=()):
+        self.n, self.bad, self.skipped = n, set(bad), 0
+
+    def __len__(self):
+        return self.n
+
+    def get(self, i):
+        if i in self.bad:
+            self.skipped += 1
+            return None
+        return i
+
+
+def test_sampler_is_deterministic_resumable_and_skips_bad_rows():
+    a = PromptSampler(Source(10, bad={3}), seed=7)
+    first = [a.next_batch(4) for _ in range(2)]
+    state = a.state_dict()
+    rest = [a.next_batch(4) for _ in range(3)]  # crosses into the next epochs
+    b = PromptSampler(Source(10, bad={3}), seed=7)
+    b.load_state_dict(state)
+    assert [b.next_batch(4) for _ in range(3)] == rest
+    seen = [x for batch in first + rest for x in batch]
+    assert 3 not in seen and a.state.skipped >= 1
+    assert sorted(seen[:9]) == [0, 1, 2, 4, 5, 6, 7, 8, 9]  # one epoch covers every good row
+
+
+def test_sampler_all_bad_raises():
+    with pytest.raises(RuntimeError, match="every row"):
+        PromptSampler(Source(3, bad={0, 1, 2})).next_batch(1)
+
+
+def test_preflight_messages():
+    check_gpus(0)
+    with pytest.raises(PreflightError, match=r"no GPU.*--preset tiny"):
+        check_gpus(8, available=0)
+    with pytest.raises(PreflightError, match="only 2 GPU"):
+        check_gpus(8, available=2)
+    check_backend("fsdp")
+    with pytest.raises(PreflightError, match="fsdp"):
+        check_backend("megatron", actor_attr="NoSuchActor")
