@@ -12,8 +12,30 @@ from vlm_models.build import (
     set_vision_trainable,
     vision_tower,
 )
+from vlm_models.flops import (
+    count_parameters,
+    flops_per_token,
+    lm_matmul_params,
+    vision_flops,
+    vision_matmul_params_per_patch,
+)
+from vlm_models.packing import (
+    cu_seqlens_from_lengths,
+    mm_token_types,
+    packed_inputs,
+    packed_position_ids,
+    sample_position_ids,
+    supports_packed_forward,
+    text_position_ids,
+)
 from vlm_models.patch_embed import Conv3dPatchEmbed, LinearPatchEmbed, set_fast_patch_embed
 from vlm_models.presets import PRESETS, SHAPE_PRESETS, TINY_PRESETS, preset_config, tiny_config
+from vlm_models.weights import (
+    hf_named_tensors,
+    iter_weight_buckets,
+    load_named_tensors,
+    to_checkpoint_layout,
+)
 
 __all__ = [
     "PRESETS",
@@ -23,10 +45,26 @@ __all__ = [
     "LinearPatchEmbed",
     "build_model",
     "check_attn_implementation",
+    "count_parameters",
+    "cu_seqlens_from_lengths",
+    "flops_per_token",
+    "hf_named_tensors",
+    "iter_weight_buckets",
+    "lm_matmul_params",
+    "load_named_tensors",
+    "mm_token_types",
+    "packed_inputs",
+    "packed_position_ids",
     "preset_config",
     "resolve_config",
+    "sample_position_ids",
     "set_fast_patch_embed",
     "set_vision_trainable",
+    "supports_packed_forward",
+    "text_position_ids",
     "tiny_config",
+    "to_checkpoint_layout",
+    "vision_flops",
+    "vision_matmul_params_per_patch",
     "vision_tower",
 ]
