@@ -1,0 +1,36 @@
+"""Shared fixtures: the real Qwen3-VL processor, real geo3k images, a tiny random model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout_sglang import GenerateRequest
+from vlm_data import PromptBuilder, build_processor, load_rows
+from vlm_models import build_model, tiny_config
+
+# 32 px per merged token side: 4..16 vision tokens per image keeps CPU tests fast.
+MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 16
+
+
+@pytest.fixture(scope="session")
+def processor(qwen3vl_dir):
+    return build_processor(qwen3vl_dir, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+
+
+@pytest.fixture(scope="session")
+def prompt_samples(processor, geo3k_dir):
+    rows = load_rows(geo3k_dir, split="validation")
+    builder = PromptBuilder(processor, template="boxed")
+    return [builder.build(rows[i], i) for i in range(4)]
+
+
+@pytest.fixture
+def requests_(prompt_samples) -> list[GenerateRequest]:
+    return [GenerateRequest.from_prompt(s) for s in prompt_samples]
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    torch.manual_seed(0)
+    return build_model(tiny_config())

@@ -1,0 +1,182 @@
+"""The transformers engine, for real on CPU: tiny Qwen3-VL, real processor, real geo3k images."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rollout_sglang import Completion, GenerateRequest, HFEngine, RolloutEngine, SamplingParams
+from vlm_models import iter_weight_buckets
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    return HFEngine(tiny_model, max_batch_size=3, prune_fraction=0.1)
+
+
+def greedy(n: int = 5, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=n, **kw)
+
+
+def test_is_a_rollout_engine(engine):
+    assert isinstance(engine, RolloutEngine)
+
+
+def test_generation_reproducible_by_seed(engine, requests_):
+    params = SamplingParams(temperature=1.0, max_new_tokens=5, seed=7)
+    first = engine.generate(requests_, params)
+    again = engine.generate(requests_, params)
+    other = engine.generate(requests_, SamplingParams(temperature=1.0, max_new_tokens=5, seed=8))
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]
+    assert [c.logprobs for c in first] == [c.logprobs for c in again]
+    assert [c.token_ids for c in first] != [c.token_ids for c in other]
+    for c, r in zip(first, requests_, strict=True):
+        assert c.ok and c.finish_reason == "length" and c.response_length == 5
+        assert c.prompt_length == r.prompt_length and c.request_id == r.request_id
+
+
+def _forward_logprobs(model, request: GenerateRequest, completion: Completion, temperature: float):
+    """Log-probs of the response under a plain forward of the whole sequence, the model computing
+    its own M-RoPE positions (an independent path from the engine's)."""
+    response = torch.tensor(completion.token_ids)
+    input_ids = torch.cat([request.input_ids, response])[None]
+    types = torch.cat([request.mm_token_type_ids, torch.zeros_like(response)])[None]
+    with torch.no_grad():
+        logits = (
+            model(
+                input_ids=input_ids,
+                pixel_values=request.pixel_values,
+                image_grid_thw=request.image_grid_thw,
+                mm_token_type_ids=types,
+            )
+            .logits[0]
+            .float()
+        )
+    start = request.prompt_length - 1
+    scores = logits[start : start + len(response)] / (temperature or 1.0)
+    return scores.log_softmax(-1).gather(-1, response[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, max_new_tokens=6, seed=0),
+        SamplingParams(temperature=0.7, top_k=50, top_p=0.9, max_new_tokens=6, seed=0),
+    ],
+    ids=["t1.0", "t0.7-topk-topp"],
+)
+def test_logprobs_equal_a_forward_pass(engine, tiny_model, requests_, params):
+    # 4 prompts of different lengths at batch size 3: left padding and two batches are exercised
+    completions = engine.generate(requests_, params)
+    for request, completion in zip(requests_, completions, strict=True):
+        expected = _forward_logprobs(tiny_model, request, completion, params.temperature)
+        torch.testing.assert_close(torch.tensor(completion.logprobs), expected, atol=2e-4, rtol=0)
+
+
+def test_batched_equals_one_by_one(engine, requests_):
+    batched = engine.generate(requests_, greedy())
+    alone = [engine.generate([r], greedy())[0] for r in requests_]
+    assert [c.token_ids for c in batched] == [c.token_ids for c in alone]
+
+
+def test_stop_token_ends_one_request_and_pruning_keeps_the_others(engine, requests_):
+    free = engine.generate(requests_, greedy(6))
+    stop_id = free[0].token_ids[2]
+    stopped = engine.generate(requests_, greedy(6, stop_token_ids=(stop_id,)))
+    first = free[0].token_ids.index(stop_id) + 1
+    assert stopped[0].finish_reason == "stop"
+    assert stopped[0].token_ids == free[0].token_ids[:first]  # the stop id is kept
+    assert len(stopped[0].logprobs) == first
+    for before, after in zip(free[1:], stopped[1:], strict=True):
+        if stop_id in before.token_ids:
+            continue
+        assert after.finish_reason == "length" and after.token_ids == before.token_ids
+        assert after.logprobs == pytest.approx(before.logprobs, abs=1e-5)
+
+
+def test_ignore_eos(tiny_model, requests_):
+    probe = HFEngine(tiny_model)
+    first = probe.generate(requests_[:1], greedy(3))[0].token_ids[0]
+    as_eos = HFEngine(tiny_model, eos_token_ids=[first])
+    assert as_eos.generate(requests_[:1], greedy(3))[0].token_ids == [first]
+    kept = as_eos.generate(requests_[:1], greedy(3, ignore_eos=True))[0]
+    assert kept.response_length == 3 and kept.finish_reason == "length"
+
+
+def test_bad_requests_fail_alone(tiny_model, requests_):
+    engine = HFEngine(tiny_model, max_batch_size=8, max_prompt_length=60)
+    good = [r for r in requests_ if r.prompt_length <= 60][:2]
+    long = next(r for r in requests_ if r.prompt_length > 60)
+    empty = GenerateRequest(input_ids=torch.zeros(0, dtype=torch.long), request_id="empty")
+    image_id = tiny_model.config.image_token_id
+    short_of_tokens = copy.copy(good[0])
+    keep = torch.ones_like(good[0].input_ids, dtype=torch.bool)
+    keep[(good[0].input_ids == image_id).nonzero()[0]] = False  # one image placeholder removed
+    short_of_tokens.input_ids = good[0].input_ids[keep]
+    no_pixels = copy.copy(good[1])
+    no_pixels.pixel_values = None
+    batch = [good[0], empty, long, short_of_tokens, no_pixels, good[1]]
+
+    out = engine.generate(batch, greedy(3))
+
+    assert [c.ok for c in out] == [True, False, False, False, False, True]
+    assert "empty prompt" in out[1].error and "empty" in out[1].error
+    assert "more than the limit 60" in out[2].error
+    assert "image tokens" in out[3].error and "request 3" in out[3].error
+    assert "no pixel_values" in out[4].error
+    assert all(c.finish_reason == "error" and c.token_ids == [] for c in out[1:5])
+    alone = engine.generate(good, greedy(3))
+    assert [out[0].token_ids, out[5].token_ids] == [c.token_ids for c in alone]
+
+
+def test_max_new_tokens_clipped_to_context(tiny_model, requests_):
+    request = requests_[0]
+    engine = HFEngine(tiny_model)
+    engine.context_length = request.prompt_length + 2  # as if the model's context were that short
+    out = engine.generate([request], greedy(10))[0]
+    assert out.response_length == 2 and out.finish_reason == "length"
+
+
+def test_weight_update_changes_outputs_and_restores(requests_):
+    from vlm_models import build_model, tiny_config
+
+    torch.manual_seed(1)
+    model = build_model(tiny_config())
+    engine = HFEngine(model)
+    original = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    before = engine.generate(requests_, greedy(4))
+
+    torch.manual_seed(2)
+    perturbed = {
+        n: t + 0.5 * torch.randn_like(t) for n, t in original.items() if t.is_floating_point()
+    }
+    engine.update_weights(iter_weight_buckets(perturbed.items(), bucket_bytes=1 << 20))
+    patch = "model.visual.patch_embed.proj.weight"
+    assert model.get_parameter(patch).shape == perturbed[patch].shape  # 5-D, GEMM patch embed
+    torch.testing.assert_close(model.get_parameter(patch), perturbed[patch])
+    after = engine.generate(requests_, greedy(4))
+    assert [c.token_ids for c in after] != [c.token_ids for c in before]
+
+    engine.update_weights(iter_weight_buckets(original.items(), bucket_bytes=1 << 20))
+    restored = engine.generate(requests_, greedy(4))
+    assert [c.token_ids for c in restored] == [c.token_ids for c in before]
+
+
+def test_weight_update_rejects_unknown_names_and_shapes(tiny_model):
+    engine = HFEngine(tiny_model)
+    with pytest.raises(KeyError, match=r"not\.a\.weight"):
+        engine.update_weights([[("not.a.weight", torch.zeros(1))]])
+    with pytest.raises(ValueError, match="expects"):
+        engine.update_weights([[("lm_head.weight", torch.zeros(3, 3))]])
+
+
+def test_release_and_resume_memory(tiny_model, requests_):
+    engine = HFEngine(tiny_model)
+    engine.release_memory()
+    with pytest.raises(RuntimeError, match="resume_memory"):
+        engine.generate(requests_[:1], greedy(1))
+    engine.resume_memory()
+    assert engine.health()
+    assert engine.generate(requests_[:1], greedy(1))[0].ok
