@@ -1,0 +1,117 @@
+"""Canonical forms of answer strings, before any symbolic work.
+
+Two things come out of an answer: a canonical LaTeX text (spacing, ``\\dfrac``, degree marks,
+units, ``\\sqrt 2``, mixed numbers and trailing punctuation settled), which is compared as text
+and handed to the LaTeX parser; and, when the answer is a plain number, its exact value as a
+``Fraction``, which lets most comparisons skip sympy entirely.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+MAX_ANSWER_CHARS = 512
+"""Longer answers are not parsed at all (they cannot be a short final answer anyway)."""
+
+MAX_NUMBER_DIGITS = 100
+
+_TEXT_OPEN = re.compile(
+    r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mathit|mbox)\s*\{"
+)
+_REMOVE = re.compile(
+    r"\\displaystyle|\\left(?![a-zA-Z])|\\right(?![a-zA-Z])|\\[,;:!>]|\\quad|\\qquad|~"
+)
+_DEGREE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\^\s*\{\s*\\circ\s*\}|°|\\degree|\\circ")
+_FRAC = re.compile(r"\\[dtc]frac(?![a-zA-Z])")
+_SQRT_SHORT = re.compile(r"\\sqrt\s*([0-9a-zA-Z])")
+_FRAC_SHORT = re.compile(r"\\frac\s*([0-9a-zA-Z])\s*([0-9a-zA-Z])")
+_TRAILING = re.compile(r"[\s.,;:]+$")
+_MIXED = re.compile(r"^(-?)\s*(\d+)\s*\\frac\s*\{\s*(\d+)\s*\}\s*\{\s*(\d+)\s*\}$")
+_TOKENS = re.compile(r"\\[a-zA-Z]+|\\.|\d+(?:\.\d+)?|[a-zA-Z]+|\S")
+_PLAIN = re.compile(r"^([+-]?)(\d+(?:\.\d*)?|\.\d+)$")
+_PLAIN_RATIO = re.compile(r"^([+-]?)(\d+)/(\d+)$")
+_PLAIN_FRAC = re.compile(r"^([+-]?)\\frac\{(\d+)\}\{(\d+)\}$")
+_WORD = re.compile(r"(?<![\\a-zA-Z])(?!(?:sqrt|sin|cos|tan|log|exp|pi)\b)[a-zA-Z]{3,}")
+
+
+def _closing_brace(s: str, open_at: int) -> int:
+    """Index of the brace closing the group opened at ``open_at``, or -1."""
+    depth = 0
+    for j in range(open_at, len(s)):
+        if s[j] == "{":
+            depth += 1
+        elif s[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return j
+    return -1
+
+
+def _unwrap_text(s: str) -> str:
+    """Drop ``\\text{...}`` groups (units) after a value; keep their words when they ARE the value.
+
+    ``5\\text{ cm}`` gives ``5``; ``\\text{Yes}`` gives ``Yes``.
+    """
+    kept: list[str] = []
+    words: list[str] = []
+    i = 0
+    while (m := _TEXT_OPEN.search(s, i)) is not None:
+        close = _closing_brace(s, m.end() - 1)
+        if close == -1:
+            break
+        word = s[m.end() : close].strip()
+        # "\\text{ and }" separates answers ("\\angle 1 and \\angle 5"); other text is a unit.
+        kept.append(s[i : m.start()] + (f" {word} " if word in ("and", "or") else " "))
+        words.append(word)
+        i = close + 1
+    kept.append(s[i:])
+    rest = "".join(kept).strip()
+    return rest if rest else " ".join(words)
+
+
+def canonical(answer: str) -> str:
+    """Canonical LaTeX text of an answer ("" when there is nothing to compare).
+
+    Deterministic and linear in the input; every comparison goes through it.
+    """
+    if not isinstance(answer, str):
+        return ""
+    s = answer.strip()
+    if not s or len(s) > MAX_ANSWER_CHARS:
+        return ""
+    s = s.replace("$", "").replace("\\!", "")
+    s = _REMOVE.sub(" ", s)
+    s = _DEGREE.sub("", s)
+    s = _FRAC.sub(r"\\frac", s)
+    s = _unwrap_text(s)
+    s = _SQRT_SHORT.sub(r"\\sqrt{\1}", s)
+    s = _FRAC_SHORT.sub(r"\\frac{\1}{\2}", s)
+    s = _TRAILING.sub("", s).strip()
+    mixed = _MIXED.match(s)
+    if mixed:
+        sign, whole, num, den = mixed.groups()
+        if 0 < int(num) < int(den):
+            s = f"{sign}\\frac{{{int(whole) * int(den) + int(num)}}}{{{den}}}"
+    return " ".join(_TOKENS.findall(s))
+
+
+def plain_number(canon: str) -> Fraction | None:
+    """Exact value of an integer, decimal, ``a/b`` or ``\\frac{a}{b}``; None for anything else."""
+    s = canon.replace(" ", "")
+    if not s or len(s) > 2 * MAX_NUMBER_DIGITS + 16:
+        return None
+    m = _PLAIN.match(s)
+    if m:
+        value = Fraction(m.group(2))
+    else:
+        m = _PLAIN_RATIO.match(s) or _PLAIN_FRAC.match(s)
+        if not m or int(m.group(3)) == 0:
+            return None
+        value = Fraction(int(m.group(2)), int(m.group(3)))
+    return -value if m.group(1) == "-" else value
+
+
+def is_text_answer(canon: str) -> bool:
+    """True for answers made of words (``not enough information``), compared only as text."""
+    return _WORD.search(canon) is not None
