@@ -249,3 +249,17 @@ def test_denominator_makes_micro_batches_sum_to_full_batch(mode):
         )
         parts.append(loss)
     torch.testing.assert_close(parts[0] + parts[1], full)
+
+
+def test_sft_loss_matches_shifted_cross_entropy():
+    """aligned_logprobs + sft_loss == the usual shift-by-one cross-entropy on one sample."""
+    from rl_algos import aligned_logprobs
+
+    torch.manual_seed(4)
+    logits = torch.randn(9, 13)
+    ids = torch.randint(0, 13, (9,))
+    mask = torch.tensor([0, 0, 0, 1, 1, 1, 0, 1, 1.0])
+    ours = sft_loss(aligned_logprobs(logits, ids, [0, 9]), mask, [0, 9])
+    labels = torch.where(mask[1:] > 0, ids[1:], torch.tensor(-100))
+    ref = torch.nn.functional.cross_entropy(logits[:-1], labels, ignore_index=-100)
+    torch.testing.assert_close(ours, ref)
