@@ -1,0 +1,85 @@
+"""Qwen3-VL on Megatron-Core: native language model + HF vision tower, and weight conversion.
+
+Needs megatron-core (``uv sync --extra megatron``, or ``pip install megatron-core==0.16.1``);
+``import vlm_models`` alone never imports it. Transformer Engine is optional (``use_te=True``).
+
+    from vlm_models.megatron import (Parallelism, initialize_model_parallel,
+                                     build_megatron_model, load_hf_weights, rope_position_ids)
+    initialize_model_parallel(Parallelism(tp=2))
+    model = build_megatron_model(hf_config)
+    load_hf_weights(model, hf_state_dict)
+    logits = model(input_ids, rope_position_ids(input_ids, hf_config, image_grid_thw=grid,
+                   mm_token_type_ids=mm), pixel_values=pv, image_grid_thw=grid)
+"""
+
+try:
+    import megatron.core  # noqa: F401
+except ImportError as err:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "vlm_models.megatron needs megatron-core: run `uv sync --extra megatron` (or "
+        "`pip install megatron-core==0.16.1`)"
+    ) from err
+
+from vlm_models.megatron.config import Parallelism, TextArch, text_arch, transformer_config
+from vlm_models.megatron.convert import (
+    ParamMap,
+    StageLayout,
+    fuse_qkv,
+    hf_state_dict_to_megatron,
+    hf_to_megatron_stage,
+    megatron_shards_to_hf,
+    megatron_to_hf_stage,
+    split_qkv,
+    stage_layouts,
+    stage_param_maps,
+)
+from vlm_models.megatron.layers import (
+    DeepstackTransformerLayer,
+    RMSNorm,
+    SDPACoreAttention,
+    block_spec,
+    layer_spec,
+)
+from vlm_models.megatron.model import (
+    MRoPEGPTModel,
+    Qwen3VLMegatronModel,
+    build_megatron_model,
+    rope_position_ids,
+)
+from vlm_models.megatron.parallel import destroy_model_parallel, initialize_model_parallel
+from vlm_models.megatron.rope import InterleavedMRoPE, interleaved_mrope_angles
+from vlm_models.megatron.weights import iter_hf_weights, load_hf_weights, param_maps, stage_layout
+
+__all__ = [
+    "DeepstackTransformerLayer",
+    "InterleavedMRoPE",
+    "MRoPEGPTModel",
+    "Parallelism",
+    "ParamMap",
+    "Qwen3VLMegatronModel",
+    "RMSNorm",
+    "SDPACoreAttention",
+    "StageLayout",
+    "TextArch",
+    "block_spec",
+    "build_megatron_model",
+    "destroy_model_parallel",
+    "fuse_qkv",
+    "hf_state_dict_to_megatron",
+    "hf_to_megatron_stage",
+    "initialize_model_parallel",
+    "interleaved_mrope_angles",
+    "iter_hf_weights",
+    "layer_spec",
+    "load_hf_weights",
+    "megatron_shards_to_hf",
+    "megatron_to_hf_stage",
+    "param_maps",
+    "rope_position_ids",
+    "split_qkv",
+    "stage_layout",
+    "stage_layouts",
+    "stage_param_maps",
+    "text_arch",
+    "transformer_config",
+]

@@ -1,0 +1,39 @@
+"""Test-only shims that let Megatron-Core 0.16.1 run on a machine without CUDA.
+
+Megatron-Core assumes a GPU in a few places that the local (non-TE) path otherwise runs fine
+without:
+
+* its model-parallel RNG tracker reads and writes CUDA RNG states (``fork()`` is entered by the
+  decoder under sequence parallelism and by the embedding dropout);
+* sequence-parallel gathers/scatters (``tensor_parallel.mappings``) and a few other helpers
+  allocate buffers on ``torch.cuda.current_device()``.
+
+:func:`apply` swaps in Megatron's own no-op inference RNG tracker and makes
+``torch.cuda.current_device()`` answer ``"cpu"``. It refuses to run where CUDA is available, so
+none of it can reach a GPU run; only tests and CPU benchmarks call it (the library never does).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_applied = False
+
+
+def apply() -> None:
+    """Make Megatron-Core usable on CPU for this process (idempotent; refuses on CUDA)."""
+    global _applied
+    if torch.cuda.is_available():
+        raise RuntimeError("the Megatron CPU compatibility layer must not be used with CUDA")
+    if _applied:
+        return
+    from megatron.core.tensor_parallel import random
+
+    random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    _applied = True
+    logger.info("Megatron CPU compatibility layer applied (tests only)")

@@ -1,0 +1,370 @@
+"""HF <-> Megatron weight layout for Qwen3-VL: names, fusion, tensor and pipeline splits.
+
+Everything here is pure tensor bookkeeping (no process groups), so it serves the offline
+converters in ``tools/`` and the live export alike. One :class:`ParamMap` ties a Megatron
+parameter of one pipeline stage to the HF tensors it is made of and says how it is split over
+tensor-parallel ranks:
+
+=============  =================================================================  ==========
+kind           HF tensors -> one Megatron tensor                                  TP split
+=============  =================================================================  ==========
+``replicated`` one tensor, unchanged (norms, the vision tower, the router)        none
+``row``        one tensor (embedding, ``lm_head``)                                dim 0
+``col``        one tensor (``o_proj``, ``down_proj``)                             dim 1
+``qkv``        q, k, v fused per query group: ``[g0: q.. k v][g1: q.. k v]...``   dim 0
+``gate_up``    gate and up, each split over TP, then ``[gate_r; up_r]``           dim 0
+=============  =================================================================  ==========
+
+Megatron names are relative to :class:`~vlm_models.megatron.model.Qwen3VLMegatronModel`
+(``language_model.decoder.layers.{local}.…``, ``visual.…``); HF names are those of
+``Qwen3VLForConditionalGeneration.state_dict()`` (``model.language_model.layers.{i}.…``,
+``model.visual.…``, ``lm_head.weight``). The round trip is exact: only views, splits and
+concatenations, never arithmetic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from vlm_models.megatron.config import TextArch
+
+HF_TEXT = "model.language_model."
+HF_VISUAL = "model.visual."
+MG_DECODER = "language_model.decoder."
+
+KINDS = ("replicated", "row", "col", "qkv", "gate_up")
+
+
+@dataclass(frozen=True)
+class ParamMap:
+    """One Megatron parameter and the HF tensors it is made of."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    kind: str
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Which global decoder layers a pipeline stage holds, and whether it is first/last."""
+
+    pp_rank: int
+    pp_size: int
+    layer_offset: int
+    num_layers: int
+
+    @property
+    def first(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def stage_layouts(
+    num_layers: int,
+    pp_size: int,
+    *,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+) -> list[StageLayout]:
+    """Layer split over ``pp_size`` stages, the way Megatron splits (even, or first/last fixed)."""
+    middle = pp_size - (first_stage_layers is not None) - (last_stage_layers is not None)
+    rest = num_layers - (first_stage_layers or 0) - (last_stage_layers or 0)
+    if middle < 0 or rest < 0 or (middle and rest % middle) or (not middle and rest):
+        raise ValueError(
+            f"cannot split {num_layers} layers over {pp_size} stages "
+            f"(first={first_stage_layers}, last={last_stage_layers})"
+        )
+    per_middle = rest // middle if middle else 0
+    counts = [per_middle] * pp_size
+    if first_stage_layers is not None:
+        counts[0] = first_stage_layers
+    if last_stage_layers is not None:
+        counts[-1] = last_stage_layers
+    layouts, offset = [], 0
+    for rank, count in enumerate(counts):
+        layouts.append(StageLayout(rank, pp_size, offset, count))
+        offset += count
+    return layouts
+
+
+def _layer_maps(arch: TextArch, local: int, layer: int, use_te: bool) -> list[ParamMap]:
+    mg = f"{MG_DECODER}layers.{local}."
+    hf = f"{HF_TEXT}layers.{layer}."
+    attn_norm = (
+        "self_attention.linear_qkv.layer_norm_weight" if use_te else "input_layernorm.weight"
+    )
+    mlp_norm = "mlp.linear_fc1.layer_norm_weight" if use_te else "pre_mlp_layernorm.weight"
+    if arch.num_experts and use_te:
+        mlp_norm = "pre_mlp_layernorm.weight"  # TE's MoE spec keeps a separate norm
+    maps = [
+        ParamMap(mg + attn_norm, (hf + "input_layernorm.weight",), "replicated"),
+        ParamMap(
+            mg + "self_attention.linear_qkv.weight",
+            tuple(hf + f"self_attn.{p}_proj.weight" for p in "qkv"),
+            "qkv",
+        ),
+        ParamMap(
+            mg + "self_attention.q_layernorm.weight",
+            (hf + "self_attn.q_norm.weight",),
+            "replicated",
+        ),
+        ParamMap(
+            mg + "self_attention.k_layernorm.weight",
+            (hf + "self_attn.k_norm.weight",),
+            "replicated",
+        ),
+        ParamMap(
+            mg + "self_attention.linear_proj.weight", (hf + "self_attn.o_proj.weight",), "col"
+        ),
+        ParamMap(mg + mlp_norm, (hf + "post_attention_layernorm.weight",), "replicated"),
+    ]
+    if arch.attention_bias:
+        maps.append(
+            ParamMap(
+                mg + "self_attention.linear_qkv.bias",
+                tuple(hf + f"self_attn.{p}_proj.bias" for p in "qkv"),
+                "qkv",
+            )
+        )
+    if arch.num_experts:
+        maps.append(ParamMap(mg + "mlp.router.weight", (hf + "mlp.gate.weight",), "replicated"))
+        # HF keeps all experts in two stacked tensors; Megatron one module per local expert.
+        # The expert split (EP) happens in stage_param_maps' callers via ``expert_range``.
+    else:
+        maps += [
+            ParamMap(
+                mg + "mlp.linear_fc1.weight",
+                (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
+                "gate_up",
+            ),
+            ParamMap(mg + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "col"),
+        ]
+    return maps
+
+
+def stage_param_maps(
+    arch: TextArch,
+    stage: StageLayout,
+    *,
+    vision_names: Iterable[str] = (),
+    use_te: bool = False,
+) -> list[ParamMap]:
+    """Every parameter of one pipeline stage (dense models), in a stable order.
+
+    ``vision_names`` are the HF vision tower's parameter names without ``model.visual.``
+    (``model.visual`` state-dict keys); they go to the first stage unchanged.
+    """
+    if arch.num_experts:
+        raise NotImplementedError("weight conversion for MoE models is not implemented yet")
+    maps: list[ParamMap] = []
+    if stage.first:
+        maps += [ParamMap("visual." + n, (HF_VISUAL + n,), "replicated") for n in vision_names]
+        maps.append(
+            ParamMap(
+                "language_model.embedding.word_embeddings.weight",
+                (HF_TEXT + "embed_tokens.weight",),
+                "row",
+            )
+        )
+    for local in range(stage.num_layers):
+        maps += _layer_maps(arch, local, stage.layer_offset + local, use_te)
+    if stage.last:
+        maps.append(
+            ParamMap(
+                "language_model.decoder.final_layernorm.weight",
+                (HF_TEXT + "norm.weight",),
+                "replicated",
+            )
+        )
+        if not arch.tie_word_embeddings:
+            maps.append(ParamMap("language_model.output_layer.weight", ("lm_head.weight",), "row"))
+        elif not stage.first:
+            # Tied and pipelined: the last stage holds its own copy of the embedding.
+            maps.append(
+                ParamMap(
+                    "language_model.output_layer.weight", (HF_TEXT + "embed_tokens.weight",), "row"
+                )
+            )
+    return maps
+
+
+def _check(name: str, size: int, parts: int) -> None:
+    if size % parts:
+        raise ValueError(f"{name}: size {size} does not split into {parts} tensor-parallel parts")
+
+
+def shard(
+    pmap: ParamMap, hf_tensors: list[Tensor], arch: TextArch, tp_rank: int, tp_size: int
+) -> Tensor:
+    """The ``tp_rank`` part of Megatron parameter ``pmap`` built from its HF tensors."""
+    kind = pmap.kind
+    if kind == "replicated":
+        return hf_tensors[0]
+    if kind in ("row", "col"):
+        dim = 0 if kind == "row" else 1
+        (t,) = hf_tensors
+        _check(pmap.megatron, t.shape[dim], tp_size)
+        return t.chunk(tp_size, dim=dim)[tp_rank].contiguous()
+    if kind == "gate_up":
+        gate, up = hf_tensors
+        _check(pmap.megatron, gate.shape[0], tp_size)
+        return torch.cat([gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank]]).contiguous()
+    if kind == "qkv":
+        return fuse_qkv(*hf_tensors, arch).chunk(tp_size)[tp_rank].contiguous()
+    raise ValueError(f"unknown kind {kind!r}")
+
+
+def unshard(pmap: ParamMap, shards: list[Tensor], arch: TextArch) -> list[Tensor]:
+    """The HF tensors of ``pmap`` from its ``tp_size`` Megatron parts (inverse of :func:`shard`)."""
+    kind = pmap.kind
+    if kind == "replicated":
+        return [shards[0]]
+    if kind == "row":
+        return [torch.cat(shards, dim=0)]
+    if kind == "col":
+        return [torch.cat(shards, dim=1)]
+    if kind == "gate_up":
+        halves = [s.chunk(2) for s in shards]
+        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    if kind == "qkv":
+        return list(split_qkv(torch.cat(shards), arch))
+    raise ValueError(f"unknown kind {kind!r}")
+
+
+def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, arch: TextArch) -> Tensor:
+    """Megatron's fused QKV: per query group, that group's query heads then its key and value."""
+    groups, hd = arch.num_kv_heads, arch.head_dim
+    per_group = arch.num_heads // groups
+    tail = q.shape[1:]  # (hidden,) for weights, () for biases
+    fused = torch.cat(
+        [
+            q.reshape(groups, per_group * hd, *tail),
+            k.reshape(groups, hd, *tail),
+            v.reshape(groups, hd, *tail),
+        ],
+        dim=1,
+    )
+    return fused.reshape(groups * (per_group + 2) * hd, *tail)
+
+
+def split_qkv(fused: Tensor, arch: TextArch) -> tuple[Tensor, Tensor, Tensor]:
+    """Inverse of :func:`fuse_qkv`."""
+    groups, hd = arch.num_kv_heads, arch.head_dim
+    per_group = arch.num_heads // groups
+    tail = fused.shape[1:]
+    grouped = fused.reshape(groups, (per_group + 2) * hd, *tail)
+    q, k, v = grouped.split([per_group * hd, hd, hd], dim=1)
+    return (
+        q.reshape(groups * per_group * hd, *tail).contiguous(),
+        k.reshape(groups * hd, *tail).contiguous(),
+        v.reshape(groups * hd, *tail).contiguous(),
+    )
+
+
+def hf_to_megatron_stage(
+    get_hf: Callable[[str], Tensor],
+    arch: TextArch,
+    stage: StageLayout,
+    tp_rank: int,
+    tp_size: int,
+    *,
+    vision_names: Iterable[str] = (),
+    use_te: bool = False,
+) -> Iterator[tuple[str, Tensor]]:
+    """Stream ``(megatron_name, tensor)`` for one (TP rank, PP stage) from HF tensors.
+
+    ``get_hf(name)`` loads one HF tensor (e.g. lazily from safetensors), so at most one
+    parameter's HF tensors are in memory beside what the caller keeps.
+    """
+    for pmap in stage_param_maps(arch, stage, vision_names=vision_names, use_te=use_te):
+        yield pmap.megatron, shard(pmap, [get_hf(n) for n in pmap.hf], arch, tp_rank, tp_size)
+
+
+def megatron_to_hf_stage(
+    get_shards: Callable[[str], list[Tensor]],
+    arch: TextArch,
+    stage: StageLayout,
+    *,
+    vision_names: Iterable[str] = (),
+    use_te: bool = False,
+) -> Iterator[tuple[str, Tensor]]:
+    """Stream ``(hf_name, tensor)`` for one PP stage from its TP shards.
+
+    ``get_shards(megatron_name)`` returns that parameter's tensors of every TP rank, in rank
+    order. The tied last-stage copy of the embedding is skipped (the first stage gives it).
+    """
+    for pmap in stage_param_maps(arch, stage, vision_names=vision_names, use_te=use_te):
+        if pmap.megatron == "language_model.output_layer.weight" and arch.tie_word_embeddings:
+            continue
+        yield from zip(pmap.hf, unshard(pmap, get_shards(pmap.megatron), arch), strict=True)
+
+
+def vision_names_from(hf_names: Iterable[str]) -> list[str]:
+    """The vision tower's parameter names (``model.visual.`` stripped) among ``hf_names``."""
+    return [n[len(HF_VISUAL) :] for n in hf_names if n.startswith(HF_VISUAL)]
+
+
+def hf_state_dict_to_megatron(
+    hf_state: Mapping[str, Tensor],
+    arch: TextArch,
+    *,
+    tp_size: int = 1,
+    pp_size: int = 1,
+    use_te: bool = False,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+) -> dict[tuple[int, int], dict[str, Tensor]]:
+    """All shards ``{(tp_rank, pp_rank): state_dict}`` of an in-memory HF state dict."""
+    stages = stage_layouts(
+        arch.num_layers,
+        pp_size,
+        first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers,
+    )
+    vision = vision_names_from(hf_state)
+    return {
+        (tp, stage.pp_rank): dict(
+            hf_to_megatron_stage(
+                hf_state.__getitem__, arch, stage, tp, tp_size, vision_names=vision, use_te=use_te
+            )
+        )
+        for stage in stages
+        for tp in range(tp_size)
+    }
+
+
+def megatron_shards_to_hf(
+    shards: Mapping[tuple[int, int], Mapping[str, Tensor]],
+    arch: TextArch,
+    *,
+    use_te: bool = False,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+) -> dict[str, Tensor]:
+    """Inverse of :func:`hf_state_dict_to_megatron`."""
+    tp_size = 1 + max(tp for tp, _ in shards)
+    pp_size = 1 + max(pp for _, pp in shards)
+    stages = stage_layouts(
+        arch.num_layers,
+        pp_size,
+        first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers,
+    )
+    vision = [n[len("visual.") :] for n in shards[(0, 0)] if n.startswith("visual.")]
+    out: dict[str, Tensor] = {}
+    for stage in stages:
+
+        def get_shards(name: str, pp: int = stage.pp_rank) -> list[Tensor]:
+            return [shards[(tp, pp)][name] for tp in range(tp_size)]
+
+        out.update(
+            megatron_to_hf_stage(get_shards, arch, stage, vision_names=vision, use_te=use_te)
+        )
+    return out

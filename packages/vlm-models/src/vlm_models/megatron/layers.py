@@ -1,0 +1,205 @@
+"""Layer specs for the Qwen3-VL language model on Megatron-Core.
+
+Three small modules complete Megatron's local (non-Transformer-Engine) layer spec:
+
+* :class:`RMSNorm` computes exactly what HF's ``Qwen3VLTextRMSNorm`` computes (normalise in
+  float32, cast back, then scale) and, unlike ``WrappedTorchNorm``, works with sequence
+  parallelism (its weight is marked so Megatron all-reduces its gradient over TP).
+* :class:`SDPACoreAttention` is core attention on ``torch.nn.functional.scaled_dot_product_attention``
+  that also takes packed THD sequences (``PackedSeqParams``), which the local
+  ``DotProductAttention`` refuses.
+* :class:`DeepstackTransformerLayer` adds Qwen3-VL's deepstack visual features after the first
+  decoder layers. The features travel through the block as its ``context`` argument (a dense
+  ``[S, B, n_deepstack, H]`` tensor, zero away from image tokens), because the block already
+  hands ``context`` to every layer, through activation recomputation too. Cross-attention is not
+  used by this model, so nothing else reads it.
+
+With Transformer Engine installed, ``use_te=True`` takes TE's fused modules instead and keeps
+only the deepstack layer.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from torch import Tensor, nn
+
+
+def _param_device(config: TransformerConfig) -> torch.device:
+    if config.use_cpu_initialization or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with HF Qwen3 numerics; sequence-parallel aware."""
+
+    def __init__(
+        self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_: object
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(
+            torch.ones(hidden_size, dtype=config.params_dtype, device=_param_device(config))
+        )
+        # Megatron's finalize_model_grads all-reduces grads of params marked this way over TP.
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class SDPACoreAttention(MegatronModule):
+    """Causal core attention on torch SDPA, for ``sbhd`` batches and packed ``thd`` sequences.
+
+    Inputs are Megatron's per-partition heads: query ``[s, b, np, hn]`` (or ``[t, np, hn]``
+    packed), key/value with ``ng`` query groups. Output ``[s, b, np * hn]`` (or ``[t, np * hn]``).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: object | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise NotImplementedError("SDPACoreAttention has no context parallelism; use TE")
+        self.attn_mask_type = attn_mask_type
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """q ``[b, np, s, hn]``, k/v ``[b, ng, s, hn]``; causal unless ``mask`` is given."""
+        if k.shape[1] != q.shape[1]:
+            repeat = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(repeat, dim=1)
+            v = v.repeat_interleave(repeat, dim=1)
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=mask is None and self.attn_mask_type == AttnMaskType.causal,
+            scale=self.softmax_scale,
+        )
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> Tensor:
+        if attention_bias is not None:
+            raise NotImplementedError("attention_bias is not supported by SDPACoreAttention")
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            return self._forward_thd(query, key, value, packed_seq_params)
+        # Megatron's mask is True where attention is NOT allowed; SDPA's is True where it is.
+        mask = None if attention_mask is None else ~attention_mask.bool()
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, hn]
+        out = self._attend(q, k, v, mask)  # [b, np, s, hn]
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+    def _forward_thd(
+        self, query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams
+    ) -> Tensor:
+        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else None
+        cu = (cu if cu is not None else params.cu_seqlens_q).tolist()
+        out = torch.zeros_like(query)
+        for start, end in itertools.pairwise(cu):
+            if end <= start:
+                continue
+            q, k, v = (x[start:end].transpose(0, 1)[None] for x in (query, key, value))
+            out[start:end] = self._attend(q, k, v, None)[0].transpose(0, 1)
+        return out.reshape(query.shape[0], -1)
+
+
+class DeepstackTransformerLayer(TransformerLayer):
+    """A decoder layer that adds deepstack visual features to its output.
+
+    ``context`` is ``[S, B, n_deepstack, H]`` (sequence-sharded like the hidden states under
+    sequence parallelism) or None. Global layer ``k`` (0-based) adds ``context[:, :, k]`` when
+    ``k < n_deepstack``, as HF's ``Qwen3VLTextModel`` does after its layer ``k``.
+    """
+
+    def forward(self, *args, context: Tensor | None = None, **kwargs):
+        hidden_states, _ = super().forward(*args, context=None, **kwargs)
+        index = self.layer_number - 1  # layer_number is global and 1-based
+        if context is not None and index < context.shape[2]:
+            hidden_states = hidden_states + context[:, :, index].to(hidden_states.dtype)
+        return hidden_states, context
+
+
+def layer_spec(config: TransformerConfig, *, use_te: bool = False) -> ModuleSpec:
+    """The Qwen3-VL decoder layer: GQA + per-head RMS QK-norm, SwiGLU or MoE, RMSNorm."""
+    num_experts = config.num_moe_experts
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, qk_layernorm=True, moe_grouped_gemm=config.moe_grouped_gemm
+        )
+        spec = copy.deepcopy(spec)
+        spec.module = DeepstackTransformerLayer
+        return spec
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = copy.deepcopy(
+        get_gpt_layer_local_spec(
+            num_experts=num_experts, qk_layernorm=True, normalization="RMSNorm"
+        )
+    )
+    spec.module = DeepstackTransformerLayer
+    sub = spec.submodules
+    sub.input_layernorm = RMSNorm
+    sub.pre_mlp_layernorm = RMSNorm
+    attn = sub.self_attention.submodules
+    attn.core_attention = SDPACoreAttention
+    attn.q_layernorm = RMSNorm
+    attn.k_layernorm = RMSNorm
+    return spec
+
+
+def block_spec(
+    config: TransformerConfig, *, use_te: bool = False, vp_stage: int | None = None
+) -> TransformerBlockSubmodules:
+    """The layers of this pipeline stage plus the final RMSNorm."""
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    final_norm: type[nn.Module] = RMSNorm
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        final_norm = TENorm
+    return TransformerBlockSubmodules(
+        layer_specs=[layer_spec(config, use_te=use_te)] * num_layers, layer_norm=final_norm
+    )
