@@ -1,0 +1,425 @@
+"""The FSDP2 actor: log-probs, GRPO / SFT optimizer steps, weight export, checkpoints, offload.
+
+It implements the trainer protocol of ``docs/architecture.md``. One actor runs in each rank's
+process; every method is collective (all ranks call it, each with its own part of the batch).
+The model is a plain transformers model (``vlm_models.build_model``) with parallelism applied
+by :mod:`trainers_fsdp.parallelize`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from rl_algos import TrainBatch, aligned_logprobs, entropy_from_logits, grpo_loss, sft_loss
+from trainers_fsdp.attention import PACKED_ATTENTION, PackedSeqInfo, register_packed_attention
+from trainers_fsdp.checkpoint import load_checkpoint, save_checkpoint
+from trainers_fsdp.config import FsdpConfig
+from trainers_fsdp.distributed import all_reduce_, build_mesh, init_distributed, resolve_device
+from trainers_fsdp.microbatch import MicroBatch, build_micro_batch, plan_micro_batches
+from trainers_fsdp.optim import build_optimizer, build_scheduler, clip_grad_norm
+from trainers_fsdp.parallelize import apply_ac, apply_compile, apply_fsdp, mixed_precision_policy
+from trainers_fsdp.weights import export_hf_folder, iter_hf_weight_buckets
+from vlm_models import build_model
+
+logger = logging.getLogger(__name__)
+
+LOSSES = ("grpo", "sft")
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else getattr(torch, name)
+
+
+def aligned_entropy(logits: Tensor, cu_seqlens: list[int], temperature: float) -> Tensor:
+    """Entropy of the distribution that predicted token ``t`` at position ``t`` (0 at each
+    sample's first position), the layout of ``aligned_logprobs``."""
+    ent = entropy_from_logits(logits, temperature)
+    shifted = torch.cat([ent.new_zeros(1), ent[:-1]])
+    first = torch.zeros_like(shifted, dtype=torch.bool)
+    first[torch.tensor(cu_seqlens[:-1], device=logits.device)] = True
+    return shifted.masked_fill(first, 0.0)
+
+
+def _loss_units(loss_mask: list[Tensor], mode: str) -> float:
+    """What an aggregation mode divides by: masked tokens, or samples (with tokens)."""
+    if mode == "token-mean":
+        return float(sum(int((m > 0).sum()) for m in loss_mask))
+    if mode == "seq-mean-token-mean":
+        return float(sum(1 for m in loss_mask if bool((m > 0).any())))
+    return float(len(loss_mask))
+
+
+class FsdpActor:
+    """FSDP2 policy (and optional reference) model with the trainer protocol.
+
+    Example::
+
+        actor = FsdpActor(FsdpConfig(model="qwen3-vl-tiny", max_tokens_per_gpu=4096))
+        old = actor.compute_logprobs(batch)
+        batch.old_logprobs = old
+        metrics = actor.train_step(batch, loss="grpo")
+    """
+
+    def __init__(self, config: FsdpConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.rank, self.world_size = init_distributed(self.device, timeout_s=config.dist_timeout_s)
+        self.mesh = build_mesh(self.device)
+        default_dtype = "bfloat16" if self.device.type == "cuda" else None
+        self.param_dtype = _dtype(config.param_dtype or default_dtype)
+        self.model = self._build(trainable=True)
+        self.ref_model = self._build(trainable=False) if config.reference_model else None
+        self.optimizer = build_optimizer(self.model, config.optim, self.device)
+        self.scheduler = build_scheduler(self.optimizer, config.optim)
+        self.step = 0
+        self._offloaded = False
+        torch.manual_seed(config.seed + self.rank)
+
+    # ----------------------------------------------------------------------------- building
+    def _build(self, *, trainable: bool) -> nn.Module:
+        cfg = self.config
+        if cfg.attn_implementation == PACKED_ATTENTION:
+            register_packed_attention()
+        torch.manual_seed(cfg.seed)  # identical init on every rank before sharding
+        model = build_model(
+            cfg.model,
+            dtype=torch.float32,
+            attn_implementation=cfg.attn_implementation,
+            vision_attn_implementation=cfg.vision_attn_implementation,
+            freeze_vision=cfg.freeze_vision,
+            **cfg.model_overrides,
+        )
+        model.config.use_cache = False
+        if not trainable:
+            model.requires_grad_(False)
+            model.eval()
+        if trainable and cfg.activation_checkpointing:
+            apply_ac(model)
+        if cfg.compile:
+            apply_compile(model)
+        mp = mixed_precision_policy(self.param_dtype, _dtype(cfg.reduce_dtype))
+        offload = not trainable and cfg.offload_reference and self.device.type == "cuda"
+        apply_fsdp(
+            model,
+            self.mesh,
+            mp,
+            reshard_after_forward=cfg.reshard_after_forward,
+            cpu_offload=offload,
+        )
+        if not offload:
+            model.to(self.device)
+        return model
+
+    @property
+    def model_config(self):
+        return self.model.config
+
+    # ----------------------------------------------------------------------------- forward
+    def _micro_batches(self, batch: TrainBatch) -> Iterator[MicroBatch]:
+        plan = plan_micro_batches(batch.lengths, self.config.max_tokens_per_gpu)
+        need_vision = self.world_size > 1
+        for indices in plan:
+            mb = build_micro_batch(batch, indices, self.model_config, need_vision=need_vision)
+            yield mb.to(self.device)
+
+    def _forward(
+        self, model: nn.Module, mb: MicroBatch, *, entropy: str | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """Packed forward; aligned log-probs ``[T]`` (float32) and optionally entropy.
+
+        ``entropy``: None, ``"grad"`` (all positions, differentiable) or ``"metric"`` (detached,
+        computed only on the loss positions to save time).
+        """
+        kwargs = dict(
+            input_ids=mb.input_ids[None],
+            position_ids=mb.position_ids[:, None, :],
+            use_cache=False,
+        )
+        if mb.pixel_values is not None:
+            kwargs["pixel_values"] = mb.pixel_values
+            kwargs["image_grid_thw"] = mb.image_grid_thw
+        if self.config.attn_implementation == PACKED_ATTENTION:
+            kwargs["packed_seq_info"] = PackedSeqInfo.from_lengths(mb.lengths, self.device)
+        logits = model(**kwargs).logits[0]
+        cu = [0]
+        for n in mb.lengths:
+            cu.append(cu[-1] + n)
+        temperature = self.config.temperature
+        logprobs = aligned_logprobs(logits, mb.input_ids, cu, temperature)
+        ent = None
+        if entropy == "grad":
+            ent = aligned_entropy(logits, cu, temperature)
+        elif entropy == "metric" and "loss_mask" in mb.fields:
+            with torch.no_grad():
+                n_real = mb.num_real_tokens
+                mask = mb.fields["loss_mask"][:n_real] > 0
+                mask[torch.tensor(mb.real_cu_seqlens[:-1], device=mask.device)] = False
+                rows = mask.nonzero().squeeze(1)
+                ent = torch.zeros(n_real, device=logits.device)
+                if rows.numel():
+                    ent[rows] = entropy_from_logits(logits[rows - 1].detach(), temperature)
+        return logprobs, ent
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch, *, reference: bool = False) -> list[Tensor]:
+        """Per-sample log-probs ``[L_i]`` (float32, CPU) under the policy or the reference."""
+        model = self.ref_model if reference else self.model
+        if model is None:
+            raise ValueError("reference=True needs FsdpConfig(reference_model=True)")
+        self._require_onloaded()
+        was_training = model.training
+        model.eval()
+        out: list[Tensor | None] = [None] * len(batch)
+        for mb in self._micro_batches(batch):
+            logprobs, _ = self._forward(model, mb)
+            logprobs = logprobs.float().cpu()
+            start = 0
+            for i, n in zip(mb.indices, mb.lengths, strict=False):
+                out[i] = logprobs[start : start + n]
+                start += n
+        model.train(was_training)
+        return out  # type: ignore[return-value]
+
+    # ----------------------------------------------------------------------------- training
+    def _loss_settings(self, batch: TrainBatch, loss: str) -> tuple[str, float | None]:
+        """Aggregation mode and the norm length fixed over the global batch."""
+        if loss == "grpo":
+            mode, norm = self.config.grpo.loss_agg_mode, self.config.grpo.norm_length
+        else:
+            mode, norm = self.config.sft_loss_agg_mode, None
+        if mode == "seq-mean-token-sum-norm" and norm is None:
+            longest = max([int((m > 0).sum()) for m in batch.loss_mask] or [0])
+            t = all_reduce_(torch.tensor([float(longest)]), dist.ReduceOp.MAX)
+            norm = max(1.0, float(t.item()))
+        return mode, norm
+
+    def _check_batch(self, batch: TrainBatch, loss: str) -> None:
+        if loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+        if loss == "grpo" and len(batch) and batch.advantages is None:
+            raise ValueError("train_step(loss='grpo') needs batch.advantages")
+        if loss == "grpo" and self.config.grpo.kl_coef and batch.ref_logprobs is None:
+            raise ValueError(
+                "grpo kl_coef > 0 needs batch.ref_logprobs (compute_logprobs(batch, reference=True))"
+            )
+
+    def train_step(self, batch: TrainBatch, *, loss: str = "grpo") -> dict[str, float]:
+        """One optimizer step over ``batch`` (this rank's part of the global batch).
+
+        :meth:`forward_backward` then :meth:`optimizer_step`; returns their metrics together
+        with ``tokens`` (global), ``step_time_s`` and ``tokens_per_s``.
+        """
+        start = time.perf_counter()
+        metrics = self.forward_backward(batch, loss=loss)
+        metrics.update(self.optimizer_step())
+        elapsed = time.perf_counter() - start
+        metrics.update(step_time_s=elapsed, tokens_per_s=metrics["tokens"] / elapsed)
+        return metrics
+
+    def forward_backward(self, batch: TrainBatch, *, loss: str = "grpo") -> dict[str, float]:
+        """Accumulate the gradient of the global-batch loss; no optimizer step.
+
+        Micro-batches are packed to ``max_tokens_per_gpu``; each micro-batch loss is scaled so
+        the accumulated gradient equals that of the loss aggregated over the whole global batch
+        (all micro-batches of all ranks) under the configured aggregation mode: token-mean
+        divides by the global count of loss tokens, the sequence modes by the global count of
+        samples.
+        """
+        self._check_batch(batch, loss)
+        self._require_onloaded()
+        cfg = self.config
+        mode, norm = self._loss_settings(batch, loss)
+        grpo_cfg = dataclasses.replace(cfg.grpo, loss_agg_mode=mode, norm_length=norm)
+        local_units = _loss_units(batch.loss_mask, mode)
+        global_units = float(all_reduce_(torch.tensor([local_units], dtype=torch.float64)).item())
+        entropy_mode = None
+        if loss == "grpo" and cfg.grpo.entropy_coef:
+            entropy_mode = "grad"
+        elif cfg.log_entropy:
+            entropy_mode = "metric"
+
+        self.model.train()
+        sums: dict[str, Tensor] = {}
+        weights = 0.0
+        loss_total = torch.zeros((), device=self.device, dtype=torch.float64)
+        n_micro = 0
+        for mb in self._micro_batches(batch):
+            n_micro += 1
+            logprobs, ent = self._forward(self.model, mb, entropy=entropy_mode)
+            if not mb.indices:  # dummy row: run forward/backward for the collectives only
+                (logprobs.sum() * 0.0).backward()
+                continue
+            n_real = mb.num_real_tokens
+            lp = logprobs[:n_real]
+            f = mb.fields
+            cu = mb.real_cu_seqlens
+            mask = f["loss_mask"]
+            if loss == "grpo":
+                value, metrics = grpo_loss(
+                    lp,
+                    old_logprobs=f.get("old_logprobs", lp.detach()),
+                    advantages=f["advantages"],
+                    loss_mask=mask,
+                    cu_seqlens=cu,
+                    config=grpo_cfg,
+                    ref_logprobs=f.get("ref_logprobs"),
+                    rollout_logprobs=f.get("rollout_logprobs"),
+                    entropy=None if ent is None else ent[:n_real],
+                )
+            else:
+                value = sft_loss(lp, mask, cu, mode, norm_length=norm)
+                metrics = {"loss": value.detach()}
+                if ent is not None:
+                    on = (mask > 0).to(ent.dtype)
+                    metrics["entropy"] = (ent[:n_real] * on).sum() / on.sum().clamp(min=1)
+            scale = mb.loss_units[mode] / global_units if global_units > 0 else 0.0
+            # FSDP averages gradients over ranks; multiplying by world size makes it a sum.
+            (value * (scale * self.world_size)).backward()
+            loss_total += value.detach().double() * scale
+            tokens = float(mb.loss_units["token-mean"])
+            weights += tokens
+            for k, v in metrics.items():
+                if k == "loss":
+                    continue
+                v = v.detach().double()
+                if k.endswith(("_max", "_min")):
+                    v = v if k.endswith("_max") else -v
+                    sums[k] = v if k not in sums else torch.maximum(sums[k], v)
+                else:
+                    sums[k] = sums.get(k, 0.0) + v * tokens
+        out = self._reduce_metrics(sums, weights, loss_total)
+        n_tokens = all_reduce_(torch.tensor([float(batch.num_tokens)], dtype=torch.float64))
+        out.update(
+            tokens=float(n_tokens.item()),
+            loss_tokens=out.pop("_weights"),
+            num_micro_batches=float(n_micro),
+        )
+        return out
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip, step AdamW and the LR schedule, zero the gradients. A non-finite gradient
+        norm skips the update (reported as ``update_skipped``)."""
+        grad_norm = float(clip_grad_norm(self.model.parameters(), self.config.optim.max_grad_norm))
+        skipped = not math.isfinite(grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        if skipped:
+            logger.warning("step %d: non-finite grad norm %s, update skipped", self.step, grad_norm)
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "step": float(self.step),
+            "update_skipped": float(skipped),
+        }
+
+    def _reduce_metrics(
+        self, sums: dict[str, Tensor], weights: float, loss_total: Tensor
+    ) -> dict[str, float]:
+        """Token-weighted means over all ranks (max / min for ``*_max`` / ``*_min``)."""
+        keys = sorted(sums)
+        if self.world_size > 1:
+            gathered: list[list[str]] = [[] for _ in range(self.world_size)]
+            dist.all_gather_object(gathered, keys)
+            keys = sorted(set().union(*gathered))
+        mean_keys = [k for k in keys if not (k.endswith("_max") or k.endswith("_min"))]
+        ext_keys = [k for k in keys if k not in mean_keys]
+        dev = self.device
+        mean_vec = torch.stack(
+            [torch.as_tensor(sums.get(k, 0.0), dtype=torch.float64, device=dev) for k in mean_keys]
+            + [torch.tensor(weights, dtype=torch.float64, device=dev), loss_total.to(dev)]
+        )
+        all_reduce_(mean_vec)
+        ext_vec = torch.stack(
+            [
+                torch.as_tensor(sums.get(k, -float("inf")), dtype=torch.float64, device=dev)
+                for k in ext_keys
+            ]
+            + [torch.zeros((), dtype=torch.float64, device=dev)]
+        )
+        all_reduce_(ext_vec, dist.ReduceOp.MAX)
+        mean_vals = mean_vec.cpu().tolist()
+        total_w = mean_vals[-2]
+        out = {
+            k: v / total_w if total_w > 0 else 0.0
+            for k, v in zip(mean_keys, mean_vals, strict=False)
+        }
+        for k, v in zip(ext_keys, ext_vec.cpu().tolist(), strict=False):
+            out[k] = v if k.endswith("_max") else -v
+        out["loss"] = mean_vals[-1]
+        out["_weights"] = total_w
+        return out
+
+    # ----------------------------------------------------------------------------- weights
+    def iter_hf_weights(self, bucket_bytes: int = 1 << 30) -> Iterator[list[tuple[str, Tensor]]]:
+        """Full (unsharded) HF-named tensors in buckets of at most ``bucket_bytes``.
+
+        Names and shapes are the original checkpoint's (the GEMM patch embedding keeps the
+        Conv3d parameter); tied ``lm_head.weight`` is left out as checkpoints do. Collective.
+        """
+        self._require_onloaded()
+        dtype = _dtype(self.config.export_dtype)
+        yield from iter_hf_weight_buckets(self.model, bucket_bytes, dtype, device="cpu")
+
+    def export_hf(self, path: str | os.PathLike, *, dtype: str | None = None) -> None:
+        """Write an HF folder that ``Qwen3VLForConditionalGeneration.from_pretrained`` loads."""
+        self._require_onloaded()
+        export_hf_folder(self.model, path, dtype=_dtype(dtype or self.config.export_dtype))
+
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Model, optimizer, scheduler, RNG and step with torch.distributed.checkpoint."""
+        self._require_onloaded()
+        save_checkpoint(path, self.model, self.optimizer, self.scheduler, self.step)
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Resume exactly from :meth:`save_checkpoint`'s folder."""
+        self._require_onloaded()
+        self.step = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+
+    # ----------------------------------------------------------------------------- offload
+    def offload(self) -> None:
+        """Move parameters, gradients and optimizer state to CPU (frees the GPU for rollout)."""
+        self._move(torch.device("cpu"))
+        self._offloaded = self.device.type != "cpu"
+
+    def onload(self) -> None:
+        """Bring everything :meth:`offload` moved back to the GPU."""
+        self._move(self.device)
+        self._offloaded = False
+
+    def _move(self, device: torch.device) -> None:
+        if self.device.type == "cpu":
+            return
+        self.model.to(device)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad = p.grad.to(device)
+        for state in self.optimizer.state.values():
+            for k, v in state.items():
+                if isinstance(v, Tensor):
+                    state[k] = v.to(device, non_blocking=True)
+        if device.type == "cpu":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        logger.info("actor state moved to %s", device)
+
+    def _require_onloaded(self) -> None:
+        if self._offloaded:
+            raise RuntimeError("the actor is offloaded: call onload() first")
+
+    def close(self) -> None:
+        """Destroy the process group if this actor created it."""
+        if dist.is_initialized():
+            dist.destroy_process_group()

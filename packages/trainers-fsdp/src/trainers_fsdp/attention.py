@@ -1,0 +1,134 @@
+"""Attention within sample boundaries for packed micro-batches, as a transformers attention backend.
+
+A packed micro-batch is one row of concatenated samples. transformers' ``sdpa`` backend handles
+that by building a dense block-causal ``[T, T]`` mask, which rules out the flash kernel and
+spends the full ``T^2`` attention cost. This backend takes the sample boundaries
+(:class:`PackedSeqInfo`, passed as the ``packed_seq_info`` forward keyword) and runs
+
+- on CUDA with bf16/fp16, ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention / cuDNN
+  varlen kernels, torch >= 2.10) when present;
+- otherwise one causal ``scaled_dot_product_attention`` per sample (flash / efficient kernels on
+  GPU, the math kernel on CPU).
+
+Non-causal modules (the vision blocks, which already split by image) and calls without
+``packed_seq_info`` fall back to transformers' ``sdpa``. Register once with
+:func:`register_packed_attention`, then build the model with ``attn_implementation="packed"``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
+
+logger = logging.getLogger(__name__)
+
+PACKED_ATTENTION = "packed"
+
+
+@dataclass(frozen=True)
+class PackedSeqInfo:
+    """Sample boundaries of a packed row: ``cu_seqlens`` (int32, on the compute device), the
+    lengths as Python ints (no host sync per layer) and the longest length."""
+
+    cu_seqlens: torch.Tensor
+    lengths: tuple[int, ...]
+    max_seqlen: int
+
+    @classmethod
+    def from_lengths(cls, lengths: list[int], device: torch.device) -> PackedSeqInfo:
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+        return cls(cu.to(device), tuple(int(x) for x in lengths), max(lengths))
+
+
+@cache
+def _varlen():
+    """(varlen_attn, kwargs for causal, supports GQA) or None when this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:  # torch >= 2.11
+        causal = {"window_size": (-1, 0)}
+    elif "is_causal" in params:  # torch 2.10
+        causal = {"is_causal": True}
+    else:
+        return None
+    return varlen_attn, causal, "enable_gqa" in params
+
+
+def _repeat_kv(x: torch.Tensor, n_rep: int, dim: int) -> torch.Tensor:
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=dim)
+
+
+def packed_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, H_kv, T, D]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    packed_seq_info: PackedSeqInfo | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention inside each packed sample; returns ``([1, T, H, D], None)``."""
+    if packed_seq_info is None or not getattr(module, "is_causal", True) or query.shape[0] != 1:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if dropout:
+        raise ValueError("packed attention does not implement dropout")
+    n_rep = query.shape[1] // key.shape[1]
+    varlen = _varlen()
+    if varlen is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
+        fn, causal, has_gqa = varlen
+        q = query[0].transpose(0, 1)  # [T, H, D]
+        k = key[0].transpose(0, 1)
+        v = value[0].transpose(0, 1)
+        extra = dict(causal)
+        if has_gqa and n_rep > 1:
+            extra["enable_gqa"] = True
+        else:
+            k, v = _repeat_kv(k, n_rep, 1), _repeat_kv(v, n_rep, 1)
+        cu, m = packed_seq_info.cu_seqlens, packed_seq_info.max_seqlen
+        out = fn(q, k, v, cu, cu, m, m, scale=scaling, **extra)  # [T, H, D]
+        return out.unsqueeze(0), None
+    outs = []
+    start = 0
+    for length in packed_seq_info.lengths:
+        end = start + length
+        outs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, start:end],
+                key[:, :, start:end],
+                value[:, :, start:end],
+                is_causal=True,
+                scale=scaling,
+                enable_gqa=n_rep > 1,
+            )
+        )
+        start = end
+    out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """Mask builder for the packed backend: boundaries come from ``packed_seq_info``."""
+    return None
+
+
+def register_packed_attention() -> str:
+    """Register the ``"packed"`` attention backend with transformers (idempotent)."""
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
+    AttentionMaskInterface.register(PACKED_ATTENTION, _no_mask)
+    return PACKED_ATTENTION

@@ -1,0 +1,71 @@
+"""The actor's one config: model source, parallelism, precision, micro-batching, optimizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from rl_algos import GrpoLossConfig
+
+LrSchedule = Literal["constant", "cosine"]
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with gradient-norm clipping and a warmup + (constant | cosine) schedule."""
+
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01  # applied to matrices only; norms, biases and embeddings' 1-D
+    max_grad_norm: float = 1.0  # <= 0: report the norm, do not clip
+    lr_schedule: LrSchedule = "constant"
+    warmup_steps: int = 0  # linear warmup from 0 to lr
+    total_steps: int | None = None  # cosine: steps to decay over (warmup included)
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    fused: bool | None = None  # fused AdamW kernel; None: on CUDA
+
+
+@dataclass
+class FsdpConfig:
+    """Everything :class:`~trainers_fsdp.FsdpActor` needs.
+
+    ``model`` is anything :func:`vlm_models.build_model` takes: a preset name
+    (``"qwen3-vl-tiny"``, ``"qwen3-vl-2b"``: random init), a local HF folder, a hub id or a
+    config object. Dtypes are names (``"bfloat16"``) so the config stays plain data.
+    """
+
+    model: Any = "qwen3-vl-tiny"
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    # "packed": varlen attention within sample boundaries (trainers_fsdp.attention);
+    # "sdpa" / "flash_attention_2": transformers' own (packed by position ids).
+    attn_implementation: str = "packed"
+    vision_attn_implementation: str = "sdpa"
+    freeze_vision: bool = False
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    param_dtype: str | None = None  # compute dtype; None: bfloat16 on CUDA, float32 on CPU
+    reduce_dtype: str = "float32"  # gradient reduce-scatter dtype (master weights stay float32)
+    reshard_after_forward: bool = True  # ZeRO-3; False keeps params gathered between fwd and bwd
+    activation_checkpointing: bool = False
+    compile: bool = False  # torch.compile each decoder layer / vision block
+    max_tokens_per_gpu: int = 16384  # micro-batch token budget (dynamic batch size)
+    temperature: float = 1.0  # the rollout's sampling temperature, for log-probs
+    grpo: GrpoLossConfig = field(default_factory=GrpoLossConfig)
+    sft_loss_agg_mode: str = "token-mean"
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    reference_model: bool = False  # keep a frozen copy of the initial weights for KL
+    offload_reference: bool = True  # reference params live in CPU memory (gathered per layer)
+    log_entropy: bool = True  # entropy metric in train_step (no gradient unless entropy_coef)
+    export_dtype: str = "bfloat16"  # dtype of iter_hf_weights / export_hf tensors
+    seed: int = 0
+    dist_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens_per_gpu <= 0:
+            raise ValueError(f"max_tokens_per_gpu must be positive, got {self.max_tokens_per_gpu}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {self.temperature}")
+        if self.optim.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(
+                f"optim.lr_schedule must be 'constant' or 'cosine', got {self.optim.lr_schedule!r}"
+            )

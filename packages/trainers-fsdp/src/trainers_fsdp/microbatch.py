@@ -1,0 +1,157 @@
+"""Micro-batches: samples of a TrainBatch packed end to end to a token budget, without padding.
+
+Each micro-batch is one row of ``T`` tokens holding whole samples; every sample keeps its own
+M-RoPE positions (``vlm_models.packed_position_ids``) and its attention stays inside its own
+span (``PackedSeqInfo``). Under FSDP every rank must run the same number of forwards, and the
+vision tower must run on every rank in each of them (its blocks all-gather their parameters),
+so :func:`plan_micro_batches` agrees on a count across ranks and :func:`build_micro_batch`
+appends a one-image dummy sample (never in the loss) where a micro-batch has no image.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers import PretrainedConfig
+
+from rl_algos import TrainBatch, pack_by_token_budget
+from trainers_fsdp.distributed import all_reduce_
+from vlm_models import packed_position_ids
+
+logger = logging.getLogger(__name__)
+
+_PER_TOKEN = ("loss_mask", "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
+
+
+@dataclass
+class MicroBatch:
+    """One packed row. Real samples come first; a dummy sample, when present, is last."""
+
+    indices: list[int]  # sample indices into the TrainBatch (real samples only)
+    lengths: list[int]  # token count of each packed sample, dummy included
+    input_ids: Tensor  # LongTensor[T]
+    position_ids: Tensor  # LongTensor[4, T]: text positions, then M-RoPE (t, h, w)
+    pixel_values: Tensor | None  # FloatTensor[P, D], all images of the row
+    image_grid_thw: Tensor | None  # LongTensor[n_img, 3]
+    fields: dict[str, Tensor]  # per-token training fields over the real tokens, [T_real]
+    has_dummy: bool
+    loss_units: dict[str, float]  # loss tokens / samples with tokens / samples, per agg mode
+
+    @property
+    def num_real_tokens(self) -> int:
+        return sum(self.lengths[: len(self.indices)])
+
+    @property
+    def real_cu_seqlens(self) -> list[int]:
+        cu = [0]
+        for n in self.lengths[: len(self.indices)]:
+            cu.append(cu[-1] + n)
+        return cu
+
+    def to(self, device: torch.device) -> MicroBatch:
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return MicroBatch(
+            indices=self.indices,
+            lengths=self.lengths,
+            input_ids=move(self.input_ids),
+            position_ids=move(self.position_ids),
+            pixel_values=move(self.pixel_values),
+            image_grid_thw=move(self.image_grid_thw),
+            fields={k: move(v) for k, v in self.fields.items()},
+            has_dummy=self.has_dummy,
+            loss_units=self.loss_units,
+        )
+
+
+def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Pack sample indices to ``max_tokens`` per micro-batch, with the same count on all ranks.
+
+    A rank that needs fewer micro-batches than the busiest rank first splits its largest
+    multi-sample micro-batches (smaller forwards, no wasted work), then adds empty ones (run as a
+    dummy sample only).
+    """
+    bins = pack_by_token_budget(lengths, max_tokens) if lengths else []
+    target = int(all_reduce_(torch.tensor([len(bins)]), torch.distributed.ReduceOp.MAX).item())
+    while len(bins) < target:
+        splittable = [b for b in bins if len(b) > 1]
+        if not splittable:
+            bins.append([])
+            continue
+        big = max(splittable, key=lambda b: sum(lengths[i] for i in b))
+        bins.remove(big)
+        half, acc, total = [], 0, sum(lengths[i] for i in big)
+        for i in big:
+            if acc < total / 2 and len(half) < len(big) - 1:
+                half.append(i)
+                acc += lengths[i]
+        rest = [i for i in big if i not in half]
+        bins.extend([half, rest])
+    return bins
+
+
+def dummy_image(config: PretrainedConfig) -> tuple[Tensor, Tensor, Tensor]:
+    """Smallest image the vision tower takes: one merged token. ``(input_ids, pixels, grid)``."""
+    vc = config.vision_config
+    merge = vc.spatial_merge_size
+    patch_dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
+    grid = torch.tensor([[1, merge, merge]])
+    pixels = torch.zeros(merge * merge, patch_dim)
+    ids = torch.tensor([config.image_token_id])
+    return ids, pixels, grid
+
+
+def build_micro_batch(
+    batch: TrainBatch,
+    indices: list[int],
+    config: PretrainedConfig,
+    *,
+    need_vision: bool,
+) -> MicroBatch:
+    """Pack ``batch`` samples ``indices`` into one row (CPU tensors).
+
+    ``need_vision``: append a dummy image sample when no real sample has an image, so that the
+    vision tower runs (FSDP collectives must match across ranks). With no ``indices`` the row is
+    the dummy alone.
+    """
+    ids = [batch.input_ids[i].reshape(-1).long() for i in indices]
+    grids = [batch.image_grid_thw[i] if batch.image_grid_thw else None for i in indices]
+    pixels = [batch.pixel_values[i] if batch.pixel_values else None for i in indices]
+    types = [batch.mm_token_type_ids[i] for i in indices] if batch.mm_token_type_ids else None
+    has_image = any(g is not None and len(g) for g in grids)
+    add_dummy = not indices or (need_vision and not has_image)
+    if add_dummy:
+        d_ids, d_pix, d_grid = dummy_image(config)
+        ids, grids, pixels = [*ids, d_ids], [*grids, d_grid], [*pixels, d_pix]
+        if types is not None:
+            types = [*types, torch.ones_like(d_ids, dtype=torch.int32)]
+    lengths = [int(t.numel()) for t in ids]
+    mrope = packed_position_ids(ids, grids, config, types)
+    text = torch.cat([torch.arange(n) for n in lengths])
+    present = [(p, g) for p, g in zip(pixels, grids, strict=True) if g is not None and len(g)]
+    if any(p is None for p, _ in present):
+        raise ValueError("a sample has image_grid_thw but no pixel_values")
+    fields = {}
+    for name in _PER_TOKEN:
+        values = getattr(batch, name)
+        if values is not None and indices:
+            fields[name] = torch.cat([values[i].reshape(-1).float() for i in indices])
+    masks = [batch.loss_mask[i] > 0 for i in indices]
+    loss_units = {
+        "token-mean": float(sum(int(m.sum()) for m in masks)),
+        "seq-mean-token-mean": float(sum(1 for m in masks if bool(m.any()))),
+        "seq-mean-token-sum-norm": float(len(masks)),
+    }
+    return MicroBatch(
+        indices=list(indices),
+        lengths=lengths,
+        input_ids=torch.cat(ids),
+        position_ids=torch.cat([text[None], mrope.long()], dim=0),
+        pixel_values=torch.cat([p for p, _ in present]) if present else None,
+        image_grid_thw=torch.cat([g for _, g in present]).long() if present else None,
+        fields=fields,
+        has_dummy=add_dummy,
+        loss_units=loss_units,
+    )

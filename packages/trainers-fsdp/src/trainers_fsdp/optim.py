@@ -1,0 +1,85 @@
+"""AdamW, learning-rate schedules and gradient-norm clipping that work on sharded (DTensor) params."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
+
+from trainers_fsdp.config import OptimConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; weight decay on matrices only.
+
+    Norm weights and biases (1-D) are not decayed, the usual practice. On CUDA the fused kernel
+    is used (it takes DTensor parameters); on CPU the foreach implementation.
+    """
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    fused = cfg.fused if cfg.fused is not None else device.type == "cuda"
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        eps=cfg.eps,
+        fused=fused,
+        foreach=None if fused else True,
+    )
+
+
+def lr_lambda(cfg: OptimConfig):
+    """The multiplier of ``cfg.lr`` at each step: linear warmup, then constant or cosine."""
+
+    def factor(step: int) -> float:
+        if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        if cfg.total_steps is None:
+            raise ValueError("lr_schedule='cosine' needs optim.total_steps")
+        span = max(1, cfg.total_steps - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
+
+    return factor
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> LambdaLR:
+    """A per-optimizer-step scheduler (call ``step()`` after each ``optimizer.step()``)."""
+    return LambdaLR(optimizer, lr_lambda(cfg))
+
+
+@torch.no_grad()
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Global L2 norm of the gradients (over all ranks), clipped to ``max_norm`` when > 0.
+
+    With DTensor gradients ``clip_grad_norm_`` returns a DTensor norm whose local value is only
+    this rank's part; ``full_tensor()`` reduces it. A non-finite norm is returned unclipped
+    so the caller can skip the step.
+    """
+    grads = [p for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm([p.grad for p in grads], norm_type=2.0)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    norm = norm.float()
+    if max_norm > 0:
+        value = float(norm)  # one host sync per step
+        if math.isfinite(value) and value > max_norm:
+            coef = max_norm / (value + 1e-6)
+            for p in grads:
+                p.grad.mul_(coef)
+    return norm

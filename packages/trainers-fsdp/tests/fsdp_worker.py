@@ -1,0 +1,52 @@
+"""One rank of the multi-process tests: run as a script with torchrun-style env variables.
+
+Builds the tiny actor, takes this rank's shard of a fixed batch, accumulates the gradient of
+the global-batch loss and writes the full gradients and metrics (rank 0) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import mixed_batch, tiny_actor_config
+from trainers_fsdp import FsdpActor, FsdpConfig
+
+
+def shard(n: int, rank: int, world: int) -> list[int]:
+    """Uneven on purpose: rank 0 takes the first three samples (all image ones but the last)."""
+    if world == 1:
+        return list(range(n))
+    return [0, 1, 2] if rank == 0 else list(range(3, n))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--loss", default="grpo")
+    parser.add_argument("--agg", default="token-mean")
+    args = parser.parse_args()
+    cfg: FsdpConfig = tiny_actor_config(max_tokens_per_gpu=64)
+    cfg.grpo.loss_agg_mode = args.agg
+    cfg.sft_loss_agg_mode = args.agg
+    actor = FsdpActor(cfg)
+    batch = mixed_batch()
+    part = batch.select(shard(len(batch), actor.rank, actor.world_size))
+    logprobs = actor.compute_logprobs(part)
+    metrics = actor.forward_backward(part, loss=args.loss)
+    grads = {
+        n: p.grad.full_tensor() for n, p in actor.model.named_parameters() if p.grad is not None
+    }
+    gathered = [None] * actor.world_size
+    torch.distributed.all_gather_object(gathered, logprobs)
+    if actor.rank == 0:
+        torch.save({"grads": grads, "metrics": metrics, "logprobs": gathered}, args.out)
+    actor.close()
+
+
+if __name__ == "__main__":
+    main()
