@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import resource
@@ -102,7 +103,7 @@ def measure(impl: str, args) -> dict:
         peak = torch.cuda.max_memory_allocated() - base
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    return {"impl": impl, "peak_extra_bytes": int(peak), "time_s": sum(times) / len(times)}
+    return {"impl": impl, "peak_extra_bytes": max(int(peak), 0), "time_s": sum(times) / len(times)}
 
 
 def measure_in_subprocess(impl: str, argv: list[str]) -> dict:
@@ -151,7 +152,13 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     base, ours = results["baseline"], results["ours"]
-    mem_ratio = base["peak_extra_bytes"] / max(ours["peak_extra_bytes"], 1)
+    # Below 1 MiB the CPU figure is RSS noise (page granularity, allocator caching): no ratio.
+    mib = 1 << 20
+    mem_ratio = (
+        base["peak_extra_bytes"] / ours["peak_extra_bytes"]
+        if ours["peak_extra_bytes"] >= mib
+        else float("nan")
+    )
     time_ratio = base["time_s"] / ours["time_s"]
     gib = 1 << 30
     print(
@@ -166,9 +173,7 @@ def main() -> None:
     )
 
     if args.out:
-        device_name = (
-            torch.cuda.get_device_name() if args.device == "cuda" else platform.processor()
-        )
+        device_name = torch.cuda.get_device_name() if args.device == "cuda" else _cpu_name()
         record = {
             "bench": "logprobs_from_logits",
             "device": args.device,
@@ -184,7 +189,7 @@ def main() -> None:
             "parity_max_abs_diff": max_diff,
             "baseline": base,
             "ours": ours,
-            "memory_ratio": mem_ratio,
+            "memory_ratio": None if math.isnan(mem_ratio) else mem_ratio,
             "time_ratio": time_ratio,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         }

@@ -101,7 +101,7 @@ def pack_sequences(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
 
 def unpack_sequences(packed: Tensor, cu_seqlens: Tensor | Sequence[int]) -> list[Tensor]:
     """Split a packed tensor back into per-sample views (the inverse of :func:`pack_sequences`)."""
-    bounds = [int(b) for b in cu_seqlens]
+    bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else [int(b) for b in cu_seqlens]
     if bounds[0] != 0 or bounds[-1] != packed.shape[0]:
         raise ValueError(
             f"cu_seqlens must run from 0 to {packed.shape[0]} (the packed length); got "

@@ -26,6 +26,11 @@ def _rows_per_chunk(vocab: int, chunk_size: int | None) -> int:
     return max(1, _CHUNK_ELEMENTS // max(vocab, 1))
 
 
+def _bounds_list(cu_seqlens: Tensor | Sequence[int]) -> list[int]:
+    """Python ints, with one device-to-host copy for a GPU tensor (not one per element)."""
+    return cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else [int(b) for b in cu_seqlens]
+
+
 def _compute_dtype(logits: Tensor) -> torch.dtype:
     """float32, or float64 for float64 logits (so gradcheck sees full precision)."""
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
@@ -155,7 +160,7 @@ def entropy_from_logits(
 
 def first_positions_mask(cu_seqlens: Tensor | Sequence[int], total: int, device=None) -> Tensor:
     """Bool ``[T]``: True at the first token of every packed sample."""
-    starts = torch.as_tensor([int(b) for b in cu_seqlens][:-1], dtype=torch.long, device=device)
+    starts = torch.as_tensor(_bounds_list(cu_seqlens)[:-1], dtype=torch.long, device=device)
     mask = torch.zeros(total, dtype=torch.bool, device=device)
     mask[starts[starts < total]] = True
     return mask
@@ -180,7 +185,7 @@ def aligned_logprobs(
     total = input_ids.shape[0]
     if logits.shape[0] != total:
         raise ValueError(f"logits have {logits.shape[0]} rows, input_ids {total}")
-    bounds = [int(b) for b in cu_seqlens]
+    bounds = _bounds_list(cu_seqlens)
     if bounds[0] != 0 or bounds[-1] != total:
         raise ValueError(f"cu_seqlens must run from 0 to {total}, got {bounds[0]}..{bounds[-1]}")
     # Row t scores input_ids[t + 1]; the last row of each sample scores the next sample's first

@@ -25,8 +25,13 @@ _MAX_LOG_RATIO = 20.0
 _LOW_VAR_KL_CLAMP = 10.0
 
 
+def _bounds_list(cu_seqlens: Tensor | Sequence[int]) -> list[int]:
+    """Python ints, with one device-to-host copy for a GPU tensor (not one per element)."""
+    return cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else [int(b) for b in cu_seqlens]
+
+
 def _seq_index(cu_seqlens: Tensor | Sequence[int], total: int, device) -> tuple[Tensor, int]:
-    bounds = torch.as_tensor([int(b) for b in cu_seqlens], dtype=torch.long)
+    bounds = torch.as_tensor(_bounds_list(cu_seqlens), dtype=torch.long)
     if bounds[0] != 0 or bounds[-1] != total:
         raise ValueError(f"cu_seqlens must run from 0 to {total}, got {bounds[0]}..{bounds[-1]}")
     lengths = bounds[1:] - bounds[:-1]
