@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from rl_algos import aligned_logprobs, entropy_from_logits, logprobs_from_logits
+from rl_algos import aligned_entropy, aligned_logprobs, entropy_from_logits, logprobs_from_logits
 
 
 def _reference_logprobs(logits, labels, temperature=1.0):
@@ -143,3 +143,12 @@ def test_bad_shapes():
         logprobs_from_logits(torch.zeros(2, 3), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="cu_seqlens"):
         aligned_logprobs(torch.zeros(4, 3), torch.zeros(4, dtype=torch.long), [0, 3])
+
+
+def test_aligned_entropy_hand_values():
+    logits = torch.tensor([[0.0, 0.0], [0.0, 100.0], [0.0, 0.0], [0.0, 0.0]])
+    out = aligned_entropy(logits, [0, 3, 4])
+    # position 1 <- row 0 (uniform: ln 2), position 2 <- row 1 (near one-hot: ~0), firsts 0
+    torch.testing.assert_close(out, torch.tensor([0.0, math.log(2.0), 0.0, 0.0]), atol=1e-6, rtol=0)
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a: aligned_entropy(a, [0, 2, 5], 0.9), (x,))

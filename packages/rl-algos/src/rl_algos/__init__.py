@@ -9,7 +9,12 @@ from rl_algos.advantages import (
     whiten_advantages,
 )
 from rl_algos.batch import TrainBatch, pack_by_token_budget, pack_sequences, unpack_sequences
-from rl_algos.logprobs import aligned_logprobs, entropy_from_logits, logprobs_from_logits
+from rl_algos.logprobs import (
+    aligned_entropy,
+    aligned_logprobs,
+    entropy_from_logits,
+    logprobs_from_logits,
+)
 from rl_algos.losses import (
     GrpoLossConfig,
     aggregate_loss,
@@ -25,6 +30,7 @@ __all__ = [
     "GrpoLossConfig",
     "TrainBatch",
     "aggregate_loss",
+    "aligned_entropy",
     "aligned_logprobs",
     "broadcast_advantages",
     "compute_grpo_advantages",

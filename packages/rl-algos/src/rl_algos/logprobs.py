@@ -195,3 +195,25 @@ def aligned_logprobs(
     shifted = torch.cat([lp.new_zeros(1), lp[:-1]])
     first = first_positions_mask(bounds, total, device=lp.device)
     return shifted.masked_fill(first, 0.0)
+
+
+def aligned_entropy(
+    logits: Tensor,
+    cu_seqlens: Tensor | Sequence[int],
+    temperature: float = 1.0,
+    *,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """Entropy of the distribution that predicted token ``t``, at position ``t`` (packed samples).
+
+    The same layout as :func:`aligned_logprobs`: ``out[t] = H(softmax(logits[t - 1] / T))``
+    inside each sample, ``0`` at each sample's first position. Float32 ``[T]``.
+    """
+    _check_2d(logits)
+    total = logits.shape[0]
+    bounds = _bounds_list(cu_seqlens)
+    if bounds[0] != 0 or bounds[-1] != total:
+        raise ValueError(f"cu_seqlens must run from 0 to {total}, got {bounds[0]}..{bounds[-1]}")
+    ent = entropy_from_logits(logits, temperature, chunk_size=chunk_size)
+    shifted = torch.cat([ent.new_zeros(1), ent[:-1]])
+    return shifted.masked_fill(first_positions_mask(bounds, total, device=ent.device), 0.0)
