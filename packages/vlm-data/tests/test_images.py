@@ -1,0 +1,125 @@
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from vlm_data import ImageError, ImageLoader
+
+
+def _png(color=(10, 200, 30), size=(8, 6), mode="RGB") -> bytes:
+    buffer = io.BytesIO()
+    Image.new(mode, size, color).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture
+def loader(tmp_path: Path) -> ImageLoader:
+    return ImageLoader(base_dir=tmp_path, cache_dir=tmp_path / "cache", timeout_s=2.0)
+
+
+def test_every_accepted_form_decodes_to_the_same_rgb_image(loader, tmp_path):
+    data = _png()
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "a.png").write_bytes(data)
+    forms = [
+        {"bytes": data, "path": "ignored.png"},
+        {"bytes": None, "path": "imgs/a.png"},  # relative: inside the dataset folder
+        Image.open(io.BytesIO(data)),
+        data,
+        "imgs/a.png",
+        str(tmp_path / "imgs" / "a.png"),
+        tmp_path / "imgs" / "a.png",
+        base64.b64encode(data).decode(),
+        "data:image/png;base64," + base64.b64encode(data).decode(),
+    ]
+    for value in forms:
+        image = loader.load(value)
+        assert image.mode == "RGB" and image.size == (8, 6)
+        assert image.getpixel((3, 3)) == (10, 200, 30)
+
+
+def test_transparent_background_becomes_white(loader):
+    image = loader.load(_png(color=(0, 0, 0, 0), mode="RGBA"))
+    assert image.mode == "RGB" and image.getpixel((0, 0)) == (255, 255, 255)
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ({"bytes": b"\x89PNG\r\n\x1a\nnot really a png", "path": "x.png"}, "corrupt"),
+        (b"garbage bytes", "corrupt"),
+        ("missing/file.png", "not found"),
+        ({"bytes": None, "path": None}, "neither bytes nor path"),
+        ("data:image/png;base64,@@@not-base64@@@", "invalid data URI"),
+        (12345, "unsupported"),
+    ],
+)
+def test_bad_values_raise_image_error_naming_the_problem(loader, value, match):
+    with pytest.raises(ImageError, match=match):
+        loader.load(value)
+
+
+def test_truncated_png_is_reported_as_corrupt(loader):
+    data = _png(size=(64, 64))
+    with pytest.raises(ImageError, match="corrupt"):
+        loader.load(data[: len(data) // 2])
+
+
+class _Handler(http.server.SimpleHTTPRequestHandler):
+    def do_GET(self):
+        if self.path.startswith("/slow"):
+            time.sleep(3)
+        super().do_GET()
+
+    def log_message(self, *args):
+        pass
+
+
+class _QuietServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        pass  # the client hung up on purpose (timeout and size-cap tests)
+
+
+@pytest.fixture
+def http_root(tmp_path):
+    root = tmp_path / "www"
+    root.mkdir()
+    server = _QuietServer(("127.0.0.1", 0), lambda *a: _Handler(*a, directory=str(root)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield root, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_url_is_downloaded_once_then_read_from_the_disk_cache(loader, http_root):
+    root, base = http_root
+    (root / "a.png").write_bytes(_png())
+    url = f"{base}/a.png"
+    assert loader.load(url).getpixel((0, 0)) == (10, 200, 30)
+    (root / "a.png").unlink()  # a second load must not need the server
+    assert loader.load(url).getpixel((0, 0)) == (10, 200, 30)
+    assert len(list(loader.cache_dir.iterdir())) == 1
+
+
+def test_url_size_cap_timeout_and_missing_file(tmp_path, http_root):
+    root, base = http_root
+    (root / "big.png").write_bytes(_png(size=(256, 256), color=(1, 2, 3)) + b"\0" * 4096)
+    (root / "slow.png").write_bytes(_png())
+    loader = ImageLoader(cache_dir=tmp_path / "c", max_bytes=1024, timeout_s=0.5)
+    with pytest.raises(ImageError, match="cap"):
+        loader.load(f"{base}/big.png")
+    with pytest.raises(ImageError, match="local path"):
+        loader.load(f"{base}/slow.png")
+    with pytest.raises(ImageError, match="could not download"):
+        loader.load(f"{base}/absent.png")
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())

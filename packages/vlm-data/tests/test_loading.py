@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+from PIL import Image
+
+from vlm_data import DatasetLoadError, ImageLoader, load_rows
+
+
+def test_geo3k_folder_parquet_file_and_canonical_columns(geo3k_dir):
+    rows = load_rows(geo3k_dir, split="validation")
+    assert len(rows) == 300
+    assert {"problem", "answer", "images"} <= set(rows.column_names)
+    first = rows[0]
+    assert first["problem"].startswith("<image>")
+    assert isinstance(first["images"][0], dict) and first["images"][0]["bytes"][:4] == b"\x89PNG"
+    same = load_rows(geo3k_dir / "validation.parquet")
+    assert same["problem"] == rows["problem"]
+
+
+def test_jsonl_with_custom_keys_and_relative_image_paths(tmp_path: Path):
+    data = tmp_path / "set"
+    (data / "pics").mkdir(parents=True)
+    Image.new("RGB", (5, 5), (9, 9, 9)).save(data / "pics" / "p0.png")
+    lines = [
+        {"question": "<image>What?", "label": "7", "pictures": ["pics/p0.png"]},
+        {"question": "No image here", "label": "1", "pictures": []},
+    ]
+    (data / "test.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
+    rows = load_rows(
+        data, split="test", prompt_key="question", answer_key="label", image_key="pictures"
+    )
+    assert rows.column_names == ["problem", "answer", "images"]
+    path = rows[0]["images"][0]
+    assert Path(path).is_absolute() and Path(path).parent == data / "pics"
+    assert ImageLoader().load(path).getpixel((0, 0)) == (9, 9, 9)
+    # Run from anywhere: the path does not depend on the working directory.
+    assert rows[1]["images"] == []
+
+
+def test_parquet_with_image_dicts_keeps_bytes_undecoded(tmp_path: Path):
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(buffer, format="PNG")
+    features = datasets.Features(
+        {
+            "problem": datasets.Value("string"),
+            "answer": datasets.Value("string"),
+            "images": datasets.List(datasets.Image()),
+        }
+    )
+    ds = datasets.Dataset.from_dict(
+        {
+            "problem": ["<image>x"],
+            "answer": ["1"],
+            "images": [[{"bytes": buffer.getvalue(), "path": None}]],
+        },
+        features=features,
+    )
+    ds.to_parquet(tmp_path / "train.parquet")
+    rows = load_rows(tmp_path)
+    assert rows[0]["images"][0]["bytes"] == buffer.getvalue()
+
+
+def test_errors_name_the_source_and_say_what_to_pass(tmp_path: Path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DatasetLoadError, match="local parquet"):
+        load_rows("someone/not-a-dataset-xyz", split="train")
+    (tmp_path / "train.parquet").write_bytes(b"")
+    with pytest.raises(DatasetLoadError, match="no file for split 'test'"):
+        load_rows(tmp_path, split="test")
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(DatasetLoadError, match=r"parquet or \.jsonl"):
+        load_rows(tmp_path / "notes.txt")
+    datasets.Dataset.from_dict({"q": ["a"], "answer": ["1"]}).to_parquet(tmp_path / "x.parquet")
+    with pytest.raises(DatasetLoadError, match="missing column"):
+        load_rows(tmp_path / "x.parquet")
