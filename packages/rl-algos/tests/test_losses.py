@@ -263,3 +263,19 @@ def test_sft_loss_matches_shifted_cross_entropy():
     labels = torch.where(mask[1:] > 0, ids[1:], torch.tensor(-100))
     ref = torch.nn.functional.cross_entropy(logits[:-1], labels, ignore_index=-100)
     torch.testing.assert_close(ours, ref)
+
+
+def test_non_finite_values_outside_mask_do_not_leak():
+    lp = torch.tensor([float("-inf"), -0.5, float("nan")], requires_grad=True)
+    kw = {
+        "old_logprobs": torch.tensor([0.0, -0.5, 0.0]),
+        "advantages": torch.ones(3),
+        "loss_mask": torch.tensor([0.0, 1.0, 0.0]),
+        "cu_seqlens": [0, 3],
+    }
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        cfg = GrpoLossConfig(loss_agg_mode=mode, gspo=mode == "seq-mean-token-mean")
+        loss, _ = grpo_loss(lp, config=cfg, **kw)
+        assert torch.isfinite(loss)
+        (grad,) = torch.autograd.grad(loss, lp)
+        assert torch.isfinite(grad[1]) and grad[1] != 0

@@ -45,10 +45,15 @@ def _seq_sum(values: Tensor, index: Tensor, num_seqs: int) -> Tensor:
     )
 
 
+def _masked(values: Tensor, mask: Tensor) -> Tensor:
+    """``values`` where ``mask != 0``, else 0; unlike ``values * mask``, an inf or NaN at an
+    unmasked position (log-probs there are unspecified) cannot leak into the sum."""
+    return torch.where(mask != 0, values, torch.zeros_like(values))
+
+
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     """Mean of ``values`` over ``mask != 0`` (0 when the mask is empty)."""
-    m = mask.to(values.dtype)
-    return (values * m).sum() / m.sum().clamp(min=1)
+    return _masked(values, mask).sum() / (mask != 0).sum().clamp(min=1).to(values.dtype)
 
 
 def aggregate_loss(
@@ -76,10 +81,10 @@ def aggregate_loss(
     mask = loss_mask.to(values.dtype)
     if mode == "token-mean":
         if denominator is not None:
-            return (values * mask).sum() / denominator
+            return _masked(values, mask).sum() / denominator
         return masked_mean(values, mask)
     index, num_seqs = _seq_index(cu_seqlens, values.shape[0], values.device)
-    seq_sums = _seq_sum(values * mask, index, num_seqs)
+    seq_sums = _seq_sum(_masked(values, mask), index, num_seqs)
     seq_counts = _seq_sum(mask, index, num_seqs)
     if mode == "seq-mean-token-mean":
         has_tokens = seq_counts > 0
@@ -150,7 +155,7 @@ def _gspo_log_ratio(
 ) -> Tensor:
     """GSPO-token log-ratio: value = the sample's mean token log-ratio, gradient per token."""
     index, num_seqs = _seq_index(cu_seqlens, total, logprobs.device)
-    log_ratio = (logprobs - old_logprobs) * mask
+    log_ratio = _masked(logprobs - old_logprobs, mask)
     seq_mean = _seq_sum(log_ratio, index, num_seqs) / _seq_sum(mask, index, num_seqs).clamp(min=1)
     return seq_mean.detach()[index] + logprobs - logprobs.detach()
 
