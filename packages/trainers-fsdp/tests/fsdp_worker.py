@@ -24,27 +24,36 @@ def shard(n: int, rank: int, world: int) -> list[int]:
     return [0, 1, 2] if rank == 0 else list(range(3, n))
 
 
+CASES = [
+    ("grpo", "token-mean"),
+    ("sft", "seq-mean-token-mean"),
+    ("grpo", "seq-mean-token-sum-norm"),
+]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--loss", default="grpo")
-    parser.add_argument("--agg", default="token-mean")
     args = parser.parse_args()
     cfg: FsdpConfig = tiny_actor_config(max_tokens_per_gpu=64)
-    cfg.grpo.loss_agg_mode = args.agg
-    cfg.sft_loss_agg_mode = args.agg
     actor = FsdpActor(cfg)
     batch = mixed_batch()
     part = batch.select(shard(len(batch), actor.rank, actor.world_size))
     logprobs = actor.compute_logprobs(part)
-    metrics = actor.forward_backward(part, loss=args.loss)
-    grads = {
-        n: p.grad.full_tensor() for n, p in actor.model.named_parameters() if p.grad is not None
-    }
     gathered = [None] * actor.world_size
     torch.distributed.all_gather_object(gathered, logprobs)
+    results = {"logprobs": [lp for rank_part in gathered for lp in rank_part]}
+    for loss, agg in CASES:
+        cfg.grpo.loss_agg_mode = agg
+        cfg.sft_loss_agg_mode = agg
+        metrics = actor.forward_backward(part, loss=loss)
+        grads = {
+            n: p.grad.full_tensor() for n, p in actor.model.named_parameters() if p.grad is not None
+        }
+        actor.optimizer.zero_grad(set_to_none=True)
+        results[(loss, agg)] = {"grads": grads, "metrics": metrics}
     if actor.rank == 0:
-        torch.save({"grads": grads, "metrics": metrics, "logprobs": gathered}, args.out)
+        torch.save(results, args.out)
     actor.close()
 
 
