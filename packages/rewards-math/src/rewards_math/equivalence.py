@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 MAX_PARSE_CHARS = 256
 """Canonical answers longer than this are compared as text only."""
-MAX_NESTING = 24
+MAX_NESTING = 8
+"""Bracket depth cap: the LaTeX grammar's cost roughly doubles with each level of plain grouping."""
 MAX_EXPONENT_PRODUCT = 10_000
 MAX_SYMBOLIC_EXPONENT = 16
 """Exponent caps: numbers may be raised to large powers, but a power of a symbolic or radical

@@ -22,6 +22,7 @@ _TEXT_OPEN = re.compile(
 _REMOVE = re.compile(
     r"\\displaystyle|\\left(?![a-zA-Z])|\\right(?![a-zA-Z])|\\[,;:!>]|\\quad|\\qquad|~"
 )
+_UNIT_POWER = re.compile(r"\s*\^\s*(?:[23]|\{\s*[23]\s*\})")
 _DEGREE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\^\s*\{\s*\\circ\s*\}|°|\\degree|\\circ")
 _FRAC = re.compile(r"\\[dtc]frac(?![a-zA-Z])")
 _SQRT_SHORT = re.compile(r"\\sqrt\s*([0-9a-zA-Z])")
@@ -65,9 +66,33 @@ def _unwrap_text(s: str) -> str:
         kept.append(s[i : m.start()] + (f" {word} " if word in ("and", "or") else " "))
         words.append(word)
         i = close + 1
+        unit_power = _UNIT_POWER.match(s, i)  # cm^2, units^{3}
+        if unit_power:
+            i = unit_power.end()
     kept.append(s[i:])
     rest = "".join(kept).strip()
     return rest if rest else " ".join(words)
+
+
+_CLOSE_OF = {"{": "}", "(": ")", "[": "]"}
+
+
+def _drop_redundant_groups(tokens: list[str]) -> list[str]:
+    """``((8))`` -> ``(8)``, ``\\frac{{1}}{2}`` -> ``\\frac{1}{2}``: a group whose whole content
+    is one group of the same kind says nothing more, and the LaTeX grammar's cost grows steeply
+    with such nesting."""
+    match: dict[int, int] = {}
+    stack: list[int] = []
+    for i, tok in enumerate(tokens):
+        if tok in _CLOSE_OF:
+            stack.append(i)
+        elif stack and tok == _CLOSE_OF[tokens[stack[-1]]]:
+            match[stack.pop()] = i
+    drop: set[int] = set()
+    for i, j in match.items():
+        if match.get(i + 1) == j - 1 and tokens[i + 1] == tokens[i]:
+            drop.update((i + 1, j - 1))
+    return [tok for i, tok in enumerate(tokens) if i not in drop]
 
 
 def canonical(answer: str) -> str:
@@ -93,7 +118,7 @@ def canonical(answer: str) -> str:
         sign, whole, num, den = mixed.groups()
         if 0 < int(num) < int(den):
             s = f"{sign}\\frac{{{int(whole) * int(den) + int(num)}}}{{{den}}}"
-    return " ".join(_TOKENS.findall(s))
+    return " ".join(_drop_redundant_groups(_TOKENS.findall(s)))
 
 
 def plain_number(canon: str) -> Fraction | None:
