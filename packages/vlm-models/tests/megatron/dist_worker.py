@@ -79,7 +79,7 @@ def main(case_path: str, out_dir: str) -> None:
     for name, scenario in case["scenarios"].items():
         parallel = Parallelism(tp=scenario["tp"], pp=scenario["pp"], sp=scenario.get("sp", False))
         initialize_model_parallel(parallel)
-        model = build_megatron_model(case["config"], parallel)
+        model = build_megatron_model(case["config"], parallel, **scenario.get("overrides", {}))
         load_hf_weights(model, case["hf_state"])
         result: dict = {}
         logits = _forward(model, case, scenario.get("thd", False))

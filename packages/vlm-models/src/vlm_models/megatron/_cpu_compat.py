@@ -6,10 +6,13 @@ without:
 * its model-parallel RNG tracker reads and writes CUDA RNG states (``fork()`` is entered by the
   decoder under sequence parallelism and by the embedding dropout);
 * sequence-parallel gathers/scatters (``tensor_parallel.mappings``) and a few other helpers
-  allocate buffers on ``torch.cuda.current_device()``.
+  allocate buffers on ``torch.cuda.current_device()``;
+* with tied embeddings and pipeline parallelism, ``LanguageModule`` moves the last stage's
+  copy of the embedding with ``weight.data.cuda()`` before the first/last-stage all-reduce.
 
-:func:`apply` swaps in Megatron's own no-op inference RNG tracker and makes
-``torch.cuda.current_device()`` answer ``"cpu"``. It refuses to run where CUDA is available, so
+:func:`apply` swaps in Megatron's own no-op inference RNG tracker, makes
+``torch.cuda.current_device()`` answer ``"cpu"`` and ``Tensor.cuda()`` return the tensor
+unchanged (without CUDA both would otherwise raise). It refuses to run where CUDA is available, so
 none of it can reach a GPU run; only tests and CPU benchmarks call it (the library never does).
 """
 
@@ -35,5 +38,6 @@ def apply() -> None:
 
     random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
     _applied = True
     logger.info("Megatron CPU compatibility layer applied (tests only)")
