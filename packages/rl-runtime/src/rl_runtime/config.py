@@ -67,9 +67,14 @@ def leaves(cls: type) -> list[Leaf]:
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
+            # A section's defaults are those of its default instance (the app may override them).
+            section = _default(f)
             sub_hints = _hints(tp)
             for g in dataclasses.fields(tp):
-                out.append(Leaf(f.name, g.name, sub_hints[g.name], _default(g), _help(g)))
+                default = _default(g)
+                if section is not dataclasses.MISSING:
+                    default = getattr(section, g.name)
+                out.append(Leaf(f.name, g.name, sub_hints[g.name], default, _help(g)))
         else:
             out.append(Leaf(None, f.name, tp, _default(f), _help(f)))
     names = [leaf.name for leaf in out]

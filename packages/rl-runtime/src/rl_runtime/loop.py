@@ -48,7 +48,7 @@ class GrpoLoopConfig:
     save_interval: int = option(20, "checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = option(2, "how many checkpoints to keep")
     weight_bucket_mb: int = option(512, "weight sync bucket size (MiB)")
-    seed: int = option(1234, "seed of prompt order and sampling")
+    rollout_seed: int = option(1234, "seed of prompt order and sampling")
 
 
 @dataclass
@@ -65,6 +65,9 @@ class GrpoParts:
     eval_prompts: PromptSource | None = None
     resume: bool = False
     offload_between_phases: bool = False  # colocated on GPUs
+    # Ids a response must not contain (image / video placeholders): such a response cannot be
+    # scored by the trainer (its image tokens would have no image), so it is dropped and counted.
+    forbidden_token_ids: frozenset[int] = frozenset()
     extra_loop_state: dict[str, Any] = field(default_factory=dict)
 
 
@@ -81,8 +84,8 @@ class Timer:
 
 def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
     """Train for `cfg.num_rollout` steps (continuing from the last checkpoint when resuming)."""
-    sampler = PromptSampler(p.train_prompts, seed=cfg.seed)
-    rng = np.random.default_rng(cfg.seed)
+    sampler = PromptSampler(p.train_prompts, seed=cfg.rollout_seed)
+    rng = np.random.default_rng(cfg.rollout_seed)
     start = 0
     if p.resume and (latest := p.checkpoints.latest()):
         start, path = latest
@@ -101,7 +104,7 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
             # 1. Rollout: n responses for each prompt.
             with timer("rollout"):
                 prompts = sampler.next_batch(cfg.rollout_batch_size)
-                seed = cfg.seed * 1_000_003 + step
+                seed = cfg.rollout_seed * 1_000_003 + step
                 groups = p.rollout.generate(
                     prompts, n=cfg.n_samples_per_prompt, seed=seed, **sampling
                 )
@@ -114,6 +117,9 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
                 ]
                 bad = sum(not usable(c) for _, _, c in flat)
                 flat = [x for x in flat if usable(x[2])]
+                n_ok = len(flat)
+                flat = [x for x in flat if not p.forbidden_token_ids.intersection(x[2].token_ids)]
+                row["malformed_completions"] = n_ok - len(flat)
                 texts = [p.decode(c.token_ids) for _, _, c in flat]
                 rewards = p.score(texts, [str(pr.answer) for _, pr, _ in flat])
             # 3. Advantages within each prompt's group; optional dynamic-sampling filter.
@@ -203,8 +209,13 @@ def _train(train, batch, global_batch_size: int, rng: np.random.Generator) -> di
     totals: dict[str, list[float]] = defaultdict(list)
     for chunk in chunks:
         for k, v in train.train_step(batch.select(chunk), loss="grpo").items():
-            totals[k].append(float(v))
+            totals[_metric_name(k)].append(float(v))
     return {k: float(np.mean(v)) for k, v in totals.items()} | {"optimizer_steps": len(chunks)}
+
+
+def _metric_name(key: str) -> str:
+    """Trainer metrics keep their names, except those that clash with the loop's own."""
+    return f"trainer_{key}" if key in ("step", "time_step_s") else key
 
 
 def _evaluate(p: GrpoParts, evals, cfg: GrpoLoopConfig, step: int) -> dict[str, float]:
@@ -218,7 +229,7 @@ def _evaluate(p: GrpoParts, evals, cfg: GrpoLoopConfig, step: int) -> dict[str, 
         temperature=cfg.eval_temperature,
         top_p=1.0,
         max_new_tokens=cfg.rollout_max_response_len,
-        seed=cfg.seed * 7_919 + step,
+        seed=cfg.rollout_seed * 7_919 + step,
     )
 
 

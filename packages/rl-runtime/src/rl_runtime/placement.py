@@ -30,9 +30,7 @@ def init_ray(
 
     if ray.is_initialized():
         return
-    # Under `uv run`, Ray would otherwise ship the working tree to every worker and rebuild the
-    # environment there; our workers share the driver's interpreter and code.
-    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    _no_uv_runtime_env()
     kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": log_to_driver}
     if address:
         log.info("connecting to the Ray cluster at %s", address)
@@ -40,6 +38,19 @@ def init_ray(
     else:
         ray.init(num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
     log.info("Ray resources: %s", ray.cluster_resources())
+
+
+def _no_uv_runtime_env() -> None:
+    """Under `uv run`, Ray would ship the working tree to every worker and rebuild the
+    environment there (minutes, and a second copy of the code); our workers share the driver's
+    interpreter and code. Ray reads the switch when it is imported, so set the module constant
+    too, unless the user chose a value."""
+    if "RAY_ENABLE_UV_RUN_RUNTIME_ENV" in os.environ:
+        return
+    os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] = "0"
+    from ray._private import ray_constants
+
+    ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
 
 
 @dataclass

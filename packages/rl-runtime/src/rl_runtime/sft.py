@@ -72,7 +72,8 @@ def run_sft(
             batch = sft_batch(sampler.next_batch(cfg.sft_batch_size))
             metrics = train.train_step(batch, loss="sft")
             dt = time.perf_counter() - t0
-            row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+            row = {f"trainer_{k}" if k == "step" else k: float(v) for k, v in metrics.items()}
+            row = {"step": step, **row}
             row |= {"num_tokens": batch.num_tokens, "skipped_rows": sampler.state.skipped}
             row |= {"time_step_s": dt, "train_tokens_per_s": batch.num_tokens / max(dt, 1e-9)}
             logger.log(row)

@@ -1,0 +1,407 @@
+"""What both Geometry3K launchers share: config sections, environment aliases, and the small
+builders that turn a config into data sources, a processor, trainer/engine factories and Ray.
+
+The GRPO app imports this (it also runs the SFT app's code for the `--preset tiny` warm-up).
+Environment variables are read only by the apps, through `ENV_ALIASES`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from rl_runtime import Placement, create_placement, init_ray, option, to_dict
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MODELS = (
+    "Qwen3-VL-2B-Instruct",
+    "Qwen3-VL-4B-Instruct",
+    "Qwen3-VL-8B-Instruct",
+    "Qwen3-VL-30B-A3B-Instruct",
+    "Qwen3-VL-235B-A22B-Instruct",
+    "Qwen3-VL-2B-Thinking",
+    "Qwen3-VL-4B-Thinking",
+    "Qwen3-VL-8B-Thinking",
+    "Qwen3-VL-30B-A3B-Thinking",
+    "Qwen3-VL-235B-A22B-Thinking",
+)
+
+TINY_MODEL = "qwen3-vl-tiny"
+SYNTHETIC = "synthetic"
+
+
+def _aliases(suffix: str) -> list[str]:
+    return [f"GEO3K_{suffix}", f"MILES_SCRIPT_{suffix}", f"SLIME_SCRIPT_{suffix}"]
+
+
+#: Config field -> environment variables (first set wins): ours, then the reference recipes'.
+ENV_ALIASES: dict[str, list[str]] = {
+    "backend": _aliases("TRAIN_BACKEND"),
+    "model_name": _aliases("MODEL_NAME"),
+    "dataset": _aliases("DATASET_NAME"),
+    "num_gpus": _aliases("NUM_GPUS"),
+    "external_ray": _aliases("EXTERNAL_RAY"),
+    "preset": ["GEO3K_PRESET"],
+    "output_dir": ["GEO3K_OUTPUT_DIR"],
+    "wandb": ["GEO3K_WANDB"],
+}
+
+
+@dataclass
+class RunSection:
+    preset: str | None = option(None, "named preset; 'tiny' runs on any CPU in minutes")
+    output_dir: str = option("runs/geo3k", "the run folder (metrics, plot, checkpoints)")
+    resume: bool = option(False, "continue from the last complete checkpoint in --output-dir")
+    load: str | None = option(None, "start from these weights (an HF folder or an SFT run folder)")
+    backend: Literal["megatron", "fsdp"] = option("megatron", "training backend")
+    num_gpus: int = option(8, "GPUs to use (0: CPU run)")
+    colocate: bool = option(True, "trainer and rollout share the GPUs (offload between phases)")
+    rollout_num_gpus: int | None = option(
+        None, "separate mode: GPUs for rollout engines (default: half of --num-gpus)"
+    )
+    cpu_trainers: int = option(1, "CPU run: trainer ranks (gloo)")
+    cpu_engines: int = option(1, "CPU run: rollout engines")
+    external_ray: bool = option(False, "connect to a running Ray cluster (address 'auto')")
+    ray_address: str | None = option(None, "Ray cluster address (implies an external cluster)")
+    ray_num_cpus: int | None = option(None, "CPUs of the local Ray (default: all)")
+    wandb: bool = option(False, "log to W&B (also on when WANDB_API_KEY is set)")
+    wandb_project: str = option("glimpse-geo3k", "W&B project")
+    seed: int = option(1234, "global seed (model init, data order, sampling)")
+    log_level: str = option("INFO", "logging level")
+
+
+@dataclass
+class ModelSection:
+    model_name: str = option(
+        "Qwen3-VL-8B-Instruct",
+        f"model: a name of {', '.join(SUPPORTED_MODELS[:3])}..., a hub id, a local folder, "
+        f"or '{TINY_MODEL}' (random init)",
+    )
+    tokenizer: str | None = option(
+        None, "processor source: a folder or hub id, 'tiny' (built offline); default: the model's"
+    )
+    attn_implementation: str = option("packed", "trainer attention (packed | sdpa | ...)")
+    param_dtype: str | None = option(None, "compute dtype (default: bfloat16 on GPU, fp32 on CPU)")
+    gradient_checkpointing: bool = option(False, "activation checkpointing in the trainer")
+    freeze_vision: bool = option(False, "keep the vision tower frozen")
+    max_tokens_per_gpu: int = option(16384, "micro-batch token budget per GPU")
+
+
+@dataclass
+class DataSection:
+    dataset: str = option(
+        "chenhegu/geo3k_imgurl",
+        "dataset: hub name, local parquet/jsonl file or folder, or 'synthetic[:task]'",
+    )
+    train_split: str = option("train", "training split")
+    eval_split: str = option("test", "evaluation split (falls back to 'validation')")
+    prompt_key: str = option("problem", "column with the question (and <image> placeholders)")
+    answer_key: str = option("answer", "column with the ground-truth answer")
+    image_key: str = option("images", "column with the images")
+    template: str = option("boxed", "prompt template: none | boxed | think-boxed")
+    max_prompt_length: int | None = option(None, "drop (and count) longer prompts")
+    min_pixels: int | None = option(None, "image processor min pixels")
+    max_pixels: int | None = option(None, "image processor max pixels")
+    synthetic_train_size: int = option(1024, "synthetic task: training rows")
+    synthetic_eval_size: int = option(64, "synthetic task: evaluation rows")
+
+
+@dataclass
+class OptimSection:
+    lr: float = option(1e-6, "learning rate (constant schedule)")
+    lr_schedule: Literal["constant", "cosine"] = option("constant", "learning-rate schedule")
+    lr_warmup_steps: int = option(0, "linear warm-up steps")
+    adam_beta1: float = option(0.9, "Adam beta1")
+    adam_beta2: float = option(0.98, "Adam beta2")
+    weight_decay: float = option(0.1, "weight decay")
+    clip_grad: float = option(1.0, "gradient-norm clip")
+
+
+def optim_config(opt: OptimSection, total_steps: int | None = None) -> Any:
+    from trainers_fsdp import OptimConfig
+
+    return OptimConfig(
+        lr=opt.lr,
+        betas=(opt.adam_beta1, opt.adam_beta2),
+        weight_decay=opt.weight_decay,
+        max_grad_norm=opt.clip_grad,
+        lr_schedule=opt.lr_schedule,
+        warmup_steps=opt.lr_warmup_steps,
+        total_steps=total_steps,
+    )
+
+
+# ---------------------------------------------------------------------------------- model
+
+
+def resolve_load(path: str) -> str:
+    """An SFT (or GRPO) run folder stands for its exported `hf/` folder."""
+    p = Path(path).expanduser()
+    if (p / "hf" / "config.json").is_file():
+        return str(p / "hf")
+    if not (p / "config.json").is_file():
+        raise SystemExit(f"--load {path}: no config.json there (nor in {p / 'hf'})")
+    return str(p)
+
+
+def model_source(model: ModelSection, run: RunSection, processor: Any) -> Any:
+    """What `vlm_models.build_model` / `FsdpConfig.model` should get."""
+    if run.load:
+        return resolve_load(run.load)
+    name = model.model_name
+    from vlm_models import TINY_PRESETS, tiny_config
+
+    if name in TINY_PRESETS:
+        tok = processor.tokenizer
+        ids = {t: tok.convert_tokens_to_ids(t) for t in _VISION_TOKENS}
+        return tiny_config(
+            name,
+            vocab_size=len(tok),
+            image_token_id=ids["<|image_pad|>"],
+            video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"],
+        )
+    if Path(name).expanduser().exists():
+        return str(Path(name).expanduser())
+    return name if "/" in name else f"Qwen/{name}"
+
+
+_VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+
+
+def build_processor(model: ModelSection, run: RunSection, data: DataSection) -> Any:
+    from vlm_data import build_processor as build
+    from vlm_data import tiny_processor
+
+    source = model.tokenizer
+    if source is None and run.load:
+        loaded = Path(resolve_load(run.load))
+        if (loaded / "preprocessor_config.json").is_file():
+            source = str(loaded)
+    if source is None:
+        source = "tiny" if model.model_name == TINY_MODEL else model_source(model, run, None)
+    if source == "tiny":
+        return tiny_processor()
+    return build(source, min_pixels=data.min_pixels, max_pixels=data.max_pixels)
+
+
+def vision_token_ids(processor: Any) -> list[int]:
+    """Image / video placeholder ids: a response must never contain them."""
+    tok = processor.tokenizer
+    ids = [tok.convert_tokens_to_ids(t) for t in _VISION_TOKENS]
+    return [i for i in ids if i is not None and i >= 0 and i != tok.unk_token_id]
+
+
+def eos_token_ids(processor: Any) -> list[int]:
+    tok = processor.tokenizer
+    ids = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+    if tok.eos_token_id is not None:
+        ids.add(tok.eos_token_id)
+    return sorted(i for i in ids if i is not None and i >= 0)
+
+
+# ---------------------------------------------------------------------------------- data
+
+
+def load_split(data: DataSection, split: str, *, eval_split: bool = False, seed: int = 0) -> Any:
+    """Rows of one split: the synthetic task, or `vlm_data.load_rows`."""
+    from vlm_data import DatasetLoadError, load_rows, make_synthetic_rows
+
+    if data.dataset == SYNTHETIC or data.dataset.startswith(SYNTHETIC + ":"):
+        task = data.dataset.partition(":")[2] or "count-dots"
+        n = data.synthetic_eval_size if eval_split else data.synthetic_train_size
+        return make_synthetic_rows(n, seed=seed + (1 if eval_split else 0), task=task)
+    keys = dict(prompt_key=data.prompt_key, answer_key=data.answer_key, image_key=data.image_key)
+    try:
+        return load_rows(data.dataset, split=split, **keys)
+    except DatasetLoadError:
+        if not eval_split or split == "validation":
+            raise
+        log.warning("no %r split in %s; evaluating on 'validation'", split, data.dataset)
+        return load_rows(data.dataset, split="validation", **keys)
+
+
+class RowSource:
+    """A `rl_runtime.PromptSource` over dataset rows and a vlm_data builder (PromptBuilder or
+    SftSampleBuilder): bad rows come back as None, logged and counted by the builder."""
+
+    def __init__(self, rows: Any, builder: Any) -> None:
+        self.rows = rows
+        self.builder = builder
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def get(self, index: int) -> Any | None:
+        try:
+            row = self.rows[index]
+        except Exception as e:  # a row the dataset itself cannot decode
+            log.warning("skipping row %d: cannot read it (%s)", index, e)
+            self.builder.stats["unreadable"] += 1
+            return None
+        return self.builder.maybe_build(row, index)
+
+    @property
+    def skipped(self) -> int:
+        return sum(n for reason, n in self.builder.stats.items() if reason != "built")
+
+
+# ---------------------------------------------------------------------------------- actors
+
+
+def make_fsdp_actor(config: Any) -> Any:
+    """Runs inside a trainer Ray actor."""
+    from trainers_fsdp import FsdpActor
+
+    return FsdpActor(config)
+
+
+def make_megatron_actor(config: Any) -> Any:
+    import trainers_megatron
+
+    return trainers_megatron.MegatronActor(config)
+
+
+def make_hf_engine(source: Any, eos_ids: list[int], pad_id: int, max_batch_size: int) -> Any:
+    """Runs inside a rollout Ray actor: a transformers engine (CPU, or GPU without SGLang)."""
+    from rollout_sglang import HFEngine
+    from vlm_models import build_model
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build_model(source, attn_implementation="sdpa").to(device)
+    return HFEngine(
+        model,
+        device=device,
+        eos_token_ids=eos_ids,
+        max_batch_size=max_batch_size,
+        pad_token_id=pad_id,
+    )
+
+
+def make_sglang_engine(engine_config: Any) -> Any:
+    from rollout_sglang import build_engine
+
+    return build_engine(engine_config)
+
+
+def fsdp_config(
+    model: ModelSection,
+    run: RunSection,
+    source: Any,
+    optim: Any,
+    *,
+    temperature: float = 1.0,
+    grpo: Any = None,
+    reference_model: bool = False,
+) -> Any:
+    from trainers_fsdp import FsdpConfig
+
+    kwargs: dict[str, Any] = {}
+    if grpo is not None:
+        kwargs["grpo"] = grpo
+    return FsdpConfig(
+        model=source,
+        attn_implementation=model.attn_implementation,
+        freeze_vision=model.freeze_vision,
+        device="cuda" if run.num_gpus > 0 else "cpu",
+        param_dtype=model.param_dtype,
+        activation_checkpointing=model.gradient_checkpointing,
+        max_tokens_per_gpu=model.max_tokens_per_gpu,
+        temperature=temperature,
+        optim=optim,
+        reference_model=reference_model,
+        seed=run.seed,
+        **kwargs,
+    )
+
+
+def trainer_factory(run: RunSection, actor_config: Any) -> Any:
+    if run.backend == "megatron":
+        return functools.partial(make_megatron_actor, actor_config)
+    return functools.partial(make_fsdp_actor, actor_config)
+
+
+# ---------------------------------------------------------------------------------- Ray
+
+
+@dataclass
+class Layout:
+    """How many trainer ranks and engines, and whether they share devices."""
+
+    num_trainers: int
+    num_engines: int
+    colocate: bool
+    use_gpu: bool
+
+
+def layout(run: RunSection, *, with_engines: bool = True) -> Layout:
+    if run.num_gpus <= 0:
+        engines = run.cpu_engines if with_engines else 0
+        return Layout(run.cpu_trainers, engines, run.colocate, False)
+    if run.colocate or not with_engines:
+        return Layout(run.num_gpus, run.num_gpus if with_engines else 0, True, True)
+    rollout = run.rollout_num_gpus or max(1, run.num_gpus // 2)
+    if rollout >= run.num_gpus:
+        raise SystemExit(
+            f"--rollout-num-gpus {rollout} leaves no GPU for training (--num-gpus {run.num_gpus})"
+        )
+    return Layout(run.num_gpus - rollout, rollout, False, True)
+
+
+@dataclass
+class RayHandle:
+    placement: Placement
+    owns_ray: bool
+    actors: list[Any] = field(default_factory=list)
+
+    def close(self) -> None:
+        import ray
+
+        for group in self.actors:
+            try:
+                group.shutdown()
+            except Exception:  # shutting down is best effort
+                log.debug("group shutdown failed", exc_info=True)
+        self.placement.remove()
+        if self.owns_ray:
+            ray.shutdown()
+
+
+def start_ray(run: RunSection, lay: Layout) -> RayHandle:
+    import ray
+
+    owns = not ray.is_initialized()
+    address = run.ray_address or ("auto" if run.external_ray else None)
+    init_ray(address, num_cpus=run.ray_num_cpus)
+    placement = create_placement(
+        num_trainers=lay.num_trainers,
+        num_engines=lay.num_engines,
+        colocate=lay.colocate,
+        use_gpu=lay.use_gpu,
+        cpus_per_bundle=2.0 if lay.use_gpu else 0.5,
+    )
+    return RayHandle(placement, owns)
+
+
+def actor_cpus(lay: Layout) -> float:
+    """CPUs each actor asks for inside its bundle (two actors share a colocated bundle)."""
+    per_bundle = 2.0 if lay.use_gpu else 0.5
+    return per_bundle / 2 if lay.colocate else per_bundle
+
+
+def use_wandb(run: RunSection, env: dict[str, str] | os._Environ) -> bool:
+    return bool(run.wandb or env.get("WANDB_API_KEY"))
+
+
+def write_config(cfg: Any, run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
