@@ -112,7 +112,11 @@ class FsdpActor:
             model,
             self.mesh,
             mp,
-            reshard_after_forward=cfg.reshard_after_forward,
+            reshard_after_forward=(
+                self.world_size > 1
+                if cfg.reshard_after_forward is None
+                else cfg.reshard_after_forward
+            ),
             cpu_offload=offload,
         )
         if not offload:

@@ -49,9 +49,14 @@ class PackedSeqInfo:
         return cls(cu.to(device), tuple(int(x) for x in lengths), max(lengths))
 
 
+_VARLEN_DISABLED: list[bool] = []  # set when varlen_attn failed once in this process
+
+
 @cache
 def _varlen():
-    """(varlen_attn, kwargs for causal, supports GQA) or None when this torch has none."""
+    """(varlen_attn, kwargs for causal, supports GQA, takes scale) or None when absent."""
+    if _VARLEN_DISABLED:
+        return None
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -63,7 +68,7 @@ def _varlen():
         causal = {"is_causal": True}
     else:
         return None
-    return varlen_attn, causal, "enable_gqa" in params
+    return varlen_attn, causal, "enable_gqa" in params, "scale" in params
 
 
 def _repeat_kv(x: torch.Tensor, n_rep: int, dim: int) -> torch.Tensor:
@@ -90,19 +95,33 @@ def packed_attention_forward(
         raise ValueError("packed attention does not implement dropout")
     n_rep = query.shape[1] // key.shape[1]
     varlen = _varlen()
-    if varlen is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
-        fn, causal, has_gqa = varlen
-        q = query[0].transpose(0, 1)  # [T, H, D]
-        k = key[0].transpose(0, 1)
-        v = value[0].transpose(0, 1)
+    default_scale = query.shape[-1] ** -0.5
+    if (
+        varlen is not None
+        and query.is_cuda
+        and query.dtype in (torch.bfloat16, torch.float16)
+        and (varlen[3] or scaling is None or abs(scaling - default_scale) < 1e-12)
+    ):
+        fn, causal, has_gqa, has_scale = varlen
+        q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
+        k = key[0].transpose(0, 1).contiguous()
+        v = value[0].transpose(0, 1).contiguous()
         extra = dict(causal)
+        if has_scale:
+            extra["scale"] = scaling
         if has_gqa and n_rep > 1:
             extra["enable_gqa"] = True
         else:
             k, v = _repeat_kv(k, n_rep, 1), _repeat_kv(v, n_rep, 1)
         cu, m = packed_seq_info.cu_seqlens, packed_seq_info.max_seqlen
-        out = fn(q, k, v, cu, cu, m, m, scale=scaling, **extra)  # [T, H, D]
-        return out.unsqueeze(0), None
+        try:
+            out = fn(q, k, v, cu, cu, m, m, **extra)  # [T, H, D]
+            return out.unsqueeze(0), None
+        except (RuntimeError, NotImplementedError, TypeError) as err:
+            # An unsupported shape / build: use per-sample sdpa from now on, say so once.
+            logger.warning("varlen_attn failed (%s); using per-sample sdpa instead", err)
+            _varlen.cache_clear()
+            _VARLEN_DISABLED.append(True)
     outs = []
     start = 0
     for length in packed_seq_info.lengths:

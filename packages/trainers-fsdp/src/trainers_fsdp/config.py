@@ -45,7 +45,9 @@ class FsdpConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     param_dtype: str | None = None  # compute dtype; None: bfloat16 on CUDA, float32 on CPU
     reduce_dtype: str = "float32"  # gradient reduce-scatter dtype (master weights stay float32)
-    reshard_after_forward: bool = True  # ZeRO-3; False keeps params gathered between fwd and bwd
+    # ZeRO-3 (True) or keep params gathered from forward to backward (False); None: True when
+    # there is more than one rank (a world of one saves nothing by resharding).
+    reshard_after_forward: bool | None = None
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile each decoder layer / vision block
     max_tokens_per_gpu: int = 16384  # micro-batch token budget (dynamic batch size)

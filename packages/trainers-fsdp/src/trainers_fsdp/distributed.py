@@ -62,7 +62,14 @@ def build_mesh(device: torch.device) -> DeviceMesh:
 
 
 def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce that is a no-op in a world of one."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    """In-place all-reduce, a no-op in a world of one. CPU tensors go through the GPU under
+    NCCL (which reduces device tensors only)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return tensor
+    if tensor.device.type == "cpu" and dist.get_backend() == "nccl":
+        on_device = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(on_device, op=op)
+        tensor.copy_(on_device.cpu())
+    else:
         dist.all_reduce(tensor, op=op)
     return tensor

@@ -1,0 +1,248 @@
+"""Training throughput: plain transformers forward/backward + AdamW vs the FSDP actor's train_step.
+
+Both run in the same process on the same synthetic batch: ``--batch`` samples of ``--seq-len``
+tokens, each with one ``--image-size`` square image (512 -> a 32 x 32 patch grid -> 256 image
+tokens after the 2 x 2 merge), at random init of a named shape (``--preset``).
+
+- baseline: the model built in bfloat16 (params, grads and AdamW state), transformers' sdpa
+  attention and Conv3d patch embedding, the batch as one padded ``[B, L]`` tensor with an
+  attention mask, ``labels`` cross-entropy, ``torch.optim.AdamW`` (foreach);
+- ours: ``trainers_fsdp.FsdpActor.train_step`` (FSDP2 bf16 compute / fp32 master weights and
+  reduction, samples packed without padding to ``--max-tokens-per-gpu``, varlen attention
+  within samples, chunked log-probs, fused AdamW, GRPO or SFT loss).
+
+MFU = 6 * params * tokens / time / 989e12 (H200 dense bf16 peak), per GPU. World size comes from
+the environment, so ``torchrun --nproc-per-node N`` measures N GPUs (the baseline then runs on
+every GPU independently with the same per-GPU batch; ours shards one global batch of
+``N * --batch`` samples). Prints both and the ratio; rank 0 writes ``--out`` JSON.
+
+CPU (small):  uv run python tools/bench/bench_fsdp_train.py --device cpu --out /tmp/fsdp.json
+H200:         PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python tools/bench/bench_fsdp_train.py \\
+                  --device cuda --out fsdp_train.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("bench_fsdp_train")
+
+H200_BF16_PEAK = 989e12
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--preset", default=None, help="model shape (default: qwen3-vl-2b on CUDA, tiny on CPU)"
+    )
+    p.add_argument(
+        "--batch", type=int, default=None, help="samples per GPU (default 8 CUDA, 4 CPU)"
+    )
+    p.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per sample (1024 CUDA, 256 CPU)"
+    )
+    p.add_argument(
+        "--image-size", type=int, default=None, help="image side in pixels (512 CUDA, 128 CPU)"
+    )
+    p.add_argument("--max-tokens-per-gpu", type=int, default=None, help="default: batch * seq-len")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 5 CUDA, 2 CPU)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--loss", default="grpo", choices=["grpo", "sft"])
+    p.add_argument("--attn", default="packed", help="ours: packed | sdpa | flash_attention_2")
+    p.add_argument("--compile", action="store_true", help="ours: torch.compile each layer")
+    p.add_argument("--ac", action="store_true", help="ours: activation checkpointing")
+    p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument("--out", type=Path, default=None, help="JSON result path (rank 0)")
+    args = p.parse_args()
+    cuda = args.device.startswith("cuda")
+    args.preset = args.preset or ("qwen3-vl-2b" if cuda else "qwen3-vl-tiny")
+    args.batch = args.batch or (8 if cuda else 4)
+    args.seq_len = args.seq_len or (1024 if cuda else 256)
+    args.image_size = args.image_size or (512 if cuda else 128)
+    args.steps = args.steps or (5 if cuda else 2)
+    args.max_tokens_per_gpu = args.max_tokens_per_gpu or args.batch * args.seq_len
+    return args
+
+
+def model_overrides(preset: str) -> dict:
+    """Tiny presets get a small vocabulary so the CPU run stays small."""
+    from trainers_fsdp import TINY_OVERRIDES
+
+    return dict(TINY_OVERRIDES) if preset.endswith("tiny") else {}
+
+
+def make_batch(args, config, n_samples: int, seed: int):
+    from trainers_fsdp import synthetic_batch
+
+    patch = config.vision_config.patch_size
+    side = args.image_size // patch
+    return synthetic_batch(
+        config,
+        [args.seq_len] * n_samples,
+        image_patches=[(side, side)] * n_samples,
+        seed=seed,
+        grpo=args.loss == "grpo",
+    )
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(step_fn, args, device) -> list[float]:
+    times = []
+    for i in range(args.warmup + args.steps):
+        sync(device)
+        start = time.perf_counter()
+        step_fn()
+        sync(device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def summarize(name: str, times: list[float], tokens_per_gpu: int, params: int, device) -> dict:
+    step = statistics.median(times)
+    tps = tokens_per_gpu / step
+    out = {
+        "step_time_s": step,
+        "step_times_s": times,
+        "tokens_per_s_per_gpu": tps,
+        "mfu": 6 * params * tps / H200_BF16_PEAK,
+    }
+    if device.type == "cuda":
+        out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    log.info("%-8s step %.3f s  %.0f tokens/s/GPU  MFU %.1f%%", name, step, tps, 100 * out["mfu"])
+    return out
+
+
+def run_baseline(args, device: torch.device) -> tuple[dict, int]:
+    """Plain transformers: bf16 model, padded batch + mask, labels loss, AdamW."""
+    from vlm_models import build_model, set_fast_patch_embed
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(
+        args.preset, dtype=dtype, attn_implementation="sdpa", **model_overrides(args.preset)
+    )
+    set_fast_patch_embed(model, False)  # the original Conv3d
+    model.to(device).train()
+    model.config.use_cache = False
+    params = sum(p.numel() for p in model.parameters())
+    batch = make_batch(args, model.config, args.batch, seed=1)
+    ids = torch.stack(batch.input_ids).to(device)
+    inputs = dict(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        pixel_values=torch.cat(batch.pixel_values).to(device, dtype),
+        image_grid_thw=torch.cat(batch.image_grid_thw).to(device),
+        mm_token_type_ids=(ids == model.config.image_token_id).int(),
+        labels=ids,
+        use_cache=False,
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
+
+    def step():
+        loss = model(**inputs).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    times = time_steps(step, args, device)
+    result = summarize("baseline", times, args.batch * args.seq_len, params, device)
+    model = optimizer = inputs = None  # free before building ours
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    return result, params
+
+
+def run_ours(args, device: torch.device) -> tuple[dict, int, int]:
+    from trainers_fsdp import FsdpActor, FsdpConfig, OptimConfig
+
+    cfg = FsdpConfig(
+        model=args.preset,
+        model_overrides=model_overrides(args.preset),
+        device=str(device),
+        attn_implementation=args.attn,
+        max_tokens_per_gpu=args.max_tokens_per_gpu,
+        activation_checkpointing=args.ac,
+        compile=args.compile,
+        log_entropy=True,
+        optim=OptimConfig(lr=1e-6, weight_decay=0.01, max_grad_norm=1.0),
+    )
+    actor = FsdpActor(cfg)
+    params = sum(p.numel() for p in actor.model.parameters())
+    batch = make_batch(args, actor.model.config, args.batch, seed=1 + actor.rank)
+    metrics = {}
+
+    def step():
+        metrics.update(actor.train_step(batch, loss=args.loss))
+
+    times = time_steps(step, args, device)
+    result = summarize("ours", times, args.batch * args.seq_len, params, device)
+    result["last_metrics"] = metrics
+    return result, params, actor.world_size
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args = parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    rank = int(os.environ.get("RANK", "0"))
+    baseline = None
+    if not args.skip_baseline:
+        baseline, _ = run_baseline(args, device)
+    ours, params, world = run_ours(args, device)
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "world_size": world,
+        "preset": args.preset,
+        "params": params,
+        "batch_per_gpu": args.batch,
+        "seq_len": args.seq_len,
+        "image_size": args.image_size,
+        "max_tokens_per_gpu": args.max_tokens_per_gpu,
+        "loss": args.loss,
+        "attn": args.attn,
+        "compile": args.compile,
+        "activation_checkpointing": args.ac,
+        "baseline": baseline,
+        "ours": ours,
+    }
+    if baseline:
+        result["speedup"] = ours["tokens_per_s_per_gpu"] / baseline["tokens_per_s_per_gpu"]
+    if rank == 0:
+        line = f"ours {ours['tokens_per_s_per_gpu']:.0f} tok/s/GPU, MFU {100 * ours['mfu']:.1f}%"
+        if baseline:
+            line = (
+                f"baseline {baseline['tokens_per_s_per_gpu']:.0f} tok/s/GPU "
+                f"(MFU {100 * baseline['mfu']:.1f}%) | {line} | ratio {result['speedup']:.2f}x"
+            )
+        print(line)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=2))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
