@@ -20,6 +20,11 @@ except ImportError as err:  # pragma: no cover - depends on the environment
         "`pip install megatron-core==0.16.1`)"
     ) from err
 
+from vlm_models.megatron.checkpoint import (
+    hf_to_megatron_checkpoint,
+    load_megatron_checkpoint,
+    megatron_to_hf_checkpoint,
+)
 from vlm_models.megatron.config import Parallelism, TextArch, text_arch, transformer_config
 from vlm_models.megatron.convert import (
     ParamMap,
@@ -66,13 +71,16 @@ __all__ = [
     "destroy_model_parallel",
     "fuse_qkv",
     "hf_state_dict_to_megatron",
+    "hf_to_megatron_checkpoint",
     "hf_to_megatron_stage",
     "initialize_model_parallel",
     "interleaved_mrope_angles",
     "iter_hf_weights",
     "layer_spec",
     "load_hf_weights",
+    "load_megatron_checkpoint",
     "megatron_shards_to_hf",
+    "megatron_to_hf_checkpoint",
     "megatron_to_hf_stage",
     "param_maps",
     "rope_position_ids",

@@ -1,0 +1,265 @@
+"""Checkpoint folders: HF safetensors <-> Megatron per-rank shards, streamed.
+
+A Megatron folder written here uses Megatron-LM's legacy (non-distributed) layout, so
+Megatron-LM's ``--load`` also finds it::
+
+    config.json, tokenizer/processor files   copied from the HF folder
+    glimpse_megatron.json                    tp, pp, layer split, use_te, format version
+    latest_checkpointed_iteration.txt        "release"
+    release/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt   {"model": state dict, ...}
+
+State-dict keys are those of :class:`~vlm_models.megatron.model.Qwen3VLMegatronModel`. Both
+directions hold one output shard (HF) or one rank's shard (Megatron) at a time, and read input
+tensors lazily (safetensors ``safe_open``, ``torch.load(mmap=True)``), so the model is never in
+memory twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+from transformers import AutoConfig, PretrainedConfig
+
+from vlm_models.megatron.config import text_arch
+from vlm_models.megatron.convert import (
+    StageLayout,
+    hf_to_megatron_stage,
+    megatron_to_hf_stage,
+    stage_layouts,
+    vision_names_from,
+)
+
+logger = logging.getLogger(__name__)
+
+META_FILE = "glimpse_megatron.json"
+FORMAT_VERSION = 1
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def shard_path(root: Path, tp_rank: int, pp_rank: int, pp_size: int) -> Path:
+    """Megatron-LM's legacy path of one rank's shard."""
+    name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
+    return root / "release" / name / "model_optim_rng.pt"
+
+
+class SafetensorsReader:
+    """Lazy access to the tensors of an HF checkpoint folder (single file or sharded)."""
+
+    def __init__(self, folder: Path) -> None:
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{folder}: no *.safetensors files (only safetensors is read)")
+        self._stack = ExitStack()
+        self._where: dict[str, object] = {}
+        for path in files:
+            handle = self._stack.enter_context(safe_open(str(path), framework="pt"))
+            for key in handle.keys():  # noqa: SIM118 - safe_open handles are not mappings
+                self._where[key] = handle
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def __call__(self, name: str) -> Tensor:
+        handle = self._where.get(name)
+        if handle is None:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint")
+        return handle.get_tensor(name)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    """Config, tokenizer and processor files (everything but weights and our metadata)."""
+    for path in src.iterdir():
+        if (
+            path.is_file()
+            and not path.name.endswith(_WEIGHT_FILES)
+            and path.name
+            not in (
+                META_FILE,
+                "latest_checkpointed_iteration.txt",
+                "model.safetensors.index.json",
+            )
+        ):
+            shutil.copy2(path, dst / path.name)
+
+
+def hf_to_megatron_checkpoint(
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+    use_te: bool = False,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write the Megatron shards of the HF checkpoint in ``hf_dir`` to ``out_dir``."""
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    config = AutoConfig.from_pretrained(hf_dir)
+    arch = text_arch(config)
+    stages = stage_layouts(
+        arch.num_layers,
+        pp,
+        first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers,
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    reader = SafetensorsReader(hf_dir)
+    vision = vision_names_from(reader.keys())
+
+    def get(name: str) -> Tensor:
+        tensor = reader(name)
+        return tensor if dtype is None else tensor.to(dtype)
+
+    try:
+        for stage in stages:
+            for tp_rank in range(tp):
+                state = dict(
+                    hf_to_megatron_stage(
+                        get, arch, stage, tp_rank, tp, vision_names=vision, use_te=use_te
+                    )
+                )
+                path = shard_path(out_dir, tp_rank, stage.pp_rank, pp)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                torch.save({"model": state, "checkpoint_version": 3.0, "iteration": 0}, path)
+                logger.info("wrote %s (%d tensors)", path, len(state))
+                del state
+    finally:
+        reader.close()
+    _copy_side_files(hf_dir, out_dir)
+    meta = dict(
+        format_version=FORMAT_VERSION,
+        tp=tp,
+        pp=pp,
+        first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers,
+        use_te=use_te,
+    )
+    (out_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    (out_dir / "latest_checkpointed_iteration.txt").write_text("release")
+    return out_dir
+
+
+def read_meta(megatron_dir: Path) -> dict:
+    path = megatron_dir / META_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{megatron_dir}: no {META_FILE}; not written by this converter")
+    return json.loads(path.read_text())
+
+
+def _iter_hf_tensors(megatron_dir: Path, config: PretrainedConfig) -> Iterator[tuple[str, Tensor]]:
+    meta = read_meta(megatron_dir)
+    arch = text_arch(config)
+    tp, pp = meta["tp"], meta["pp"]
+    stages: list[StageLayout] = stage_layouts(
+        arch.num_layers,
+        pp,
+        first_stage_layers=meta.get("first_stage_layers"),
+        last_stage_layers=meta.get("last_stage_layers"),
+    )
+    vision: list[str] = []
+    for stage in stages:
+        shards = [
+            torch.load(
+                shard_path(megatron_dir, r, stage.pp_rank, pp), mmap=True, weights_only=True
+            )["model"]
+            for r in range(tp)
+        ]
+        if stage.first:
+            vision = [n[len("visual.") :] for n in shards[0] if n.startswith("visual.")]
+
+        def get_shards(name: str, shards: list[dict] = shards) -> list[Tensor]:
+            return [s[name] for s in shards]
+
+        yield from megatron_to_hf_stage(
+            get_shards,
+            arch,
+            stage,
+            vision_names=vision if stage.first else (),
+            use_te=meta["use_te"],
+        )
+        del shards
+
+
+def megatron_to_hf_checkpoint(
+    megatron_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    max_shard_bytes: int = 5 << 30,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write an HF safetensors checkpoint (``model-*.safetensors`` + index) from Megatron shards."""
+    megatron_dir, out_dir = Path(megatron_dir), Path(out_dir)
+    config = AutoConfig.from_pretrained(megatron_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files: list[tuple[Path, list[str]]] = []
+    bucket: dict[str, Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        nonlocal bucket, size
+        path = out_dir / f"part-{len(files):05d}.safetensors"
+        save_file(
+            {k: v.contiguous() for k, v in bucket.items()}, str(path), metadata={"format": "pt"}
+        )
+        files.append((path, list(bucket)))
+        bucket, size = {}, 0
+
+    for name, tensor in _iter_hf_tensors(megatron_dir, config):
+        tensor = tensor if dtype is None else tensor.to(dtype)
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > max_shard_bytes:
+            flush()
+        bucket[name] = tensor
+        size += nbytes
+        total += nbytes
+    if bucket:
+        flush()
+    weight_map = {}
+    for i, (path, names) in enumerate(files):
+        final = out_dir / f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        path.rename(final)
+        weight_map.update(dict.fromkeys(names, final.name))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    _copy_side_files(megatron_dir, out_dir)
+    logger.info("wrote %d tensors in %d files to %s", len(weight_map), len(files), out_dir)
+    return out_dir
+
+
+def load_megatron_checkpoint(model, megatron_dir: str | Path) -> None:
+    """Load this rank's shard of a folder written by :func:`hf_to_megatron_checkpoint`."""
+    from megatron.core import parallel_state
+
+    megatron_dir = Path(megatron_dir)
+    meta = read_meta(megatron_dir)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if (meta["tp"], meta["pp"]) != (tp, pp):
+        raise ValueError(
+            f"{megatron_dir} holds tp={meta['tp']} pp={meta['pp']} shards but the model runs "
+            f"tp={tp} pp={pp}; convert again with those sizes"
+        )
+    path = shard_path(
+        megatron_dir,
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+        pp,
+    )
+    state = torch.load(path, mmap=True, weights_only=True)["model"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise KeyError(f"{path}: missing {missing[:8]}, unexpected {unexpected[:8]}")
