@@ -30,6 +30,9 @@ EQUAL = [
     ("5 \\text{ cm}", "5"),
     ("5\\,\\mathrm{cm}", "5"),
     ("12 \\text{ units}^2", "12"),
+    # a leading approximation sign
+    ("\\approx 13.5", "13.5"),
+    ("≈ 13.5", "13.5"),
     # trailing punctuation, dollars, \left/\right
     ("15.", "15"),
     ("15,", "15"),

@@ -27,6 +27,7 @@ _DEGREE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\^\s*\{\s*\\circ\s*\}|°|\\degree
 _FRAC = re.compile(r"\\[dtc]frac(?![a-zA-Z])")
 _SQRT_SHORT = re.compile(r"\\sqrt\s*([0-9a-zA-Z])")
 _FRAC_SHORT = re.compile(r"\\frac\s*([0-9a-zA-Z])\s*([0-9a-zA-Z])")
+_LEADING = re.compile(r"^(?:\\approx|=|\\sim|\\simeq)\s*")
 _TRAILING = re.compile(r"[\s.,;:]+$")
 _MIXED = re.compile(r"^(-?)\s*(\d+)\s*\\frac\s*\{\s*(\d+)\s*\}\s*\{\s*(\d+)\s*\}$")
 _TOKENS = re.compile(r"\\[a-zA-Z]+|\\.|\d+(?:\.\d+)?|[a-zA-Z]+|\S")
@@ -105,14 +106,14 @@ def canonical(answer: str) -> str:
     s = answer.strip()
     if not s or len(s) > MAX_ANSWER_CHARS:
         return ""
-    s = s.replace("$", "").replace("\\!", "")
+    s = s.replace("$", "").replace("\\!", "").replace("≈", "\\approx ")
     s = _REMOVE.sub(" ", s)
     s = _DEGREE.sub("", s)
     s = _FRAC.sub(r"\\frac", s)
     s = _unwrap_text(s)
     s = _SQRT_SHORT.sub(r"\\sqrt{\1}", s)
     s = _FRAC_SHORT.sub(r"\\frac{\1}{\2}", s)
-    s = _TRAILING.sub("", s).strip()
+    s = _LEADING.sub("", _TRAILING.sub("", s).strip())
     mixed = _MIXED.match(s)
     if mixed:
         sign, whole, num, den = mixed.groups()
