@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
-
-import datasets
+from typing import TYPE_CHECKING, Any
 
 from vlm_data.images import is_relative_file_path
+
+if TYPE_CHECKING:  # datasets is imported where used: the prompt path runs without it
+    import datasets
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ def load_rows(
     `{split}-*.parquet`, `data/{split}-*.parquet` or `{split}.jsonl`; or a hub dataset name
     (`hiyouga/geometry3k`). Relative image file paths in rows resolve inside the file's folder.
     """
+    import datasets
+
     path = Path(source).expanduser()
     if path.exists():
         files = _split_files(path, split)
@@ -83,6 +86,8 @@ def _split_files(path: Path, split: str) -> list[Path]:
 
 
 def _load_hub(name: str, split: str) -> datasets.Dataset:
+    import datasets
+
     try:
         return datasets.load_dataset(name, split=split)
     except Exception as exc:  # offline, unknown name, missing split: all end the same way
@@ -111,6 +116,8 @@ def _canonical_columns(
 
 
 def _undecoded_images(dataset: datasets.Dataset) -> datasets.Dataset:
+    import datasets
+
     feature = dataset.features.get(IMAGE_KEY)
     inner = getattr(feature, "feature", feature)
     if isinstance(inner, datasets.Image) and inner.decode:
@@ -123,6 +130,8 @@ def _absolute_image_paths(dataset: datasets.Dataset, base_dir: Path) -> datasets
     """Make relative image file paths absolute (inside the dataset's folder) where rows have any."""
     if IMAGE_KEY not in dataset.column_names:
         return dataset
+    import datasets
+
     feature = dataset.features[IMAGE_KEY]
     inner = getattr(feature, "feature", feature)
     if not (isinstance(inner, datasets.Value) and inner.dtype in ("string", "large_string")):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +121,7 @@ class PromptBuilder:
 
     `build(row, index)` raises `SkipRow` for a bad row (after counting it in `stats`);
     `maybe_build` logs the message and returns None instead; `iter_samples` does that over rows.
+    `image_device` ("cuda") runs the image resize/normalize there; pixel_values stay on it.
     """
 
     def __init__(
@@ -134,6 +135,7 @@ class PromptBuilder:
         prompt_key: str = PROMPT_KEY,
         answer_key: str = ANSWER_KEY,
         image_key: str = IMAGE_KEY,
+        image_device: str | torch.device | None = None,
     ) -> None:
         if template not in TEMPLATES:
             raise ValueError(f"unknown template {template!r}; choose from {sorted(TEMPLATES)}")
@@ -146,6 +148,7 @@ class PromptBuilder:
         self.prompt_key, self.answer_key, self.image_key = prompt_key, answer_key, image_key
         self.image_token_id = int(processor.image_token_id)
         self.merge_length = int(processor.image_processor.merge_size) ** 2
+        self.image_device = image_device
         self.stats: Counter[str] = Counter()
 
     # -- public -----------------------------------------------------------------------------
@@ -173,6 +176,36 @@ class PromptBuilder:
             sample = self.maybe_build(row, index)
             if sample is not None:
                 yield sample
+
+    def build_all(
+        self, rows: Sequence[Mapping[str, Any]], *, num_workers: int = 0, start: int = 0
+    ) -> Iterator[PromptSample]:
+        """Build every row in order, skipping (logging, counting) bad ones.
+
+        num_workers > 0 builds in DataLoader worker processes, each with one torch thread: image
+        processing of small images gains nothing from intra-op threads, and on a busy machine
+        those threads cost several times the work itself (see docs/performance.md).
+        """
+        if num_workers <= 0:
+            yield from self.iter_samples(rows, start)
+            return
+        from torch.utils.data import DataLoader
+
+        loader = DataLoader(
+            _BuildRows(self, rows, start),
+            batch_size=None,
+            num_workers=num_workers,
+            collate_fn=_identity,
+            prefetch_factor=4,
+        )
+        for item in loader:
+            if isinstance(item, PromptSample):
+                self.stats["built"] += 1
+                yield item
+            else:
+                reason, index, message = item
+                self.stats[reason] += 1
+                logger.warning("skipping row %d (%s): %s", index, reason, message)
 
     @property
     def num_skipped(self) -> int:
@@ -224,8 +257,9 @@ class PromptBuilder:
         ids = torch.tensor(self.tokenizer(text)["input_ids"], dtype=torch.long)
         if not images:
             return ids, None, None
-        vision = self.processor.image_processor(images=images, return_tensors="pt")
-        grid = vision["image_grid_thw"].long()
+        kwargs = {"device": self.image_device} if self.image_device is not None else {}
+        vision = self.processor.image_processor(images=images, return_tensors="pt", **kwargs)
+        grid = vision["image_grid_thw"].long().cpu()
         ids = expand_image_pads(ids, grid, self.image_token_id, self.merge_length)
         return ids, vision["pixel_values"], grid
 
@@ -264,6 +298,27 @@ class PromptBuilder:
                 f"row {index}: prompt of {total} tokens ({n_image} image tokens) > "
                 f"max_prompt_length {self.max_prompt_length}",
             )
+
+
+class _BuildRows:
+    """Map-style dataset for `build_all`'s workers; a skip comes back as (reason, index, message)."""
+
+    def __init__(self, builder: PromptBuilder, rows: Sequence[Mapping[str, Any]], start: int):
+        self.builder, self.rows, self.start = builder, rows, start
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> PromptSample | tuple[str, int, str]:
+        index = self.start + i
+        try:
+            return self.builder._build(self.rows[i], index)
+        except SkipRow as skip:
+            return (str(skip.reason), index, str(skip))
+
+
+def _identity(item: Any) -> Any:
+    return item
 
 
 def expand_image_pads(
