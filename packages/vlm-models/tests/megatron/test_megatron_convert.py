@@ -41,11 +41,17 @@ def _hf_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("tie", "tp", "pp", "use_te"),
-    [(True, 1, 1, False), (True, 2, 2, False), (False, 2, 2, False), (False, 4, 4, True)],
+    ("preset", "tie", "tp", "pp", "use_te"),
+    [
+        ("qwen3-vl-tiny", True, 1, 1, False),
+        ("qwen3-vl-tiny", True, 2, 2, False),
+        ("qwen3-vl-tiny", False, 2, 2, False),
+        ("qwen3-vl-tiny", False, 4, 4, True),
+        ("qwen3-vl-moe-tiny", False, 2, 2, False),
+    ],
 )
-def test_in_memory_round_trip_is_bit_exact(make_hf_model, tie, tp, pp, use_te):
-    config = tiny_config(tie_word_embeddings=tie)
+def test_in_memory_round_trip_is_bit_exact(make_hf_model, preset, tie, tp, pp, use_te):
+    config = tiny_config(preset, tie_word_embeddings=tie)
     hf = _hf_tensors(make_hf_model(config, seed=2))
     arch = text_arch(config)
     shards = hf_state_dict_to_megatron(hf, arch, tp_size=tp, pp_size=pp, use_te=use_te)

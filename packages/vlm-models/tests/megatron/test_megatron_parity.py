@@ -112,3 +112,19 @@ def test_image_token_count_mismatch_is_a_clear_error(tp1, tiny_setup, to_megatro
     )
     with pytest.raises(ValueError, match="image tokens"), torch.no_grad():
         model(**broken)
+
+
+@torch.no_grad()
+def test_moe_logits_match_hf_with_images(tp1, tiny_setup, to_megatron_inputs, make_hf_model):
+    """Qwen3-VL-MoE shape: 8 experts, top-2 routing (Megatron: top-k then softmax over the k)."""
+    _, _, batch = tiny_setup
+    config = tiny_config("qwen3-vl-moe-tiny")
+    hf_model = make_hf_model(config, seed=6)
+    inputs = to_megatron_inputs(config, batch)
+    model = _megatron(config, hf_model)
+    assert "language_model.decoder.layers.0.mlp.experts.local_experts.7.linear_fc1.weight" in (
+        model.state_dict()
+    )
+    got = model(**inputs["sbhd"])
+    expected = hf_model(**batch).logits
+    assert (got - expected)[inputs["valid"]].abs().max() < ATOL

@@ -45,6 +45,16 @@ FORMAT_VERSION = 1
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
 
 
+def _refuse_moe(num_experts: int | None) -> None:
+    # MoE checkpoint files store experts in another layout than transformers' in-memory one
+    # (which the maps use), and expert-parallel shards need their own file naming.
+    if num_experts:
+        raise NotImplementedError(
+            "checkpoint folders of MoE models are not converted yet; load the HF model and use "
+            "load_hf_weights / iter_hf_weights (in-memory layout) instead"
+        )
+
+
 def shard_path(root: Path, tp_rank: int, pp_rank: int, pp_size: int) -> Path:
     """Megatron-LM's legacy path of one rank's shard."""
     name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
@@ -109,6 +119,7 @@ def hf_to_megatron_checkpoint(
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     config = AutoConfig.from_pretrained(hf_dir)
     arch = text_arch(config)
+    _refuse_moe(arch.num_experts)
     stages = stage_layouts(
         arch.num_layers,
         pp,
@@ -203,6 +214,7 @@ def megatron_to_hf_checkpoint(
     """Write an HF safetensors checkpoint (``model-*.safetensors`` + index) from Megatron shards."""
     megatron_dir, out_dir = Path(megatron_dir), Path(out_dir)
     config = AutoConfig.from_pretrained(megatron_dir)
+    _refuse_moe(text_arch(config).num_experts)
     out_dir.mkdir(parents=True, exist_ok=True)
     files: list[tuple[Path, list[str]]] = []
     bucket: dict[str, Tensor] = {}

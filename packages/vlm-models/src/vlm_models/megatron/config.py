@@ -69,6 +69,10 @@ def text_arch(hf_config: PretrainedConfig) -> TextArch:
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     tie = bool(getattr(hf_config, "tie_word_embeddings", text.tie_word_embeddings))
     num_experts = getattr(text, "num_experts", None)
+    if num_experts and (
+        getattr(text, "mlp_only_layers", None) or getattr(text, "decoder_sparse_step", 1) != 1
+    ):
+        raise NotImplementedError("MoE models with dense layers in between are not supported")
     return TextArch(
         num_layers=text.num_hidden_layers,
         hidden_size=text.hidden_size,
@@ -161,7 +165,8 @@ def transformer_config(
             moe_router_score_function="softmax",
             moe_router_pre_softmax=False,
             moe_router_load_balancing_type="none",
-            moe_token_dispatcher_type="alltoall",
+            # alltoall is the fast one with EP but creates CUDA streams; allgather runs anywhere.
+            moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
             moe_grouped_gemm=False,
             moe_aux_loss_coeff=0.0,
         )

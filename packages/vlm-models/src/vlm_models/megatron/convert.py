@@ -13,7 +13,15 @@ kind           HF tensors -> one Megatron tensor                                
 ``col``        one tensor (``o_proj``, ``down_proj``)                             dim 1
 ``qkv``        q, k, v fused per query group: ``[g0: q.. k v][g1: q.. k v]...``   dim 0
 ``gate_up``    gate and up, each split over TP, then ``[gate_r; up_r]``           dim 0
+``expert_*``   one expert's slice of HF's stacked ``gate_up_proj`` (``[E, 2I,     expert TP
+               H]``, gate rows first) or ``down_proj`` (``[E, H, I]``), then
+               split as ``gate_up`` / ``col``
 =============  =================================================================  ==========
+
+MoE experts are also split over expert-parallel ranks: rank ``r`` holds global experts
+``r * E / ep ... (r + 1) * E / ep - 1`` as ``local_experts.0 ...``. HF names and shapes are
+those of the in-memory transformers model (its ``state_dict()``); for Qwen3-VL-MoE they differ
+from the files' layout, which ``vlm_models.iter_weight_buckets(..., model=hf_model)`` restores.
 
 Megatron names are relative to :class:`~vlm_models.megatron.model.Qwen3VLMegatronModel`
 (``language_model.decoder.layers.{local}.…``, ``visual.…``); HF names are those of
@@ -36,16 +44,18 @@ HF_TEXT = "model.language_model."
 HF_VISUAL = "model.visual."
 MG_DECODER = "language_model.decoder."
 
-KINDS = ("replicated", "row", "col", "qkv", "gate_up")
+KINDS = ("replicated", "row", "col", "qkv", "gate_up", "expert_gate_up", "expert_col")
 
 
 @dataclass(frozen=True)
 class ParamMap:
-    """One Megatron parameter and the HF tensors it is made of."""
+    """One Megatron parameter and the HF tensors it is made of (``expert``: global index)."""
 
     megatron: str
     hf: tuple[str, ...]
     kind: str
+    expert: int | None = None
+    num_experts: int | None = None
 
 
 @dataclass(frozen=True)
@@ -94,7 +104,9 @@ def stage_layouts(
     return layouts
 
 
-def _layer_maps(arch: TextArch, local: int, layer: int, use_te: bool) -> list[ParamMap]:
+def _layer_maps(
+    arch: TextArch, local: int, layer: int, use_te: bool, ep_rank: int = 0, ep_size: int = 1
+) -> list[ParamMap]:
     mg = f"{MG_DECODER}layers.{local}."
     hf = f"{HF_TEXT}layers.{layer}."
     attn_norm = (
@@ -134,9 +146,32 @@ def _layer_maps(arch: TextArch, local: int, layer: int, use_te: bool) -> list[Pa
             )
         )
     if arch.num_experts:
+        if use_te:
+            raise NotImplementedError("Transformer Engine names for MoE experts are not mapped")
+        if arch.num_experts % ep_size:
+            raise ValueError(f"{arch.num_experts} experts do not split over ep={ep_size}")
         maps.append(ParamMap(mg + "mlp.router.weight", (hf + "mlp.gate.weight",), "replicated"))
-        # HF keeps all experts in two stacked tensors; Megatron one module per local expert.
-        # The expert split (EP) happens in stage_param_maps' callers via ``expert_range``.
+        # HF stacks all experts in two tensors; Megatron has one module per local expert.
+        n_local = arch.num_experts // ep_size
+        for e in range(n_local):
+            expert = ep_rank * n_local + e
+            mg_e = f"{mg}mlp.experts.local_experts.{e}."
+            maps += [
+                ParamMap(
+                    mg_e + "linear_fc1.weight",
+                    (hf + "mlp.experts.gate_up_proj",),
+                    "expert_gate_up",
+                    expert,
+                    arch.num_experts,
+                ),
+                ParamMap(
+                    mg_e + "linear_fc2.weight",
+                    (hf + "mlp.experts.down_proj",),
+                    "expert_col",
+                    expert,
+                    arch.num_experts,
+                ),
+            ]
     else:
         maps += [
             ParamMap(
@@ -155,14 +190,14 @@ def stage_param_maps(
     *,
     vision_names: Iterable[str] = (),
     use_te: bool = False,
+    ep_rank: int = 0,
+    ep_size: int = 1,
 ) -> list[ParamMap]:
-    """Every parameter of one pipeline stage (dense models), in a stable order.
+    """Every parameter of one pipeline stage (of one expert-parallel rank), in a stable order.
 
     ``vision_names`` are the HF vision tower's parameter names without ``model.visual.``
     (``model.visual`` state-dict keys); they go to the first stage unchanged.
     """
-    if arch.num_experts:
-        raise NotImplementedError("weight conversion for MoE models is not implemented yet")
     maps: list[ParamMap] = []
     if stage.first:
         maps += [ParamMap("visual." + n, (HF_VISUAL + n,), "replicated") for n in vision_names]
@@ -174,7 +209,7 @@ def stage_param_maps(
             )
         )
     for local in range(stage.num_layers):
-        maps += _layer_maps(arch, local, stage.layer_offset + local, use_te)
+        maps += _layer_maps(arch, local, stage.layer_offset + local, use_te, ep_rank, ep_size)
     if stage.last:
         maps.append(
             ParamMap(
@@ -207,6 +242,10 @@ def shard(
     kind = pmap.kind
     if kind == "replicated":
         return hf_tensors[0]
+    if kind.startswith("expert_"):
+        sliced = hf_tensors[0][pmap.expert]
+        kind = kind.removeprefix("expert_")
+        hf_tensors = list(sliced.chunk(2)) if kind == "gate_up" else [sliced]
     if kind in ("row", "col"):
         dim = 0 if kind == "row" else 1
         (t,) = hf_tensors
@@ -222,8 +261,11 @@ def shard(
 
 
 def unshard(pmap: ParamMap, shards: list[Tensor], arch: TextArch) -> list[Tensor]:
-    """The HF tensors of ``pmap`` from its ``tp_size`` Megatron parts (inverse of :func:`shard`)."""
-    kind = pmap.kind
+    """The HF tensors of ``pmap`` from its ``tp_size`` Megatron parts (inverse of :func:`shard`).
+
+    For an expert this is that expert's slice; :class:`ExpertStacker` rebuilds the HF tensor.
+    """
+    kind = pmap.kind.removeprefix("expert_")
     if kind == "replicated":
         return [shards[0]]
     if kind == "row":
@@ -232,7 +274,8 @@ def unshard(pmap: ParamMap, shards: list[Tensor], arch: TextArch) -> list[Tensor
         return [torch.cat(shards, dim=1)]
     if kind == "gate_up":
         halves = [s.chunk(2) for s in shards]
-        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+        gate, up = torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])
+        return [torch.cat([gate, up])] if pmap.kind.startswith("expert_") else [gate, up]
     if kind == "qkv":
         return list(split_qkv(torch.cat(shards), arch))
     raise ValueError(f"unknown kind {kind!r}")
@@ -268,6 +311,21 @@ def split_qkv(fused: Tensor, arch: TextArch) -> tuple[Tensor, Tensor, Tensor]:
     )
 
 
+class ExpertStacker:
+    """Collects expert slices (any order) and hands back each stacked HF tensor once complete."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, dict[int, Tensor]] = {}
+
+    def add(self, pmap: ParamMap, hf_name: str, expert: int, tensor: Tensor) -> Tensor | None:
+        parts = self._parts.setdefault(hf_name, {})
+        parts[expert] = tensor
+        if len(parts) < pmap.num_experts:
+            return None
+        del self._parts[hf_name]
+        return torch.stack([parts[e] for e in range(pmap.num_experts)])
+
+
 def hf_to_megatron_stage(
     get_hf: Callable[[str], Tensor],
     arch: TextArch,
@@ -300,10 +358,17 @@ def megatron_to_hf_stage(
     ``get_shards(megatron_name)`` returns that parameter's tensors of every TP rank, in rank
     order. The tied last-stage copy of the embedding is skipped (the first stage gives it).
     """
+    stacker = ExpertStacker()
     for pmap in stage_param_maps(arch, stage, vision_names=vision_names, use_te=use_te):
         if pmap.megatron == "language_model.output_layer.weight" and arch.tie_word_embeddings:
             continue
-        yield from zip(pmap.hf, unshard(pmap, get_shards(pmap.megatron), arch), strict=True)
+        tensors = unshard(pmap, get_shards(pmap.megatron), arch)
+        if pmap.expert is not None:
+            stacked = stacker.add(pmap, pmap.hf[0], pmap.expert, tensors[0])
+            if stacked is not None:
+                yield pmap.hf[0], stacked
+            continue
+        yield from zip(pmap.hf, tensors, strict=True)
 
 
 def vision_names_from(hf_names: Iterable[str]) -> list[str]:

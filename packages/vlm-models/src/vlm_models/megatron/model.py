@@ -27,6 +27,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor, nn
 from transformers import AutoModel, PretrainedConfig
 
+from vlm_models.megatron._upstream_fixes import define_missing_te_gemm
 from vlm_models.megatron.config import Parallelism, text_arch, transformer_config
 from vlm_models.megatron.layers import _param_device, block_spec
 from vlm_models.megatron.rope import InterleavedMRoPE
@@ -103,6 +104,8 @@ class Qwen3VLMegatronModel(MegatronModule):
                 f"deepstack adds features after the first {self.arch.deepstack_layers}; give "
                 "the first stage more layers (num_layers_in_first_pipeline_stage)"
             )
+        if self.arch.num_experts:
+            define_missing_te_gemm()
         self.visual: nn.Module | None = None
         if pre_process:
             self.visual = AutoModel.from_config(

@@ -18,6 +18,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from torch import Tensor
 
 from vlm_models.megatron.convert import (
+    ExpertStacker,
     ParamMap,
     StageLayout,
     shard,
@@ -44,7 +45,25 @@ def param_maps(model: Qwen3VLMegatronModel) -> list[ParamMap]:
     """The HF <-> Megatron map of every tensor in this rank's ``model``."""
     vision = list(model.visual.state_dict()) if model.visual is not None else []
     return stage_param_maps(
-        model.arch, stage_layout(model), vision_names=vision, use_te=model.use_te
+        model.arch,
+        stage_layout(model),
+        vision_names=vision,
+        use_te=model.use_te,
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        ep_size=parallel_state.get_expert_model_parallel_world_size(),
+    )
+
+
+def _tp_rank_size(pmap: ParamMap) -> tuple[int, int]:
+    """Experts split over the expert-TP group, everything else over the TP group."""
+    if pmap.expert is not None:
+        return (
+            parallel_state.get_expert_tensor_parallel_rank(),
+            parallel_state.get_expert_tensor_parallel_world_size(),
+        )
+    return (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
     )
 
 
@@ -61,15 +80,13 @@ def load_hf_weights(
     Each rank takes its own TP part of its own PP stage. Every model tensor must be covered.
     """
     get_hf = hf.__getitem__ if isinstance(hf, Mapping) else hf
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
     tensors = _model_tensors(model)
     maps = param_maps(model)
     missing = set(tensors) - {m.megatron for m in maps}
     if missing:
         raise KeyError(f"no HF source for Megatron tensors: {sorted(missing)[:8]}")
     for pmap in maps:
-        value = shard(pmap, [get_hf(n) for n in pmap.hf], model.arch, tp_rank, tp_size)
+        value = shard(pmap, [get_hf(n) for n in pmap.hf], model.arch, *_tp_rank_size(pmap))
         target = tensors[pmap.megatron]
         if target.shape != value.shape:
             raise ValueError(
@@ -97,6 +114,10 @@ def iter_hf_weights(
     """
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     tp_group = parallel_state.get_tensor_model_parallel_group()
+    etp_size = parallel_state.get_expert_tensor_parallel_world_size()
+    etp_group = parallel_state.get_expert_tensor_parallel_group(check_initialized=False)
+    ep_size = parallel_state.get_expert_model_parallel_world_size()
+    ep_group = parallel_state.get_expert_model_parallel_group(check_initialized=False)
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp_group = parallel_state.get_pipeline_model_parallel_group()
@@ -105,18 +126,38 @@ def iter_hf_weights(
     maps = param_maps(model)
     device = next(iter(tensors.values())).device
 
+    def full_tensors(pmap: ParamMap, stacker: ExpertStacker) -> list[tuple[str, Tensor]]:
+        """This map's HF tensors once complete (an expert: when its last slice arrives)."""
+        local = tensors[pmap.megatron]
+        if pmap.kind == "replicated":
+            return [(pmap.hf[0], local)]
+        if pmap.expert is None:
+            parts = _gather_tp(local, tp_group, tp_size)
+            return list(zip(pmap.hf, unshard(pmap, parts, model.arch), strict=True))
+        parts = [local] if etp_size == 1 else _gather_tp(local, etp_group, etp_size)
+        (expert_tensor,) = unshard(pmap, parts, model.arch)
+        # The same local expert of every EP rank: global experts r * n_local + local.
+        n_local = pmap.num_experts // ep_size
+        local_index = pmap.expert % n_local
+        gathered = [expert_tensor] if ep_size == 1 else _gather_tp(expert_tensor, ep_group, ep_size)
+        out = []
+        for r, t in enumerate(gathered):
+            stacked = stacker.add(pmap, pmap.hf[0], r * n_local + local_index, t)
+            if stacked is not None:
+                out.append((pmap.hf[0], stacked))
+        return out
+
     def local_buckets() -> Iterator[list[tuple[str, Tensor]]]:
         bucket: list[tuple[str, Tensor]] = []
         size = 0
+        stacker = ExpertStacker()
         for pmap in maps:
             if (
                 pmap.megatron == "language_model.output_layer.weight"
                 and model.arch.tie_word_embeddings
             ):
                 continue  # tied: the first stage's embedding is the HF tensor
-            local = tensors[pmap.megatron]
-            parts = [local] if pmap.kind == "replicated" else _gather_tp(local, tp_group, tp_size)
-            for name, full in zip(pmap.hf, unshard(pmap, parts, model.arch), strict=True):
+            for name, full in full_tensors(pmap, stacker):
                 bucket.append((name, full))
                 size += full.numel() * full.element_size()
             if size >= bucket_bytes:
