@@ -77,17 +77,22 @@ def main(case_path: str, out_dir: str) -> None:
     rank = int(__import__("os").environ["RANK"])
     results: dict[str, dict] = {}
     for name, scenario in case["scenarios"].items():
-        parallel = Parallelism(tp=scenario["tp"], pp=scenario["pp"], sp=scenario.get("sp", False))
+        parallel = Parallelism(
+            tp=scenario["tp"],
+            pp=scenario["pp"],
+            ep=scenario.get("ep", 1),
+            sp=scenario.get("sp", False),
+        )
         initialize_model_parallel(parallel)
-        model = build_megatron_model(case["config"], parallel, **scenario.get("overrides", {}))
-        load_hf_weights(model, case["hf_state"])
+        weights = case["models"][scenario.get("model", "dense")]
+        model = build_megatron_model(weights["config"], parallel, **scenario.get("overrides", {}))
+        load_hf_weights(model, weights["hf_state"])
         result: dict = {}
         logits = _forward(model, case, scenario.get("thd", False))
         if logits is not None:
             result["logits"] = logits.detach()
         if scenario.get("grads"):
-            weights = case["loss_weights"]
-            loss = (logits * weights).sum()
+            loss = (logits * case["loss_weights"]).sum()
             loss.backward()
             tp_rank = parallel_state.get_tensor_model_parallel_rank()
             tp_size = parallel_state.get_tensor_model_parallel_world_size()

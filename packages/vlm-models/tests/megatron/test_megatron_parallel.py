@@ -7,7 +7,9 @@ One launch of two ranks runs every scenario (imports dominate the cost):
 * ``tp2_sp``: tensor + sequence parallel, padded batch;
 * ``tp2_sp_thd``: tensor + sequence parallel on packed THD sequences;
 * ``pp2``: two pipeline stages (vision and deepstack on the first, tied output layer copy on
-  the last), and the export across stages.
+  the last), and the export across stages;
+* ``moe_ep2`` / ``moe_tp2_sp``: the MoE preset with experts over two expert-parallel ranks, or
+  over two tensor-parallel ranks with sequence parallelism; logits and export.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ SCENARIOS = {
     "tp2_sp_thd": dict(tp=2, pp=1, sp=True, thd=True),
     # 3 + 1 layers: all three deepstack layers on the first stage.
     "pp2": dict(tp=1, pp=2, export=True, overrides={"num_layers_in_first_pipeline_stage": 3}),
+    # MoE: experts split over two expert-parallel ranks, or over two (expert) TP ranks + SP.
+    "moe_ep2": dict(tp=1, pp=1, ep=2, model="moe", export=True),
+    "moe_tp2_sp": dict(tp=2, pp=1, sp=True, model="moe", export=True),
 }
 
 pytestmark = pytest.mark.slow
@@ -42,9 +47,15 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def run(tiny_setup, to_megatron_inputs, tmp_path_factory):
+def run(tiny_setup, to_megatron_inputs, make_hf_model, tmp_path_factory):
     """Launch the two ranks once; return (reference, per-rank results)."""
+    from vlm_models import tiny_config
+
     config, hf_model, batch = tiny_setup
+    moe_config = tiny_config("qwen3-vl-moe-tiny")
+    moe_model = make_hf_model(moe_config, seed=7)
+    with torch.no_grad():
+        moe_logits = moe_model(**batch).logits
     inputs = to_megatron_inputs(config, batch)
     hf_model.zero_grad()
     logits = hf_model(**batch).logits
@@ -53,9 +64,12 @@ def run(tiny_setup, to_megatron_inputs, tmp_path_factory):
     (logits * weights).sum().backward()
     hf_grads = {n: p.grad.clone() for n, p in hf_model.named_parameters()}
     hf_model.zero_grad()
+    models = {
+        "dense": dict(config=config, hf_state=dict(hf_model.state_dict())),
+        "moe": dict(config=moe_config, hf_state=dict(moe_model.state_dict())),
+    }
     case = dict(
-        config=config,
-        hf_state={k: v.detach().clone() for k, v in hf_model.state_dict().items()},
+        models=models,
         sbhd=inputs["sbhd"],
         thd=inputs["thd"],
         hidden=config.text_config.hidden_size,
@@ -80,7 +94,13 @@ def run(tiny_setup, to_megatron_inputs, tmp_path_factory):
     for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
         assert proc.returncode == 0, f"rank {rank} failed:\n{out[-6000:]}"
     results = [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    return dict(logits=logits.detach(), valid=inputs["valid"], hf_model=hf_model), results
+    reference = dict(
+        logits=logits.detach(),
+        moe_logits=moe_logits,
+        valid=inputs["valid"],
+        hf_state={"dense": hf_model.state_dict(), "moe": moe_model.state_dict()},
+    )
+    return reference, results
 
 
 @pytest.mark.parametrize("scenario", ["tp2", "tp2_sp"])
@@ -116,11 +136,21 @@ def test_tensor_parallel_gradients_match_hf(run):
         assert errors[worst] < GRAD_RTOL, f"rank {rank}: {worst} relative error {errors[worst]}"
 
 
-@pytest.mark.parametrize("scenario", ["tp2", "pp2"])
+@pytest.mark.parametrize("scenario", ["moe_ep2", "moe_tp2_sp"])
+def test_moe_logits_match_hf(run, scenario):
+    reference, results = run
+    for rank in range(2):
+        got = results[rank][scenario]["logits"]
+        diff = (got - reference["moe_logits"])[reference["valid"]].abs().max()
+        assert diff < ATOL, f"{scenario} rank {rank}: max |diff| {diff}"
+
+
+@pytest.mark.parametrize("scenario", ["tp2", "pp2", "moe_ep2", "moe_tp2_sp"])
 def test_hf_named_export_is_bit_exact(run, scenario):
     reference, results = run
-    hf_state = reference["hf_model"].state_dict()
-    expected = {k: v for k, v in hf_state.items() if k != "lm_head.weight"}  # tied
+    hf_state = reference["hf_state"][SCENARIOS[scenario].get("model", "dense")]
+    tied = "moe" not in scenario
+    expected = {k: v for k, v in hf_state.items() if not (tied and k == "lm_head.weight")}
     for rank in range(2):
         exported = results[rank][scenario]["exported"]
         assert set(exported) == set(expected)
