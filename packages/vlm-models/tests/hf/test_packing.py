@@ -68,8 +68,15 @@ def _per_sample_logprobs(logits, ids):
     return logp.gather(-1, ids[1:, None])[:, 0]
 
 
-@pytest.mark.parametrize("name", ["qwen3-vl-tiny", "qwen3-vl-moe-tiny"])
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize(
+    ("name", "attn"),
+    [
+        ("qwen3-vl-tiny", "sdpa"),
+        ("qwen3-vl-tiny", "eager"),
+        ("qwen3-vl-moe-tiny", "sdpa"),
+        pytest.param("qwen3-vl-moe-tiny", "eager", marks=pytest.mark.slow),
+    ],
+)
 def test_packed_forward_equals_per_sample_forward(samples, name, attn):
     torch.manual_seed(0)
     model = build_model(name, attn_implementation=attn).eval()
