@@ -131,13 +131,13 @@ def vision_flops(
 ) -> float:
     """Vision-tower FLOPs for a set of images (``[n, 3]`` grids of (t, h, w) patches).
 
-    Attention is bidirectional within each image. Pass ``training=False`` when the tower is
-    frozen (no backward runs through it).
+    Attention is bidirectional within each frame (``h * w`` patches; an image is one frame),
+    as the tower's ``cu_seqlens`` split it. Pass ``training=False`` when the tower is frozen (no
+    backward runs through it).
     """
     vc = config.vision_config
     per_patch = 2 * vision_matmul_params_per_patch(config)
     total = 0.0
     for t, h, w in torch.as_tensor(image_grid_thw).reshape(-1, 3).tolist():
-        n = t * h * w
-        total += n * (per_patch + 4 * vc.hidden_size * vc.depth * n)
+        total += t * h * w * (per_patch + 4 * vc.hidden_size * vc.depth * h * w)
     return total * (3 if training else 1)

@@ -76,6 +76,8 @@ def test_vision_flops_scale_with_images():
     assert vision_flops(cfg, torch.tensor([[1, 32, 32], [1, 32, 32]])) == pytest.approx(2 * one)
     assert vision_flops(cfg, [[1, 32, 32]], training=False) == pytest.approx(one / 3)
     assert one > 2 * 1024 * 3 * vision_matmul_params_per_patch(cfg)  # attention adds on top
+    # Two frames attend separately: twice one frame, not a 2048-patch attention.
+    assert vision_flops(cfg, [[2, 32, 32]]) == pytest.approx(2 * one)
 
 
 def test_count_parameters_splits_towers():

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import transformers
 
-from vlm_models import PRESETS, TINY_PRESETS, preset_config, tiny_config
+from vlm_models import PRESETS, TINY_PRESETS, preset_config, resolve_config, tiny_config
 
 TEXT_KEYS = [
     "hidden_size",
@@ -124,3 +124,13 @@ def test_overrides_reach_the_right_sub_config():
     with pytest.raises(ValueError, match="unknown tiny preset"):
         tiny_config("qwen3-vl-4b")
     assert set(TINY_PRESETS) <= set(PRESETS)
+
+
+def test_a_config_only_folder_resolves_like_its_preset(qwen3vl_dir):
+    from_folder = resolve_config(qwen3vl_dir, num_hidden_layers=2)
+    preset = preset_config("qwen3-vl-4b")
+    assert from_folder.text_config.num_hidden_layers == 2
+    for key in TEXT_KEYS[2:]:
+        assert getattr(from_folder.text_config, key) == getattr(preset.text_config, key), key
+    for key in VISION_KEYS:
+        assert getattr(from_folder.vision_config, key) == getattr(preset.vision_config, key), key
