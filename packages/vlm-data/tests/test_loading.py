@@ -81,3 +81,18 @@ def test_errors_name_the_source_and_say_what_to_pass(tmp_path: Path, monkeypatch
     datasets.Dataset.from_dict({"q": ["a"], "answer": ["1"]}).to_parquet(tmp_path / "x.parquet")
     with pytest.raises(DatasetLoadError, match="missing column"):
         load_rows(tmp_path / "x.parquet")
+
+
+def test_custom_keys_work_before_and_after_load_rows_renames_them(tmp_path: Path, tiny):
+    from vlm_data import PromptBuilder, make_synthetic_rows
+
+    raw = [
+        {"question": r["problem"], "label": r["answer"], "pics": r["images"]}
+        for r in make_synthetic_rows(3, seed=0)
+    ]
+    datasets.Dataset.from_list(raw).to_parquet(tmp_path / "train.parquet")
+    keys = {"prompt_key": "question", "answer_key": "label", "image_key": "pics"}
+    loaded = load_rows(tmp_path, **keys)
+    for rows in (raw, loaded):
+        builder = PromptBuilder(tiny, **keys)
+        assert [s.answer for s in builder.build_all(rows)] == [r["label"] for r in raw]

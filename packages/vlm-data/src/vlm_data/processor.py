@@ -12,13 +12,7 @@ import functools
 import logging
 from pathlib import Path
 
-from transformers import (
-    AutoProcessor,
-    PreTrainedTokenizerFast,
-    Qwen2VLImageProcessor,
-    Qwen3VLProcessor,
-    Qwen3VLVideoProcessor,
-)
+from transformers import AutoProcessor, PreTrainedTokenizerFast, Qwen3VLProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +167,7 @@ def tiny_processor(
     same message and image layout as Qwen3-VL's.
     """
     from tokenizers import Tokenizer
+    from transformers import Qwen2VLImageProcessor, Qwen3VLVideoProcessor
 
     backend = Tokenizer.from_str(_tiny_tokenizer_json(vocab_size))
     tokenizer = PreTrainedTokenizerFast(

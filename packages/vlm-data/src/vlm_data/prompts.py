@@ -213,15 +213,19 @@ class PromptBuilder:
 
     # -- steps ------------------------------------------------------------------------------
 
+    def field(self, row: Mapping[str, Any], key: str, canonical: str) -> Any:
+        """row[key], or row[canonical] for rows that `load_rows` already renamed."""
+        return row[key] if key in row else row.get(canonical)
+
     def read_row(self, row: Mapping[str, Any], index: int) -> tuple[str, str, list[Image.Image]]:
         """Validate a row: (templated problem text, answer, decoded images)."""
-        problem = row.get(self.prompt_key)
+        problem = self.field(row, self.prompt_key, PROMPT_KEY)
         if not isinstance(problem, str) or not problem.strip():
             raise SkipRow(SkipReason.MISSING_PROMPT, f"row {index}: no {self.prompt_key!r} text")
-        answer = row.get(self.answer_key)
+        answer = self.field(row, self.answer_key, ANSWER_KEY)
         if answer is None or (isinstance(answer, str) and not answer.strip()):
             raise SkipRow(SkipReason.MISSING_ANSWER, f"row {index}: empty {self.answer_key!r}")
-        raw_images = row.get(self.image_key)
+        raw_images = self.field(row, self.image_key, IMAGE_KEY)
         if raw_images is None:
             raw_images = []
         elif not isinstance(raw_images, list | tuple):

@@ -122,8 +122,8 @@ class SftSampleBuilder:
         messages = row.get(self.messages_key)
         if messages:
             return [dict(m) for m in messages]
-        problem = row.get(self.prompts.prompt_key)
-        answer = row.get(self.prompts.answer_key)
+        problem = self.prompts.field(row, self.prompts.prompt_key, PROMPT_KEY)
+        answer = self.prompts.field(row, self.prompts.answer_key, ANSWER_KEY)
         if not isinstance(problem, str) or not problem.strip():
             raise SkipRow(SkipReason.MISSING_PROMPT, f"row {index}: no messages and no problem")
         if answer is None or not str(answer).strip():
@@ -171,7 +171,7 @@ class SftSampleBuilder:
     def _images(
         self, row: Mapping[str, Any], messages: list[dict[str, Any]], index: int
     ) -> list[Image.Image]:
-        raw = row.get(self.prompts.image_key) or []
+        raw = self.prompts.field(row, self.prompts.image_key, IMAGE_KEY) or []
         if not isinstance(raw, list | tuple):
             raw = [raw]
         placeholders = sum(
