@@ -123,3 +123,14 @@ def test_url_size_cap_timeout_and_missing_file(tmp_path, http_root):
     with pytest.raises(ImageError, match="could not download"):
         loader.load(f"{base}/absent.png")
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
+
+
+def test_partly_transparent_image_keeps_opaque_pixels(loader):
+    image = Image.new("RGBA", (4, 4), (0, 0, 0, 0))
+    image.putpixel((1, 1), (0, 0, 255, 255))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    rgb = loader.load(buffer.getvalue())
+    assert rgb.getpixel((1, 1)) == (0, 0, 255) and rgb.getpixel((0, 0)) == (255, 255, 255)
+    opaque = loader.load(_png(color=(5, 6, 7, 255), mode="RGBA"))
+    assert opaque.mode == "RGB" and opaque.getpixel((2, 2)) == (5, 6, 7)

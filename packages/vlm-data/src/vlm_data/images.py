@@ -149,12 +149,16 @@ def _looks_like_base64(value: str) -> bool:
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
-    """RGB on a white background: geo3k diagrams are RGBA with a transparent background."""
-    if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
-        rgba = image.convert("RGBA")
-        background = Image.new("RGB", rgba.size, (255, 255, 255))
-        background.paste(rgba, mask=rgba.getchannel("A"))
-        return background
+    """RGB; transparent pixels become white (a plain convert would expose their hidden colour,
+    often black). Opaque RGBA (all geo3k diagrams) converts directly, as the processor would."""
+    if image.mode == "P" and "transparency" in image.info:
+        image = image.convert("RGBA")
+    if image.mode in ("RGBA", "LA"):
+        alpha = image.getchannel("A")
+        if alpha.getextrema()[0] < 255:
+            background = Image.new("RGB", image.size, (255, 255, 255))
+            background.paste(image.convert("RGB"), mask=alpha)
+            return background
     return image.convert("RGB")
 
 
