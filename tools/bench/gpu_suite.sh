@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Run the GPU benchmarks on a machine without the project's environment (the device machine:
+# Python 3.12, torch 2.11, transformers 5.17, offline). Wheels for what it lacks come from .whl/
+# (fill it with ../shared/tools/device-wheels). Each benchmark's JSON and one log go to $OUT.
+#
+#   bash tools/bench/gpu_suite.sh [logprobs] [patch_embed] [hf_engine] [fsdp_train] [megatron_parity] ...
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$(ls -d packages/*/src | paste -sd:)
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+log="$OUT/log.txt"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, "gpus", torch.cuda.device_count())'
+} >>"$log" 2>&1
+ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+run() {  # name timeout command...
+  local name=$1 t=$2; shift 2
+  echo "===== $name: $*" >>"$log"
+  local s=$SECONDS
+  timeout "$t" "$@" >>"$log" 2>&1
+  echo "===== $name rc=$? in $((SECONDS - s)) s" >>"$log"
+}
+for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; do
+  for w in $what; do
+    case $w in
+      logprobs) run logprobs 120 python3 tools/bench/bench_logprobs.py --device cuda --out "$OUT/logprobs.json" ;;
+      patch_embed) run patch_embed 150 python3 tools/bench/bench_patch_embed.py --device cuda --out "$OUT/patch_embed.json" ;;
+      megatron_parity) run megatron_parity 180 python3 tools/bench/bench_megatron_parity.py --device cuda --out "$OUT/megatron_parity.json" ;;
+      fsdp_train) run fsdp_train 240 python3 tools/bench/bench_fsdp_train.py --device cuda --out "$OUT/fsdp_train.json" ;;
+      fsdp_scaling) run fsdp_scaling 300 torchrun --standalone --nproc-per-node "$ngpu" tools/bench/bench_fsdp_train.py --device cuda --out "$OUT/fsdp_train_${ngpu}gpu.json" ;;
+      hf_engine) run hf_engine 300 python3 tools/bench/bench_hf_engine.py --device cuda --out "$OUT/hf_engine.json" ;;
+      gpu_tests) run gpu_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider packages ;;
+      *) echo "unknown benchmark $w" >>"$log" ;;
+    esac
+  done
+done
+cat "$log"
