@@ -190,3 +190,11 @@ def test_build_all_in_worker_processes_keeps_order_and_counts_skips(tiny, caplog
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.pixel_values, b.pixel_values)
     assert parallel.stats == serial.stats == {"built": 6, SkipReason.BAD_IMAGE: 1}
     assert "skipping row 3 (bad_image)" in caplog.text
+
+
+def test_image_the_processor_refuses_is_a_skipped_row(tiny):
+    row = {"problem": "<image>thin", "answer": "1", "images": [_png(size=(600, 2))]}
+    for max_len in (None, 100):
+        builder = PromptBuilder(tiny, max_prompt_length=max_len)
+        assert builder.maybe_build(row, 0) is None
+        assert builder.stats == {SkipReason.BAD_IMAGE: 1}

@@ -77,6 +77,7 @@ def test_bad_sft_rows_are_skipped_with_a_reason(tiny):
         SkipReason.MISSING_ANSWER: {**good, "answer": None},
         SkipReason.NO_PLACEHOLDER: {**good, "problem": "How many?"},
         SkipReason.BAD_IMAGE: {**good, "images": [{"bytes": b"nope", "path": "z.png"}]},
+        SkipReason.IMAGE_COUNT_MISMATCH: {**good, "problem": "<image><image>How many?"},
         SkipReason.TOO_LONG: {**good, "problem": "<image>" + "many words " * 40},
     }
     for reason, row in cases.items():
@@ -84,7 +85,7 @@ def test_bad_sft_rows_are_skipped_with_a_reason(tiny):
             builder.build(row, 9)
         assert info.value.reason == reason and "row 9" in str(info.value)
     assert builder.maybe_build(good, 0) is not None
-    assert builder.stats["built"] == 1 and sum(builder.stats.values()) == 5
+    assert builder.stats["built"] == 1 and sum(builder.stats.values()) == 6
 
 
 def test_format_tool_writes_messages_and_keeps_images(tmp_path, geo3k_dir, real_processor):

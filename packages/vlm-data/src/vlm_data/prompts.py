@@ -270,9 +270,14 @@ class PromptBuilder:
     def _build(self, row: Mapping[str, Any], index: int) -> PromptSample:
         text, answer, images = self.read_row(row, index)
         prompt_text = self.render(user_messages(text, images, self.system_prompt))
-        if self.max_prompt_length is not None:
-            self._check_length(prompt_text, images, index)
-        input_ids, pixel_values, grid = self.encode(prompt_text, images)
+        try:
+            if self.max_prompt_length is not None:
+                self._check_length(prompt_text, images, index)
+            input_ids, pixel_values, grid = self.encode(prompt_text, images)
+        except ValueError as exc:  # e.g. an aspect ratio over 200 the image processor refuses
+            if isinstance(exc, SkipRow):
+                raise
+            raise SkipRow(SkipReason.BAD_IMAGE, f"row {index}: image processor: {exc}") from exc
         if self.max_prompt_length is not None and len(input_ids) > self.max_prompt_length:
             raise SkipRow(
                 SkipReason.TOO_LONG,

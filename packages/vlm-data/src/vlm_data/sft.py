@@ -144,7 +144,10 @@ class SftSampleBuilder:
         reply = full_text[len(prompt_text) :]
         end = reply.rfind(END_OF_TURN)
         reply = reply[: end + len(END_OF_TURN)] if end >= 0 else reply
-        prompt_ids, pixel_values, grid = builder.encode(prompt_text, images)
+        try:
+            prompt_ids, pixel_values, grid = builder.encode(prompt_text, images)
+        except ValueError as exc:  # e.g. an aspect ratio over 200 the image processor refuses
+            raise SkipRow(SkipReason.BAD_IMAGE, f"row {index}: image processor: {exc}") from exc
         reply_ids = torch.tensor(
             builder.tokenizer(reply, add_special_tokens=False)["input_ids"], dtype=torch.long
         )
