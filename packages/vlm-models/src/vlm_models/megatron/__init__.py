@@ -21,6 +21,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
     ) from err
 
 from vlm_models.megatron.checkpoint import (
+    SafetensorsReader,
     hf_to_megatron_checkpoint,
     load_megatron_checkpoint,
     megatron_to_hf_checkpoint,
@@ -29,6 +30,7 @@ from vlm_models.megatron.config import Parallelism, TextArch, text_arch, transfo
 from vlm_models.megatron.convert import (
     ParamMap,
     StageLayout,
+    from_file_layout,
     fuse_qkv,
     hf_state_dict_to_megatron,
     hf_to_megatron_stage,
@@ -37,6 +39,7 @@ from vlm_models.megatron.convert import (
     split_qkv,
     stage_layouts,
     stage_param_maps,
+    to_file_layout,
 )
 from vlm_models.megatron.layers import (
     DeepstackTransformerLayer,
@@ -64,11 +67,13 @@ __all__ = [
     "Qwen3VLMegatronModel",
     "RMSNorm",
     "SDPACoreAttention",
+    "SafetensorsReader",
     "StageLayout",
     "TextArch",
     "block_spec",
     "build_megatron_model",
     "destroy_model_parallel",
+    "from_file_layout",
     "fuse_qkv",
     "hf_state_dict_to_megatron",
     "hf_to_megatron_checkpoint",
@@ -89,5 +94,6 @@ __all__ = [
     "stage_layouts",
     "stage_param_maps",
     "text_arch",
+    "to_file_layout",
     "transformer_config",
 ]

@@ -32,9 +32,12 @@ from transformers import AutoConfig, PretrainedConfig
 from vlm_models.megatron.config import text_arch
 from vlm_models.megatron.convert import (
     StageLayout,
+    from_file_layout,
     hf_to_megatron_stage,
+    is_released_expert_layout,
     megatron_to_hf_stage,
     stage_layouts,
+    to_file_layout,
     vision_names_from,
 )
 
@@ -45,16 +48,6 @@ FORMAT_VERSION = 1
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
 
 
-def _refuse_moe(num_experts: int | None) -> None:
-    # MoE checkpoint files store experts in another layout than transformers' in-memory one
-    # (which the maps use), and expert-parallel shards need their own file naming.
-    if num_experts:
-        raise NotImplementedError(
-            "checkpoint folders of MoE models are not converted yet; load the HF model and use "
-            "load_hf_weights / iter_hf_weights (in-memory layout) instead"
-        )
-
-
 def shard_path(root: Path, tp_rank: int, pp_rank: int, pp_size: int) -> Path:
     """Megatron-LM's legacy path of one rank's shard."""
     name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
@@ -62,9 +55,16 @@ def shard_path(root: Path, tp_rank: int, pp_rank: int, pp_size: int) -> Path:
 
 
 class SafetensorsReader:
-    """Lazy access to the tensors of an HF checkpoint folder (single file or sharded)."""
+    """Lazy access to the tensors of an HF checkpoint folder (single file or sharded).
 
-    def __init__(self, folder: Path) -> None:
+    ``reader(name)`` returns the tensor in transformers' in-memory layout (the layout the maps
+    and ``load_hf_weights`` use), so ``load_hf_weights(model, reader)`` streams a folder into a
+    live model at any TP/PP/EP.
+    """
+
+    def __init__(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        self.arch = text_arch(AutoConfig.from_pretrained(folder))
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{folder}: no *.safetensors files (only safetensors is read)")
@@ -82,10 +82,24 @@ class SafetensorsReader:
         handle = self._where.get(name)
         if handle is None:
             raise KeyError(f"tensor {name!r} is not in the checkpoint")
-        return handle.get_tensor(name)  # type: ignore[attr-defined]
+        return from_file_layout(name, handle.get_tensor(name), self.arch)  # type: ignore[attr-defined]
+
+    def released_expert_layout(self) -> bool:
+        """Whether this folder's MoE experts are in the released (transposed) layout."""
+        for name, handle in self._where.items():
+            shape = tuple(handle.get_slice(name).get_shape())  # type: ignore[attr-defined]
+            if is_released_expert_layout(name, shape, self.arch):
+                return True
+        return False
 
     def close(self) -> None:
         self._stack.close()
+
+    def __enter__(self) -> SafetensorsReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _copy_side_files(src: Path, dst: Path) -> None:
@@ -119,7 +133,6 @@ def hf_to_megatron_checkpoint(
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     config = AutoConfig.from_pretrained(hf_dir)
     arch = text_arch(config)
-    _refuse_moe(arch.num_experts)
     stages = stage_layouts(
         arch.num_layers,
         pp,
@@ -129,6 +142,7 @@ def hf_to_megatron_checkpoint(
     out_dir.mkdir(parents=True, exist_ok=True)
     reader = SafetensorsReader(hf_dir)
     vision = vision_names_from(reader.keys())
+    released_experts = reader.released_expert_layout()
 
     def get(name: str) -> Tensor:
         tensor = reader(name)
@@ -157,6 +171,7 @@ def hf_to_megatron_checkpoint(
         first_stage_layers=first_stage_layers,
         last_stage_layers=last_stage_layers,
         use_te=use_te,
+        released_expert_layout=released_experts,  # written back the same way
     )
     (out_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     (out_dir / "latest_checkpointed_iteration.txt").write_text("release")
@@ -214,7 +229,6 @@ def megatron_to_hf_checkpoint(
     """Write an HF safetensors checkpoint (``model-*.safetensors`` + index) from Megatron shards."""
     megatron_dir, out_dir = Path(megatron_dir), Path(out_dir)
     config = AutoConfig.from_pretrained(megatron_dir)
-    _refuse_moe(text_arch(config).num_experts)
     out_dir.mkdir(parents=True, exist_ok=True)
     files: list[tuple[Path, list[str]]] = []
     bucket: dict[str, Tensor] = {}
@@ -229,8 +243,11 @@ def megatron_to_hf_checkpoint(
         files.append((path, list(bucket)))
         bucket, size = {}, 0
 
+    released = read_meta(megatron_dir).get("released_expert_layout", False)
     for name, tensor in _iter_hf_tensors(megatron_dir, config):
-        tensor = tensor if dtype is None else tensor.to(dtype)
+        tensor = to_file_layout(
+            name, tensor if dtype is None else tensor.to(dtype), released=released
+        )
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > max_shard_bytes:
             flush()
@@ -259,6 +276,11 @@ def load_megatron_checkpoint(model, megatron_dir: str | Path) -> None:
     meta = read_meta(megatron_dir)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        raise NotImplementedError(
+            "Megatron folders hold all experts per shard (ep=1); with expert parallelism load "
+            "the HF folder instead: load_hf_weights(model, SafetensorsReader(hf_dir))"
+        )
     if (meta["tp"], meta["pp"]) != (tp, pp):
         raise ValueError(
             f"{megatron_dir} holds tp={meta['tp']} pp={meta['pp']} shards but the model runs "

@@ -20,8 +20,9 @@ kind           HF tensors -> one Megatron tensor                                
 
 MoE experts are also split over expert-parallel ranks: rank ``r`` holds global experts
 ``r * E / ep ... (r + 1) * E / ep - 1`` as ``local_experts.0 ...``. HF names and shapes are
-those of the in-memory transformers model (its ``state_dict()``); for Qwen3-VL-MoE they differ
-from the files' layout, which ``vlm_models.iter_weight_buckets(..., model=hf_model)`` restores.
+those of the in-memory transformers model (its ``state_dict()``); released Qwen3-VL-MoE files
+store the stacked experts transposed (``[E, H, 2I]``, ``[E, I, H]``), which
+:func:`from_file_layout` / :func:`to_file_layout` convert.
 
 Megatron names are relative to :class:`~vlm_models.megatron.model.Qwen3VLMegatronModel`
 (``language_model.decoder.layers.{local}.…``, ``visual.…``); HF names are those of
@@ -309,6 +310,39 @@ def split_qkv(fused: Tensor, arch: TextArch) -> tuple[Tensor, Tensor, Tensor]:
         k.reshape(groups * hd, *tail).contiguous(),
         v.reshape(groups * hd, *tail).contiguous(),
     )
+
+
+_EXPERT_STACKS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
+def _memory_shape(name: str, arch: TextArch) -> tuple[int, int, int]:
+    e, h, i = arch.num_experts, arch.hidden_size, arch.moe_intermediate_size
+    return (e, 2 * i, h) if name.endswith("gate_up_proj") else (e, h, i)
+
+
+def is_released_expert_layout(name: str, shape: tuple[int, ...], arch: TextArch) -> bool:
+    """Whether a file's stacked-expert tensor is in the released (transposed) layout.
+
+    Released Qwen3-VL-MoE files hold ``[E, H, 2I]`` / ``[E, I, H]``; transformers keeps
+    ``[E, 2I, H]`` / ``[E, H, I]`` in memory and 5.x ``save_pretrained`` writes that. Like
+    transformers, a shape equal to the in-memory one counts as in-memory (square experts are
+    ambiguous).
+    """
+    return name.endswith(_EXPERT_STACKS) and tuple(shape) != _memory_shape(name, arch)
+
+
+def from_file_layout(name: str, tensor: Tensor, arch: TextArch) -> Tensor:
+    """A checkpoint-file tensor in transformers' in-memory layout."""
+    if is_released_expert_layout(name, tuple(tensor.shape), arch):
+        return tensor.transpose(1, 2).contiguous()
+    return tensor
+
+
+def to_file_layout(name: str, tensor: Tensor, *, released: bool = True) -> Tensor:
+    """An in-memory tensor in the released files' layout (``released=False``: unchanged)."""
+    if released and name.endswith(_EXPERT_STACKS):
+        return tensor.transpose(1, 2).contiguous()
+    return tensor
 
 
 class ExpertStacker:

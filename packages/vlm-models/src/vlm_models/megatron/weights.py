@@ -23,6 +23,7 @@ from vlm_models.megatron.convert import (
     StageLayout,
     shard,
     stage_param_maps,
+    to_file_layout,
     unshard,
 )
 from vlm_models.megatron.model import Qwen3VLMegatronModel
@@ -105,12 +106,14 @@ def _gather_tp(local: Tensor, group: dist.ProcessGroup, size: int) -> list[Tenso
 
 @torch.no_grad()
 def iter_hf_weights(
-    model: Qwen3VLMegatronModel, bucket_bytes: int = 512 << 20
+    model: Qwen3VLMegatronModel, bucket_bytes: int = 512 << 20, *, file_layout: bool = False
 ) -> Iterator[list[tuple[str, Tensor]]]:
     """Buckets of ``(hf_name, full tensor)`` of the whole model, on every rank.
 
     Must be called on all ranks of the TP x PP group together. A bucket closes once it holds
-    at least ``bucket_bytes`` (a single larger tensor makes a bucket of its own).
+    at least ``bucket_bytes`` (a single larger tensor makes a bucket of its own). Tensors are
+    in transformers' in-memory layout, or with ``file_layout`` in the released checkpoint files'
+    layout (MoE experts transposed), which is what engines loading released files expect.
     """
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -158,6 +161,8 @@ def iter_hf_weights(
             ):
                 continue  # tied: the first stage's embedding is the HF tensor
             for name, full in full_tensors(pmap, stacker):
+                if file_layout:
+                    full = to_file_layout(name, full)
                 bucket.append((name, full))
                 size += full.numel() * full.element_size()
             if size >= bucket_bytes:
