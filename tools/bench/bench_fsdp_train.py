@@ -62,6 +62,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="ours: torch.compile each layer")
     p.add_argument("--ac", action="store_true", help="ours: activation checkpointing")
     p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (torch default if unset)")
     p.add_argument("--out", type=Path, default=None, help="JSON result path (rank 0)")
     args = p.parse_args()
     cuda = args.device.startswith("cuda")
@@ -201,6 +202,8 @@ def run_ours(args, device: torch.device) -> tuple[dict, int, int]:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))

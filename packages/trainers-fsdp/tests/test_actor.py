@@ -34,8 +34,10 @@ def _full_grads(actor: FsdpActor) -> dict[str, torch.Tensor]:
     }
 
 
-def test_compute_logprobs_equals_plain_hf_forward(make_config, make_plain_model, batch):
-    actor = FsdpActor(make_config())
+@pytest.mark.parametrize("scope", ["all", "loss"])
+def test_compute_logprobs_equals_plain_hf_forward(make_config, make_plain_model, batch, scope):
+    """All positions ("all"), or the loss positions with zeros elsewhere ("loss", default)."""
+    actor = FsdpActor(make_config(logprobs_scope=scope))
     plain = make_plain_model()
     ours = actor.compute_logprobs(batch)
     image_token = plain.config.image_token_id
@@ -45,12 +47,16 @@ def test_compute_logprobs_equals_plain_hf_forward(make_config, make_plain_model,
         )
         assert ours[i].shape == ids.shape
         assert ours[i][0] == 0
+        if scope == "loss":
+            on = batch.loss_mask[i] > 0
+            assert torch.all(ours[i][~on] == 0)
+            ref = torch.where(on, ref, torch.zeros_like(ref))
         torch.testing.assert_close(ours[i], ref, atol=2e-5, rtol=1e-5)
 
 
 def test_packed_equals_padded(make_config, make_plain_model, batch):
     """Samples packed into one row give the log-probs of a right-padded batched forward."""
-    actor = FsdpActor(make_config(max_tokens_per_gpu=10_000))  # everything in one row
+    actor = FsdpActor(make_config(max_tokens_per_gpu=10_000, logprobs_scope="all"))  # one row
     packed = actor.compute_logprobs(batch)
     plain = make_plain_model()
     n, longest = len(batch), max(batch.lengths)

@@ -32,7 +32,7 @@ def test_resume_reproduces_next_step_exactly(make_config, batch, tmp_path):
 
 
 def test_export_hf_loads_with_from_pretrained(make_config, batch, tmp_path):
-    actor = FsdpActor(make_config())
+    actor = FsdpActor(make_config(logprobs_scope="all"))
     actor.train_step(batch, loss="sft")  # weights now differ from the seed's init
     actor.export_hf(tmp_path / "hf", dtype="float32")
     files = sorted(p.name for p in (tmp_path / "hf").iterdir())

@@ -32,6 +32,7 @@ def _launch(world: int, out: Path, timeout: float = 300.0) -> dict:
             WORLD_SIZE=str(world),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",  # as torchrun sets it: one thread per rank
         )
         procs.append(
             subprocess.Popen(

@@ -19,7 +19,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from rl_algos import TrainBatch, aligned_logprobs, entropy_from_logits, grpo_loss, sft_loss
+from rl_algos import (
+    TrainBatch,
+    aligned_logprobs,
+    entropy_from_logits,
+    grpo_loss,
+    logprobs_from_logits,
+    sft_loss,
+)
 from trainers_fsdp.attention import PACKED_ATTENTION, PackedSeqInfo, register_packed_attention
 from trainers_fsdp.checkpoint import load_checkpoint, save_checkpoint
 from trainers_fsdp.config import FsdpConfig
@@ -138,10 +145,12 @@ class FsdpActor:
     def _forward(
         self, model: nn.Module, mb: MicroBatch, *, entropy: str | None = None
     ) -> tuple[Tensor, Tensor | None]:
-        """Packed forward; aligned log-probs ``[T]`` (float32) and optionally entropy.
+        """Packed forward; aligned log-probs ``[T]`` (float32) and optionally entropy ``[T]``.
 
-        ``entropy``: None, ``"grad"`` (all positions, differentiable) or ``"metric"`` (detached,
-        computed only on the loss positions to save time).
+        With ``logprobs_scope="loss"`` the LM head runs only on the rows that predict loss
+        tokens (``logits_to_keep``), and other positions hold 0, which the token alignment
+        convention allows. ``entropy``: None, ``"grad"`` (differentiable, for an entropy bonus)
+        or ``"metric"`` (detached).
         """
         kwargs = dict(
             input_ids=mb.input_ids[None],
@@ -153,24 +162,37 @@ class FsdpActor:
             kwargs["image_grid_thw"] = mb.image_grid_thw
         if self.config.attn_implementation == PACKED_ATTENTION:
             kwargs["packed_seq_info"] = PackedSeqInfo.from_lengths(mb.lengths, self.device)
-        logits = model(**kwargs).logits[0]
-        cu = [0]
-        for n in mb.lengths:
-            cu.append(cu[-1] + n)
         temperature = self.config.temperature
-        logprobs = aligned_logprobs(logits, mb.input_ids, cu, temperature)
+        total = mb.input_ids.shape[0]
+        if self.config.logprobs_scope == "all":
+            logits = model(**kwargs).logits[0]
+            cu = [0]
+            for n in mb.lengths:
+                cu.append(cu[-1] + n)
+            logprobs = aligned_logprobs(logits, mb.input_ids, cu, temperature)
+            ent = None
+            if entropy == "grad":
+                ent = aligned_entropy(logits, cu, temperature)
+            elif entropy == "metric":
+                with torch.no_grad():
+                    ent = aligned_entropy(logits.detach(), cu, temperature)
+            return logprobs, ent
+
+        positions = mb.loss_positions  # tokens whose log-prob is needed
+        if positions.numel() == 0:  # nothing to score (dummy row): keep the graph, cheaply
+            logits = model(**kwargs, logits_to_keep=1).logits[0]
+            zero = logits.sum().float() * 0.0
+            return torch.zeros(total, device=logits.device) + zero, None
+        logits = model(**kwargs, logits_to_keep=positions - 1).logits[0]  # [R, V]
+        rows = logprobs_from_logits(logits, mb.input_ids[positions], temperature)
+        logprobs = torch.zeros(total, device=rows.device, dtype=rows.dtype)
+        logprobs = logprobs.index_copy(0, positions, rows)
         ent = None
-        if entropy == "grad":
-            ent = aligned_entropy(logits, cu, temperature)
-        elif entropy == "metric" and "loss_mask" in mb.fields:
-            with torch.no_grad():
-                n_real = mb.num_real_tokens
-                mask = mb.fields["loss_mask"][:n_real] > 0
-                mask[torch.tensor(mb.real_cu_seqlens[:-1], device=mask.device)] = False
-                rows = mask.nonzero().squeeze(1)
-                ent = torch.zeros(n_real, device=logits.device)
-                if rows.numel():
-                    ent[rows] = entropy_from_logits(logits[rows - 1].detach(), temperature)
+        if entropy is not None:
+            with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
+                src = logits if entropy == "grad" else logits.detach()
+                ent_rows = entropy_from_logits(src, temperature)
+                ent = torch.zeros_like(logprobs).index_copy(0, positions, ent_rows)
         return logprobs, ent
 
     @torch.no_grad()

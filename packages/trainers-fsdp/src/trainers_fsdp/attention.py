@@ -122,21 +122,18 @@ def packed_attention_forward(
             logger.warning("varlen_attn failed (%s); using per-sample sdpa instead", err)
             _varlen.cache_clear()
             _VARLEN_DISABLED.append(True)
-    outs = []
-    start = 0
-    for length in packed_seq_info.lengths:
-        end = start + length
-        outs.append(
-            F.scaled_dot_product_attention(
-                query[:, :, start:end],
-                key[:, :, start:end],
-                value[:, :, start:end],
-                is_causal=True,
-                scale=scaling,
-                enable_gqa=n_rep > 1,
-            )
+    # split (not slicing): its backward concatenates the gradients once instead of
+    # materialising a zero-filled full-size gradient per sample.
+    lengths = list(packed_seq_info.lengths)
+    outs = [
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=n_rep > 1)
+        for q, k, v in zip(
+            query.split(lengths, dim=2),
+            key.split(lengths, dim=2),
+            value.split(lengths, dim=2),
+            strict=True,
         )
-        start = end
+    ]
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     return out.transpose(1, 2).contiguous(), None
 

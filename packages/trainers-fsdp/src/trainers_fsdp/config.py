@@ -52,6 +52,9 @@ class FsdpConfig:
     compile: bool = False  # torch.compile each decoder layer / vision block
     max_tokens_per_gpu: int = 16384  # micro-batch token budget (dynamic batch size)
     temperature: float = 1.0  # the rollout's sampling temperature, for log-probs
+    # "loss": run the LM head only on rows that predict loss tokens (log-probs elsewhere are 0,
+    # as the token alignment convention allows); "all": every position.
+    logprobs_scope: str = "loss"
     grpo: GrpoLossConfig = field(default_factory=GrpoLossConfig)
     sft_loss_agg_mode: str = "token-mean"
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -67,6 +70,8 @@ class FsdpConfig:
             raise ValueError(f"max_tokens_per_gpu must be positive, got {self.max_tokens_per_gpu}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be positive, got {self.temperature}")
+        if self.logprobs_scope not in ("loss", "all"):
+            raise ValueError(f"logprobs_scope must be 'loss' or 'all', got {self.logprobs_scope!r}")
         if self.optim.lr_schedule not in ("constant", "cosine"):
             raise ValueError(
                 f"optim.lr_schedule must be 'constant' or 'cosine', got {self.optim.lr_schedule!r}"

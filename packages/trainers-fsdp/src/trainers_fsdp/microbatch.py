@@ -39,6 +39,7 @@ class MicroBatch:
     fields: dict[str, Tensor]  # per-token training fields over the real tokens, [T_real]
     has_dummy: bool
     loss_units: dict[str, float]  # loss tokens / samples with tokens / samples, per agg mode
+    loss_positions: Tensor  # LongTensor[R]: loss tokens that have a predecessor in their sample
 
     @property
     def num_real_tokens(self) -> int:
@@ -63,6 +64,7 @@ class MicroBatch:
             fields={k: move(v) for k, v in self.fields.items()},
             has_dummy=self.has_dummy,
             loss_units=self.loss_units,
+            loss_positions=move(self.loss_positions),
         )
 
 
@@ -144,6 +146,11 @@ def build_micro_batch(
         "seq-mean-token-mean": float(sum(1 for m in masks if bool(m.any()))),
         "seq-mean-token-sum-norm": float(len(masks)),
     }
+    positions, start = [], 0
+    for m in masks:
+        local = m.nonzero().reshape(-1)
+        positions.append(local[local > 0] + start)
+        start += int(m.numel())
     return MicroBatch(
         indices=list(indices),
         lengths=lengths,
@@ -154,4 +161,5 @@ def build_micro_batch(
         fields=fields,
         has_dummy=add_dummy,
         loss_units=loss_units,
+        loss_positions=torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long),
     )

@@ -19,6 +19,8 @@ TINY_OVERRIDES = dict(
     video_token_id=501,
     vision_start_token_id=502,
     vision_end_token_id=503,
+    bos_token_id=504,
+    eos_token_id=505,
 )
 
 
