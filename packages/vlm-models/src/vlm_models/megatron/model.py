@@ -31,6 +31,7 @@ from vlm_models.megatron._upstream_fixes import define_missing_te_gemm
 from vlm_models.megatron.config import Parallelism, text_arch, transformer_config
 from vlm_models.megatron.layers import _param_device, block_spec
 from vlm_models.megatron.rope import InterleavedMRoPE
+from vlm_models.patch_embed import set_fast_patch_embed
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class Qwen3VLMegatronModel(MegatronModule):
         post_process: bool = True,
         use_te: bool = False,
         vision_attn_implementation: str = "sdpa",
+        fast_patch_embed: bool = True,
         vp_stage: int | None = None,
     ) -> None:
         super().__init__(config=config)
@@ -111,6 +113,8 @@ class Qwen3VLMegatronModel(MegatronModule):
             self.visual = AutoModel.from_config(
                 hf_config.vision_config, attn_implementation=vision_attn_implementation
             ).to(device=_param_device(config), dtype=config.params_dtype)
+            if fast_patch_embed:  # GEMM instead of Conv3d; same parameters and names
+                set_fast_patch_embed(self.visual, True)
         self.language_model = MRoPEGPTModel(
             config,
             spec,
@@ -222,6 +226,7 @@ def build_megatron_model(
     params_dtype: torch.dtype = torch.float32,
     use_te: bool = False,
     vision_attn_implementation: str = "sdpa",
+    fast_patch_embed: bool = True,
     **config_overrides,
 ) -> Qwen3VLMegatronModel:
     """This rank's stage of the model (random init; load weights with ``load_hf_weights``).
@@ -246,6 +251,7 @@ def build_megatron_model(
         post_process=parallel_state.is_pipeline_last_stage(),
         use_te=use_te,
         vision_attn_implementation=vision_attn_implementation,
+        fast_patch_embed=fast_patch_embed,
     )
 
 
