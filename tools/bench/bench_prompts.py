@@ -3,8 +3,8 @@
 Baseline, per row: decode the images with PIL, `processor.apply_chat_template(messages)`, then
 `processor(text=..., images=...)` (which re-tokenizes the text after expanding every image into
 hundreds of `<|image_pad|>` tokens). Ours: `PromptBuilder.build(row)` (same decoding, validation
-and skip logic, image pads expanded in id space). Both run in the same process on the same rows;
-the ratio is printed and written as JSON.
+and skip logic, image pads expanded in id space). Both run in the same process on the same rows,
+taking turns; the ratio is printed and written as JSON.
 
     uv run tools/bench/bench_prompts.py --rows 300 --out /tmp/bench_prompts.json
     # GPU machine (torch/transformers only; pyarrow reads the parquet):
@@ -35,7 +35,10 @@ SHARED = ROOT.parent / "shared"
 
 def read_rows(path: Path, limit: int) -> list[dict]:
     """geo3k rows with raw image dicts; pyarrow only, so no `datasets` is needed."""
-    import pyarrow.parquet as pq
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        sys.exit("bench_prompts needs pyarrow to read the parquet: pip install pyarrow")
 
     rows = pq.read_table(path, columns=["problem", "answer", "images"]).to_pylist()
     return rows[:limit] if limit else rows
@@ -60,15 +63,18 @@ def ours(processor, rows: list[dict], device: str | None, workers: int = 0) -> i
     return built
 
 
-def timed(fn, *args, repeats: int, sync: bool) -> list[float]:
-    seconds = []
+def timed_rounds(variants: dict, repeats: int, sync: bool) -> dict[str, float]:
+    """Median seconds per variant; the variants take turns in every round, so a burst of load
+    from other jobs on a shared machine hits them alike instead of one of them."""
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn(*args)
-        if sync:
-            torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
-    return seconds
+        for name, run in variants.items():
+            start = time.perf_counter()
+            run()
+            if sync:
+                torch.cuda.synchronize()
+            seconds[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in seconds.items()}
 
 
 def main() -> int:
@@ -91,17 +97,14 @@ def main() -> int:
     baseline(processor, rows[:4], device)
     ours(processor, rows[:4], device)
     sync = device is not None and device.startswith("cuda")
-    t_base = statistics.median(
-        timed(baseline, processor, rows, device, repeats=args.repeats, sync=sync)
-    )
-    t_ours = statistics.median(
-        timed(ours, processor, rows, device, repeats=args.repeats, sync=sync)
-    )
-    t_workers = None
+    variants = {
+        "baseline": lambda: baseline(processor, rows, device),
+        "ours": lambda: ours(processor, rows, device),
+    }
     if args.workers > 0 and device is None:  # CUDA image processing stays in the main process
-        t_workers = statistics.median(
-            timed(ours, processor, rows, device, args.workers, repeats=args.repeats, sync=sync)
-        )
+        variants["workers"] = lambda: ours(processor, rows, device, args.workers)
+    times = timed_rounds(variants, args.repeats, sync)
+    t_base, t_ours, t_workers = times["baseline"], times["ours"], times.get("workers")
     result = {
         "benchmark": "prompt building (geo3k)",
         "rows": len(rows),
