@@ -34,7 +34,9 @@ class MicroBatch:
     lengths: list[int]  # token count of each packed sample, dummy included
     input_ids: Tensor  # LongTensor[T]
     position_ids: Tensor  # LongTensor[4, T]: text positions, then M-RoPE (t, h, w)
-    pixel_values: Tensor | None  # FloatTensor[P, D], all images of the row
+    # FloatTensor[P, D], all images of the row; per-sample parts until moved (the concatenation
+    # then happens on the device, not as a large host copy)
+    pixel_values: Tensor | list[Tensor] | None
     image_grid_thw: Tensor | None  # LongTensor[n_img, 3]
     fields: dict[str, Tensor]  # per-token training fields over the real tokens, [T_real]
     has_dummy: bool
@@ -59,7 +61,11 @@ class MicroBatch:
             lengths=self.lengths,
             input_ids=move(self.input_ids),
             position_ids=move(self.position_ids),
-            pixel_values=move(self.pixel_values),
+            pixel_values=(
+                torch.cat([move(p) for p in self.pixel_values])
+                if isinstance(self.pixel_values, list)
+                else move(self.pixel_values)
+            ),
             image_grid_thw=move(self.image_grid_thw),
             fields={k: move(v) for k, v in self.fields.items()},
             has_dummy=self.has_dummy,
@@ -156,7 +162,7 @@ def build_micro_batch(
         lengths=lengths,
         input_ids=torch.cat(ids),
         position_ids=torch.cat([text[None], mrope.long()], dim=0),
-        pixel_values=torch.cat([p for p, _ in present]) if present else None,
+        pixel_values=[p for p, _ in present] if present else None,
         image_grid_thw=torch.cat([g for _, g in present]).long() if present else None,
         fields=fields,
         has_dummy=add_dummy,
