@@ -185,7 +185,9 @@ def build_processor(model: ModelSection, run: RunSection, data: DataSection) -> 
     source = model.tokenizer
     if source is None and run.load:
         loaded = Path(resolve_load(run.load))
-        if (loaded / "preprocessor_config.json").is_file():
+        if any(
+            (loaded / f).is_file() for f in ("processor_config.json", "preprocessor_config.json")
+        ):
             source = str(loaded)
     if source is None:
         source = "tiny" if model.model_name == TINY_MODEL else model_source(model, run, None)

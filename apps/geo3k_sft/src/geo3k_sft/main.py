@@ -65,14 +65,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_gpus": 0,
         "model_name": "qwen3-vl-tiny",
         "tokenizer": "tiny",
-        "dataset": "synthetic:count-dots",
+        "dataset": "synthetic:color",
         "attn_implementation": "sdpa",
         "output_dir": "runs/geo3k_sft_tiny",
         "lr": 3e-3,
         "weight_decay": 0.0,
-        "sft_num_steps": 60,
+        "sft_num_steps": 36,
         "sft_batch_size": 32,
-        "sft_save_interval": 20,
+        "sft_save_interval": 12,
     },
 }
 

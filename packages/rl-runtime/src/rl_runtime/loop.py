@@ -44,7 +44,9 @@ class GrpoLoopConfig:
     eval_interval: int = option(20, "evaluate every N steps (0: never)")
     eval_max_prompts: int | None = option(None, "evaluate on at most this many prompts")
     n_samples_per_eval_prompt: int = option(1, "samples per eval prompt (pass@1 over them)")
-    eval_temperature: float = option(0.0, "eval sampling temperature (0: greedy)")
+    eval_temperature: float | None = option(
+        None, "eval sampling temperature (default: the rollout's; 0: greedy)"
+    )
     save_interval: int = option(20, "checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = option(2, "how many checkpoints to keep")
     weight_bucket_mb: int = option(512, "weight sync bucket size (MiB)")
@@ -226,7 +228,9 @@ def _evaluate(p: GrpoParts, evals, cfg: GrpoLoopConfig, step: int) -> dict[str, 
         score=p.score,
         n=cfg.n_samples_per_eval_prompt,
         batch_size=cfg.rollout_batch_size,
-        temperature=cfg.eval_temperature,
+        temperature=(
+            cfg.rollout_temperature if cfg.eval_temperature is None else cfg.eval_temperature
+        ),
         top_p=1.0,
         max_new_tokens=cfg.rollout_max_response_len,
         seed=cfg.rollout_seed * 7_919 + step,

@@ -1,0 +1,209 @@
+"""End to end on CPU, as a user runs it: the launchers in real processes, real Ray, real gloo.
+
+1. SFT on the synthetic task until the answer format is learned; GRPO from that checkpoint: the
+   reward of the last steps beats the first steps by a clear margin (seeded).
+2. A GRPO run killed with SIGKILL after a checkpoint and resumed ends in the same state as an
+   uninterrupted run (same per-step metrics, same final weights).
+3. The README's quick start, as written (with fewer steps).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+# Shared by every GRPO run below (the same seed-determined run, smaller than the quick start).
+GRPO_ARGS = ["--preset", "tiny", "--ray-num-cpus", "2"]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "GEO3K_"))}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _cmd(app: str) -> list[str]:
+    """`uv run apps/<app>` where uv is installed, else the same with this interpreter."""
+    uv = shutil.which("uv")
+    return [uv, "run", f"apps/{app}"] if uv else [sys.executable, f"apps/{app}"]
+
+
+def _run(app: str, *args: str, log: Path, timeout: float = 900) -> None:
+    with open(log, "w") as out:
+        proc = subprocess.run(
+            [*_cmd(app), *args],
+            cwd=ROOT,
+            env=_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+        )
+    if proc.returncode != 0:
+        pytest.fail(f"{app} {' '.join(args)} exited {proc.returncode}:\n{log.read_text()[-4000:]}")
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs)
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory) -> Path:
+    """The SFT app on the synthetic task (the tiny preset's data and model)."""
+    out = tmp_path_factory.mktemp("sft")
+    _run(
+        "geo3k_sft",
+        "--preset",
+        "tiny",
+        "--ray-num-cpus",
+        "2",
+        "--output-dir",
+        str(out / "run"),
+        log=out / "log.txt",
+    )
+    return out / "run"
+
+
+def test_sft_learns_the_answer_format(sft_run: Path) -> None:
+    rows = _rows(sft_run)
+    assert rows[-1]["loss"] < rows[0]["loss"] / 4, (rows[0]["loss"], rows[-1]["loss"])
+    assert (sft_run / "hf" / "config.json").is_file()
+    assert (sft_run / "hf" / "tokenizer.json").is_file()  # the processor travels along
+    assert [s for s, _ in _checkpoints(sft_run)] == [rows[-1]["step"]]
+
+
+def _checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    ck = run_dir / "checkpoints"
+    return sorted((int(p.name.split("_")[1]), p) for p in ck.glob("step_*") if "." not in p.name)
+
+
+def test_grpo_from_sft_raises_the_reward(sft_run: Path, tmp_path: Path) -> None:
+    run = tmp_path / "grpo"
+    _run(
+        "geo3k_grpo",
+        *GRPO_ARGS,
+        "--load",
+        str(sft_run),
+        "--output-dir",
+        str(run),
+        "--num-rollout",
+        "30",
+        log=tmp_path / "log.txt",
+    )
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    for r in rows:
+        assert {"reward_mean", "response_length_mean", "time_step_s"} <= r.keys()
+    rewards = [r["reward_mean"] for r in rows]
+    first, last = _mean(rewards[:6]), _mean(rewards[-6:])
+    # The warm-up taught the format (a random model scores exactly 0), GRPO then improves it.
+    assert rewards[0] > 0.05, rewards
+    assert last > first + 0.15, (first, last, rewards)
+    evals = [r for r in rows if "eval_accuracy" in r]
+    assert [r["step"] for r in evals] == [10, 20, 30]
+    assert (run / "reward.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _load_weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    assert tensors, f"no weights in {folder}"
+    return tensors
+
+
+_VOLATILE = ("time_", "tokens_per_s", "step_time_s")
+
+
+def _stable(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not any(s in k for s in _VOLATILE)}
+
+
+def test_killed_run_resumes_to_the_same_state(sft_run: Path, tmp_path: Path) -> None:
+    args = [
+        *GRPO_ARGS,
+        "--load",
+        str(sft_run),
+        "--num-rollout",
+        "6",
+        "--save-interval",
+        "2",
+        "--rollout-batch-size",
+        "4",
+        "--eval-interval",
+        "3",
+        "--eval-max-prompts",
+        "8",
+    ]
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    _run("geo3k_grpo", *args, "--output-dir", str(whole), log=tmp_path / "whole.txt")
+
+    # Start the same run, SIGKILL it (its whole process group: driver, Ray, actors) as soon as
+    # the step-4 checkpoint is complete, then resume.
+    with open(tmp_path / "broken.txt", "w") as log:
+        proc = subprocess.Popen(
+            [*_cmd("geo3k_grpo"), *args, "--output-dir", str(broken)],
+            cwd=ROOT,
+            env=_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 600
+        try:
+            while not any(step >= 4 for step, _ in _checkpoints(broken)):
+                assert proc.poll() is None, (tmp_path / "broken.txt").read_text()[-3000:]
+                assert time.monotonic() < deadline, "no step-4 checkpoint within 10 minutes"
+                time.sleep(0.2)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert max(r["step"] for r in _rows(broken)) < 6  # it really stopped mid-way
+    _run("geo3k_grpo", *args, "--output-dir", str(broken), "--resume", log=tmp_path / "resumed.txt")
+    assert "resumed from" in (tmp_path / "resumed.txt").read_text()
+
+    a, b = _rows(whole), _rows(broken)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    assert [_stable(r) for r in a] == [_stable(r) for r in b]
+    wa, wb = _load_weights(whole / "hf"), _load_weights(broken / "hf")
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert (wa[name] == wb[name]).all(), name
+
+
+def test_readme_quick_start(tmp_path: Path) -> None:
+    """`uv run apps/geo3k_grpo --preset tiny` (README), with fewer steps and its own folder."""
+    run = tmp_path / "quick"
+    _run(
+        "geo3k_grpo",
+        "--preset",
+        "tiny",
+        "--num-rollout",
+        "2",
+        "--output-dir",
+        str(run),
+        log=tmp_path / "log.txt",
+    )
+    text = (tmp_path / "log.txt").read_text()
+    assert "SFT warm-up" in text
+    assert (run / "sft_warmup" / "hf" / "config.json").is_file()
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[-1]["eval_accuracy"] is not None and (run / "reward.png").is_file()
