@@ -1,0 +1,113 @@
+"""The launchers' configuration and preflight, without starting a run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from geo3k_grpo.main import parse as parse_grpo
+from geo3k_grpo.main import run as run_grpo
+from geo3k_sft.main import parse as parse_sft
+from rl_runtime import PreflightError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_recipe_defaults():
+    cfg = parse_grpo([], env={})
+    loop, loss, optim = cfg.loop, cfg.loss, cfg.optim
+    assert (loop.rollout_batch_size, loop.n_samples_per_prompt, loop.global_batch_size) == (
+        64,
+        8,
+        512,
+    )
+    assert (loop.rollout_temperature, loop.rollout_max_response_len) == (0.8, 4096)
+    assert (loss.eps_clip, loss.eps_clip_high, loss.kl_coef, loss.reward_type) == (
+        0.2,
+        0.28,
+        0.0,
+        "math",
+    )
+    assert (optim.lr, optim.lr_schedule, optim.adam_beta1, optim.adam_beta2) == (
+        1e-6,
+        "constant",
+        0.9,
+        0.98,
+    )
+    assert optim.weight_decay == 0.1 and loop.eval_interval == 20 and cfg.data.eval_split == "test"
+    assert (cfg.run.backend, cfg.run.num_gpus, cfg.run.external_ray) == ("megatron", 8, False)
+    assert cfg.model.model_name == "Qwen3-VL-8B-Instruct"
+    assert cfg.data.dataset == "chenhegu/geo3k_imgurl"
+
+
+@pytest.mark.parametrize("prefix", ["GEO3K", "MILES_SCRIPT", "SLIME_SCRIPT"])
+def test_recipe_environment_variables(prefix):
+    env = {
+        f"{prefix}_TRAIN_BACKEND": "fsdp",
+        f"{prefix}_MODEL_NAME": "Qwen3-VL-4B-Instruct",
+        f"{prefix}_DATASET_NAME": "/data/geo3k",
+        f"{prefix}_NUM_GPUS": "4",
+        f"{prefix}_EXTERNAL_RAY": "1",
+    }
+    for parse in (parse_grpo, parse_sft):
+        cfg = parse([], env=env)
+        assert (cfg.run.backend, cfg.run.num_gpus, cfg.run.external_ray) == ("fsdp", 4, True)
+        assert (cfg.model.model_name, cfg.data.dataset) == ("Qwen3-VL-4B-Instruct", "/data/geo3k")
+    # a flag beats the environment; our name beats the recipes' aliases
+    assert parse_grpo(["--num-gpus", "2"], env=env).run.num_gpus == 2
+    both = {"GEO3K_NUM_GPUS": "1", "MILES_SCRIPT_NUM_GPUS": "8"}
+    assert parse_grpo([], env=both).run.num_gpus == 1
+
+
+def test_tiny_preset_and_overrides():
+    cfg = parse_grpo(["--preset", "tiny", "--num-rollout", "3", "--output-dir", "/tmp/x"], env={})
+    assert (cfg.run.num_gpus, cfg.run.backend, cfg.model.model_name) == (0, "fsdp", "qwen3-vl-tiny")
+    assert cfg.loop.num_rollout == 3 and cfg.run.output_dir == "/tmp/x"
+    assert cfg.warmup.warmup_sft_steps > 0 and cfg.data.dataset.startswith("synthetic")
+
+
+def test_print_config_and_help_as_processes():
+    out = subprocess.run(
+        [sys.executable, "apps/geo3k_grpo", "--preset", "tiny", "--print-config"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(out.stdout)["run"]["preset"] == "tiny"
+    out = subprocess.run(
+        [sys.executable, "apps/geo3k_sft", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "--num-rollout" not in out.stdout and "--sft-num-steps" in out.stdout
+    assert "GEO3K_TRAIN_BACKEND" in out.stdout
+
+
+def test_preflight_stops_without_gpus(tmp_path, monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs")
+    cfg = parse_grpo(["--output-dir", str(tmp_path)], env={})
+    with pytest.raises(PreflightError, match=r"needs 8 GPU.*no GPU.*--preset tiny"):
+        run_grpo(cfg)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_megatron_backend_fails_fast_with_a_clear_message(tmp_path):
+    import trainers_megatron
+
+    if hasattr(trainers_megatron, "MegatronActor"):
+        pytest.skip("trainers_megatron provides its actor now")
+    cfg = parse_grpo(
+        ["--preset", "tiny", "--backend", "megatron", "--output-dir", str(tmp_path)], env={}
+    )
+    with pytest.raises(PreflightError, match="fsdp"):
+        run_grpo(cfg)
