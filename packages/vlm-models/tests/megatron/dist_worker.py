@@ -72,6 +72,51 @@ def _forward(model, case: dict, thd: bool) -> torch.Tensor | None:
     return out
 
 
+def _pipeline_grads(model, case: dict) -> dict[str, float]:
+    """Forward and backward over two pipeline stages, as a 1F1B schedule does for one
+    micro-batch (activations sent forward, their gradient sent back); relative gradient errors
+    against HF's for every tensor this stage holds. The tied embedding / output copies hold only
+    their part of HF's summed gradient, so they are left out.
+
+    (Megatron's ``get_forward_backward_func`` schedules allocate with ``device="cuda"`` in
+    0.16.1, so on CPU the two stages exchange tensors here directly.)
+    """
+    inputs = case["sbhd"]
+    first = parallel_state.is_pipeline_first_stage()
+    ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    batch, seq = inputs["input_ids"].shape
+    if first:
+        hidden = model(
+            inputs["input_ids"],
+            inputs["position_ids"],
+            pixel_values=inputs["pixel_values"],
+            image_grid_thw=inputs["image_grid_thw"],
+        )
+        dist.send(hidden.detach().contiguous(), dst=ranks[1])
+        grad = torch.empty_like(hidden)
+        dist.recv(grad, src=ranks[1])
+        hidden.backward(grad)
+    else:
+        received = torch.empty(seq, batch, case["hidden"])
+        dist.recv(received, src=ranks[0])
+        received.requires_grad_()
+        model.set_input_tensor(received)
+        logits = model(inputs["input_ids"], inputs["position_ids"], runtime_gather_output=True)
+        (logits * case["loss_weights"]).sum().backward()
+        dist.send(received.grad.contiguous(), dst=ranks[0])
+    grads = dict(model.named_parameters())
+    errors = {}
+    for pmap in param_maps(model):
+        if "word_embeddings" in pmap.megatron or "output_layer" in pmap.megatron:
+            continue
+        expected = shard(pmap, [case["hf_grads"][n] for n in pmap.hf], model.arch, 0, 1)
+        got = grads[pmap.megatron].grad
+        errors[pmap.megatron] = float(
+            (got - expected).abs().max() / expected.abs().max().clamp_min(1e-12)
+        )
+    return errors
+
+
 def main(case_path: str, out_dir: str) -> None:
     case = torch.load(case_path, weights_only=False)
     rank = int(__import__("os").environ["RANK"])
@@ -88,6 +133,10 @@ def main(case_path: str, out_dir: str) -> None:
         model = build_megatron_model(weights["config"], parallel, **scenario.get("overrides", {}))
         load_hf_weights(model, weights["hf_state"])
         result: dict = {}
+        if scenario.get("pipeline_grads"):
+            result["grad_rel_err"] = _pipeline_grads(model, case)
+            results[name] = result
+            continue
         logits = _forward(model, case, scenario.get("thd", False))
         if logits is not None:
             result["logits"] = logits.detach()

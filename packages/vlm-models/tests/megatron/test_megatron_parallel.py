@@ -8,6 +8,8 @@ One launch of two ranks runs every scenario (imports dominate the cost):
 * ``tp2_sp_thd``: tensor + sequence parallel on packed THD sequences;
 * ``pp2``: two pipeline stages (vision and deepstack on the first, tied output layer copy on
   the last), and the export across stages;
+* ``pp2_train``: the same two stages, forward and backward with activations and their
+  gradients exchanged between stages, gradients of both stages against HF's;
 * ``moe_ep2`` / ``moe_tp2_sp``: the MoE preset with experts over two expert-parallel ranks, or
   over two tensor-parallel ranks with sequence parallelism; logits and export.
 """
@@ -32,6 +34,10 @@ SCENARIOS = {
     "tp2_sp_thd": dict(tp=2, pp=1, sp=True, thd=True),
     # 3 + 1 layers: all three deepstack layers on the first stage.
     "pp2": dict(tp=1, pp=2, export=True, overrides={"num_layers_in_first_pipeline_stage": 3}),
+    # Forward and backward across the two stages, gradients against HF's.
+    "pp2_train": dict(
+        tp=1, pp=2, pipeline_grads=True, overrides={"num_layers_in_first_pipeline_stage": 3}
+    ),
     # MoE: experts split over two expert-parallel ranks, or over two (expert) TP ranks + SP.
     "moe_ep2": dict(tp=1, pp=1, ep=2, model="moe", export=True),
     "moe_tp2_sp": dict(tp=2, pp=1, sp=True, model="moe", export=True),
@@ -134,6 +140,15 @@ def test_tensor_parallel_gradients_match_hf(run):
         assert any(n.startswith("visual.") for n in errors)
         worst = max(errors, key=errors.get)
         assert errors[worst] < GRAD_RTOL, f"rank {rank}: {worst} relative error {errors[worst]}"
+
+
+def test_pipeline_schedule_gradients_match_hf(run):
+    _, results = run
+    errors = {**results[0]["pp2_train"]["grad_rel_err"], **results[1]["pp2_train"]["grad_rel_err"]}
+    assert any(n.startswith("visual.") for n in errors)  # first stage
+    assert "language_model.decoder.final_layernorm.weight" in errors  # last stage
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < GRAD_RTOL, f"{worst} relative error {errors[worst]}"
 
 
 @pytest.mark.parametrize("scenario", ["moe_ep2", "moe_tp2_sp"])

@@ -20,6 +20,7 @@ import logging
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
@@ -98,6 +99,7 @@ class Qwen3VLMegatronModel(MegatronModule):
         self.pre_process = pre_process
         self.post_process = post_process
         self.use_te = use_te
+        self.model_type = ModelType.encoder_or_decoder  # what Megatron's schedules look up
         self.image_token_id = hf_config.image_token_id
         spec = block_spec(config, use_te=use_te, vp_stage=vp_stage)
         if pre_process and self.arch.deepstack_layers > len(spec.layer_specs):
