@@ -128,3 +128,25 @@ def test_moe_logits_match_hf_with_images(tp1, tiny_setup, to_megatron_inputs, ma
     got = model(**inputs["sbhd"])
     expected = hf_model(**batch).logits
     assert (got - expected)[inputs["valid"]].abs().max() < ATOL
+
+
+def test_full_activation_recompute_gives_the_same_gradients(tp1, tiny_setup, to_megatron_inputs):
+    """Recomputed layers get the deepstack features again (they are a block argument)."""
+    config, hf_model, batch = tiny_setup
+    inputs = to_megatron_inputs(config, batch)
+    weights = torch.randn(batch["input_ids"].shape, generator=torch.Generator().manual_seed(9))
+    weights[~inputs["valid"]] = 0.0
+    grads = []
+    for recompute in (
+        {},
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    ):
+        model = build_megatron_model(config, Parallelism(), **recompute).train()
+        load_hf_weights(model, hf_model.state_dict())
+        logits = model(**inputs["sbhd"])
+        (logits.logsumexp(-1) * weights).sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    assert any("deepstack_merger_list" in n for n in grads[0])
+    for name, grad in grads[0].items():
+        assert torch.allclose(grads[1][name], grad, rtol=1e-5, atol=1e-7), name

@@ -7,10 +7,12 @@ without:
   decoder under sequence parallelism and by the embedding dropout);
 * sequence-parallel gathers/scatters (``tensor_parallel.mappings``) and a few other helpers
   allocate buffers on ``torch.cuda.current_device()``;
+* activation recomputation (``tensor_parallel.checkpoint``) saves and restores CUDA RNG states;
 * with tied embeddings and pipeline parallelism, ``LanguageModule`` moves the last stage's
   copy of the embedding with ``weight.data.cuda()`` before the first/last-stage all-reduce.
 
-:func:`apply` swaps in Megatron's own no-op inference RNG tracker, makes
+:func:`apply` swaps in Megatron's own no-op inference RNG tracker, makes its CUDA RNG state
+get/set helpers no-ops (there is no CUDA RNG; the CPU RNG state is still saved and restored), makes
 ``torch.cuda.current_device()`` answer ``"cpu"`` and ``Tensor.cuda()`` return the tensor
 unchanged (without CUDA both would otherwise raise). It refuses to run where CUDA is available, so
 none of it can reach a GPU run; only tests and CPU benchmarks call it (the library never does).
@@ -37,6 +39,8 @@ def apply() -> None:
     from megatron.core.tensor_parallel import random
 
     random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    random._get_cuda_rng_state = lambda *args, **kwargs: None
+    random._set_cuda_rng_state = lambda *args, **kwargs: None
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
     _applied = True
