@@ -79,6 +79,7 @@ class FsdpActor:
     def __init__(self, config: FsdpConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        self._owns_process_group = not dist.is_initialized()
         self.rank, self.world_size = init_distributed(self.device, timeout_s=config.dist_timeout_s)
         self.mesh = build_mesh(self.device)
         default_dtype = "bfloat16" if self.device.type == "cuda" else None
@@ -447,5 +448,5 @@ class FsdpActor:
 
     def close(self) -> None:
         """Destroy the process group if this actor created it."""
-        if dist.is_initialized():
+        if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
