@@ -150,3 +150,26 @@ def test_full_activation_recompute_gives_the_same_gradients(tp1, tiny_setup, to_
     assert any("deepstack_merger_list" in n for n in grads[0])
     for name, grad in grads[0].items():
         assert torch.allclose(grads[1][name], grad, rtol=1e-5, atol=1e-7), name
+
+
+def test_packed_thd_gradients_equal_padded_batch(tp1, tiny_setup, to_megatron_inputs):
+    config, hf_model, batch = tiny_setup
+    inputs = to_megatron_inputs(config, batch)
+    valid = inputs["valid"]
+    weights = torch.randn(valid.shape, generator=torch.Generator().manual_seed(10))
+    grads = []
+    for packed in (False, True):
+        model = build_megatron_model(config, Parallelism()).train()
+        load_hf_weights(model, hf_model.state_dict())
+        if packed:
+            thd = dict(inputs["thd"])
+            packed_params = _packed(thd.pop("cu_seqlens"))
+            logits = model(**thd, packed_seq_params=packed_params)[0]
+            loss = (logits.logsumexp(-1) * weights[valid]).sum()
+        else:
+            logits = model(**inputs["sbhd"])
+            loss = (logits.logsumexp(-1)[valid] * weights[valid]).sum()
+        loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        assert torch.allclose(grads[1][name], grad, rtol=1e-4, atol=1e-6), name

@@ -39,7 +39,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor, nn
 
 
-def _param_device(config: TransformerConfig) -> torch.device:
+def param_device(config: TransformerConfig) -> torch.device:
     if config.use_cpu_initialization or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
@@ -54,7 +54,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(
-            torch.ones(hidden_size, dtype=config.params_dtype, device=_param_device(config))
+            torch.ones(hidden_size, dtype=config.params_dtype, device=param_device(config))
         )
         # Megatron's finalize_model_grads all-reduces grads of params marked this way over TP.
         self.weight.sequence_parallel = config.sequence_parallel
@@ -130,14 +130,16 @@ class SDPACoreAttention(MegatronModule):
     def _forward_thd(
         self, query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams
     ) -> Tensor:
-        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else None
-        cu = (cu if cu is not None else params.cu_seqlens_q).tolist()
-        out = torch.zeros_like(query)
-        for start, end in itertools.pairwise(cu):
-            if end <= start:
-                continue
-            q, k, v = (x[start:end].transpose(0, 1)[None] for x in (query, key, value))
-            out[start:end] = self._attend(q, k, v, None)[0].transpose(0, 1)
+        padded = params.cu_seqlens_q_padded
+        cu = (padded if padded is not None else params.cu_seqlens_q).tolist()
+        if cu[0] != 0 or cu[-1] != query.shape[0]:
+            raise ValueError(f"cu_seqlens {cu} do not cover the {query.shape[0]} packed tokens")
+        parts = [
+            self._attend(*(x[start:end].transpose(0, 1)[None] for x in (query, key, value)), None)
+            for start, end in itertools.pairwise(cu)
+            if end > start
+        ]
+        out = torch.cat([p[0].transpose(0, 1) for p in parts])  # [t, np, hn]
         return out.reshape(query.shape[0], -1)
 
 

@@ -30,7 +30,7 @@ from transformers import AutoModel, PretrainedConfig
 
 from vlm_models.megatron._upstream_fixes import define_missing_te_gemm
 from vlm_models.megatron.config import Parallelism, text_arch, transformer_config
-from vlm_models.megatron.layers import _param_device, block_spec
+from vlm_models.megatron.layers import block_spec, param_device
 from vlm_models.megatron.rope import InterleavedMRoPE
 from vlm_models.patch_embed import set_fast_patch_embed
 
@@ -114,7 +114,7 @@ class Qwen3VLMegatronModel(MegatronModule):
         if pre_process:
             self.visual = AutoModel.from_config(
                 hf_config.vision_config, attn_implementation=vision_attn_implementation
-            ).to(device=_param_device(config), dtype=config.params_dtype)
+            ).to(device=param_device(config), dtype=config.params_dtype)
             if fast_patch_embed:  # GEMM instead of Conv3d; same parameters and names
                 set_fast_patch_embed(self.visual, True)
         self.language_model = MRoPEGPTModel(
