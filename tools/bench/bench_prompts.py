@@ -87,10 +87,15 @@ def main() -> int:
     parser.add_argument(
         "--workers", type=int, default=2, help="worker processes of the parallel variant (0: skip)"
     )
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)"
+    )
     parser.add_argument("--out", type=Path, help="write the result as JSON here")
     args = parser.parse_args()
 
     device = None if args.device == "cpu" else args.device
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)  # this benchmark process only
     processor = build_processor(args.model)
     rows = read_rows(args.data, args.rows)
     # Warm-up (template compilation, kernel caches), then the timed passes.

@@ -184,7 +184,8 @@ class PromptBuilder:
 
         num_workers > 0 builds in DataLoader worker processes, each with one torch thread: image
         processing of small images gains nothing from intra-op threads, and on a busy machine
-        those threads cost several times the work itself (see docs/performance.md).
+        those threads cost several times the work itself. Where the calling process already
+        runs one torch thread, in-process (0) avoids the worker start-up (docs/performance.md).
         """
         if num_workers <= 0:
             yield from self.iter_samples(rows, start)
