@@ -1,0 +1,153 @@
+"""``RolloutConfig`` and ``build_engine``: pick and build the rollout engine.
+
+``backend="auto"`` uses SGLang when it is installed and the transformers engine otherwise; a
+log line says which one runs. Asking for SGLang explicitly where it is missing raises an
+ImportError that says how to install it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from rollout_sglang.hf_engine import HFEngine
+from rollout_sglang.router import EngineRouter, Policy
+from rollout_sglang.sglang_engine import (
+    INSTALL_HINT,
+    SGLangClient,
+    SGLangConfig,
+    SGLangEngine,
+    SGLangServer,
+    sglang_available,
+)
+from rollout_sglang.types import RolloutEngine
+from rollout_sglang.validation import RequestLimits
+
+logger = logging.getLogger(__name__)
+
+Backend = Literal["auto", "sglang", "sglang-server", "hf"]
+
+
+@dataclass
+class RolloutConfig:
+    """Everything the launcher needs to build the rollout engine.
+
+    backend: "auto" (SGLang if installed, else HF), "sglang" (in-process engines),
+        "sglang-server" (launched servers, or ``server_urls`` of running ones), "hf".
+    num_engines: data-parallel engines behind a router (SGLang: each on its own
+        ``tp_size`` GPUs, starting at ``base_gpu_id``; ports ``port + i``).
+    mm_attention_backend: the vision attention kernel of SGLang ("sdpa" on B200).
+    """
+
+    model_path: str = ""
+    backend: Backend = "auto"
+    num_engines: int = 1
+    router_policy: Policy = "round_robin"
+    # SGLang
+    tp_size: int = 1
+    dtype: str = "bfloat16"
+    mem_fraction_static: float = 0.7
+    mm_attention_backend: str | None = None
+    attention_backend: str | None = None
+    context_length: int | None = None
+    base_gpu_id: int = 0
+    enable_memory_saver: bool = True
+    host: str = "127.0.0.1"
+    port: int = 30000
+    server_urls: list[str] = field(default_factory=list)
+    flatten_buckets: bool = False
+    extra_sglang_args: dict[str, Any] = field(default_factory=dict)
+    # HF engine
+    device: str | None = None
+    max_batch_size: int = 64
+    attn_implementation: str = "sdpa"
+
+    def sglang_config(self, index: int = 0) -> SGLangConfig:
+        return SGLangConfig(
+            model_path=self.model_path,
+            tp_size=self.tp_size,
+            dtype=self.dtype,
+            mem_fraction_static=self.mem_fraction_static,
+            mm_attention_backend=self.mm_attention_backend,
+            attention_backend=self.attention_backend,
+            context_length=self.context_length,
+            base_gpu_id=self.base_gpu_id + index * self.tp_size,
+            enable_memory_saver=self.enable_memory_saver,
+            host=self.host,
+            port=self.port + index,
+            extra_args=dict(self.extra_sglang_args),
+        )
+
+
+def resolve_backend(backend: Backend) -> Backend:
+    """The backend that will run: "auto" resolved; an SGLang backend checked to be installed."""
+    if backend == "auto":
+        if sglang_available():
+            return "sglang"
+        logger.info("sglang is not installed: using the transformers HFEngine (%s)", INSTALL_HINT)
+        return "hf"
+    # "sglang-server" with server_urls talks HTTP and needs no local sglang; launching a
+    # server checks for it in SGLangServer.
+    if backend == "sglang" and not sglang_available():
+        raise ImportError(f"rollout backend {backend!r} requested but {INSTALL_HINT}")
+    if backend not in ("sglang", "sglang-server", "hf"):
+        raise ValueError(f"unknown rollout backend {backend!r}: auto, sglang, sglang-server or hf")
+    return backend
+
+
+def _limits(config: RolloutConfig, model_config: Any | None) -> RequestLimits | None:
+    if model_config is None:
+        try:
+            from transformers import AutoConfig
+
+            model_config = AutoConfig.from_pretrained(config.model_path)
+        except Exception:  # not a local/hub model with a config: the server checks for itself
+            return None
+    return config.sglang_config().limits(
+        image_token_id=model_config.image_token_id,
+        merge_size=model_config.vision_config.spatial_merge_size,
+    )
+
+
+def build_engine(config: RolloutConfig, *, model: torch.nn.Module | None = None) -> RolloutEngine:
+    """Build the rollout engine ``config`` asks for. ``model``: the HF engine's model (built
+    from ``config.model_path`` with ``vlm_models.build_model`` when not given)."""
+    backend = resolve_backend(config.backend)
+    if backend == "hf":
+        if model is None:
+            from vlm_models import build_model
+
+            dtype = getattr(torch, config.dtype)
+            model = build_model(
+                config.model_path,
+                dtype=dtype,
+                attn_implementation=config.attn_implementation,
+                device=config.device,
+            )
+        if config.num_engines > 1:
+            logger.warning("num_engines=%d ignored by the HF engine", config.num_engines)
+        return HFEngine(model, device=config.device, max_batch_size=config.max_batch_size)
+
+    limits = _limits(config, getattr(model, "config", None))
+    if backend == "sglang":
+        engines = [
+            SGLangEngine(
+                config.sglang_config(i), limits=limits, flatten_buckets=config.flatten_buckets
+            )
+            for i in range(config.num_engines)
+        ]
+    elif config.server_urls:
+        engines = [
+            SGLangClient(url, limits=limits, tp_size=config.tp_size) for url in config.server_urls
+        ]
+    else:
+        engines = [
+            SGLangClient(
+                server=SGLangServer(config.sglang_config(i)), limits=limits, tp_size=config.tp_size
+            )
+            for i in range(config.num_engines)
+        ]
+    return engines[0] if len(engines) == 1 else EngineRouter(engines, config.router_policy)

@@ -1,0 +1,458 @@
+"""SGLang engines: in-process (``sglang.Engine``) and a server (subprocess + HTTP client).
+
+sglang is an optional extra (``uv sync --extra gpu``). This module imports without it: the
+import happens when an engine is built, and its absence says how to install it. Requests are
+checked here first (empty, too long, images that do not match their placeholders) so a bad one
+fails alone instead of failing SGLang's whole batch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rollout_sglang.sglang_protocol import generate_payload, parse_output
+from rollout_sglang.types import Completion, GenerateRequest, NamedTensors, SamplingParams
+from rollout_sglang.validation import RequestLimits, request_error
+
+if TYPE_CHECKING:
+    import requests
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = (
+    "sglang is not installed. It is the optional GPU extra of this workspace: run "
+    "`uv sync --extra gpu` on a Linux machine with CUDA (or `pip install 'rollout-sglang[sglang]'`)"
+)
+
+
+def sglang_available() -> bool:
+    return importlib.util.find_spec("sglang") is not None
+
+
+def require_sglang() -> Any:
+    """Import and return ``sglang``, or raise ImportError saying how to install it."""
+    try:
+        import sglang
+    except ImportError as exc:
+        raise ImportError(INSTALL_HINT) from exc
+    return sglang
+
+
+@dataclass
+class SGLangConfig:
+    """How to start SGLang. Field names follow SGLang's server arguments.
+
+    ``mm_attention_backend`` picks the vision tower's attention kernel ("sdpa" on B200, where
+    fa3 is missing; "fa3" on H100/H200). ``enable_memory_saver`` is needed for
+    :meth:`release_memory` to free weights and KV cache while colocated training runs.
+    ``extra_args`` passes any other SGLang server argument through unchanged.
+    """
+
+    model_path: str
+    tp_size: int = 1
+    dtype: str = "bfloat16"
+    mem_fraction_static: float = 0.7
+    mm_attention_backend: str | None = None
+    attention_backend: str | None = None
+    context_length: int | None = None
+    base_gpu_id: int = 0
+    enable_memory_saver: bool = True
+    random_seed: int | None = None
+    host: str = "127.0.0.1"  # servers bind to localhost unless asked otherwise
+    port: int = 30000
+    log_level: str = "warning"
+    extra_args: dict[str, Any] = field(default_factory=dict)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``sglang.Engine`` (= ``ServerArgs`` fields)."""
+        kwargs: dict[str, Any] = {
+            "model_path": self.model_path,
+            "tp_size": self.tp_size,
+            "dtype": self.dtype,
+            "mem_fraction_static": self.mem_fraction_static,
+            "base_gpu_id": self.base_gpu_id,
+            "enable_memory_saver": self.enable_memory_saver,
+            "log_level": self.log_level,
+        }
+        optional = {
+            "mm_attention_backend": self.mm_attention_backend,
+            "attention_backend": self.attention_backend,
+            "context_length": self.context_length,
+            "random_seed": self.random_seed,
+        }
+        kwargs.update({k: v for k, v in optional.items() if v is not None})
+        kwargs.update(self.extra_args)
+        return kwargs
+
+    def server_command(self, python: str = sys.executable) -> list[str]:
+        """``python -m sglang.launch_server ...`` with the same arguments, plus host and port."""
+        command = [python, "-m", "sglang.launch_server"]
+        for key, value in {**self.engine_kwargs(), "host": self.host, "port": self.port}.items():
+            flag = "--" + key.replace("_", "-")
+            if value is True:
+                command.append(flag)
+            elif value is False or value is None:
+                continue
+            else:
+                command += [flag, str(value)]
+        return command
+
+    def limits(self, image_token_id: int, merge_size: int = 2) -> RequestLimits:
+        return RequestLimits(
+            image_token_id=image_token_id,
+            merge_size=merge_size,
+            max_prompt_length=self.context_length - 1 if self.context_length else None,
+            needs_pixels=False,
+        )
+
+
+class _CheckedGenerate:
+    """Shared by the SGLang engines: reject bad requests locally, send the rest as one batch,
+    and if SGLang refuses the batch, retry one by one so the culprit fails alone."""
+
+    limits: RequestLimits | None
+
+    def _send(
+        self, requests: Sequence[GenerateRequest], params: SamplingParams
+    ) -> list[Completion]:
+        raise NotImplementedError
+
+    def generate(
+        self, requests: Sequence[GenerateRequest], params: SamplingParams
+    ) -> list[Completion]:
+        results: list[Completion | None] = [None] * len(requests)
+        valid: list[int] = []
+        for i, request in enumerate(requests):
+            error = request_error(request, self.limits, i) if self.limits else None
+            if error is None and self.limits is None and request.prompt_length == 0:
+                error = f"request {i}: empty prompt (no input_ids)"
+            if error is None:
+                valid.append(i)
+            else:
+                logger.warning("skipping %s", error)
+                results[i] = Completion.failed(
+                    error, prompt_length=request.prompt_length, request_id=request.request_id
+                )
+        if valid:
+            batch = [requests[i] for i in valid]
+            try:
+                outputs = self._send(batch, params)
+            except Exception as exc:
+                if len(batch) == 1:
+                    outputs = [_failed(batch[0], valid[0], exc)]
+                else:
+                    logger.warning("SGLang refused a batch of %d (%s); one by one", len(batch), exc)
+                    outputs = []
+                    for i in valid:
+                        try:
+                            outputs += self._send([requests[i]], params)
+                        except Exception as single_exc:
+                            outputs.append(_failed(requests[i], i, single_exc))
+            for i, completion in zip(valid, outputs, strict=True):
+                results[i] = completion
+        return results  # type: ignore[return-value]
+
+
+def _failed(request: GenerateRequest, index: int, exc: Exception) -> Completion:
+    message = f"request {index}: SGLang failed: {type(exc).__name__}: {exc}"
+    logger.warning(message)
+    return Completion.failed(
+        message, prompt_length=request.prompt_length, request_id=request.request_id
+    )
+
+
+class SGLangEngine(_CheckedGenerate):
+    """:class:`~rollout_sglang.types.RolloutEngine` over an in-process ``sglang.Engine``.
+
+    ``update_weights`` uses ``update_weights_from_tensor`` (colocated: trainer and engine on
+    the same GPUs, tensors passed by CUDA IPC handle). ``flatten_buckets`` sends each bucket as
+    one flattened tensor plus metadata (SGLang's ``FlattenedTensorBucket``), fewer IPC handles.
+    For a separate placement, use :class:`~rollout_sglang.weight_sync.DistributedWeightSender`
+    with this engine (it calls :meth:`init_weights_update_group` and
+    :meth:`update_weights_from_distributed`).
+    """
+
+    name = "sglang"
+
+    def __init__(
+        self,
+        config: SGLangConfig,
+        *,
+        limits: RequestLimits | None = None,
+        flatten_buckets: bool = False,
+    ) -> None:
+        sglang = require_sglang()
+        self.config = config
+        self.limits = limits
+        self.flatten_buckets = flatten_buckets
+        logger.info(
+            "rollout engine: SGLang in-process (%s, tp %d)", config.model_path, config.tp_size
+        )
+        self.engine = sglang.Engine(**config.engine_kwargs())
+
+    def _send(
+        self, requests: Sequence[GenerateRequest], params: SamplingParams
+    ) -> list[Completion]:
+        outputs = self.engine.generate(**generate_payload(requests, params))
+        if isinstance(outputs, dict):
+            outputs = [outputs]
+        return [parse_output(o, r) for o, r in zip(outputs, requests, strict=True)]
+
+    def update_weights(self, buckets: Iterable[NamedTensors]) -> None:
+        count = 0
+        for bucket in buckets:
+            if self.flatten_buckets:
+                payloads, load_format = (
+                    flattened_bucket_payloads(bucket, self.config.tp_size),
+                    "flattened_bucket",
+                )
+            else:
+                payloads, load_format = bucket, None
+            _check(
+                self.engine.update_weights_from_tensor(
+                    named_tensors=payloads, load_format=load_format, flush_cache=False
+                ),
+                "update_weights_from_tensor",
+            )
+            count += len(bucket)
+        self.flush_cache()
+        logger.info("SGLang: updated %d tensors", count)
+
+    def init_weights_update_group(self, **kwargs: Any) -> Any:
+        return _check(self.engine.init_weights_update_group(**kwargs), "init_weights_update_group")
+
+    def update_weights_from_distributed(self, **kwargs: Any) -> Any:
+        return _check(
+            self.engine.update_weights_from_distributed(**kwargs), "update_weights_from_distributed"
+        )
+
+    def flush_cache(self) -> None:
+        self.engine.flush_cache()
+
+    def release_memory(self) -> None:
+        self.engine.release_memory_occupation()
+
+    def resume_memory(self) -> None:
+        self.engine.resume_memory_occupation()
+
+    def health(self) -> bool:
+        try:
+            self.engine.get_server_info()
+        except Exception:
+            return False
+        return True
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def flattened_bucket_payloads(bucket: NamedTensors, tp_size: int) -> list[str]:
+    """One serialized ``FlattenedTensorBucket`` per tensor-parallel rank (sglang required)."""
+    require_sglang()
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    flat = FlattenedTensorBucket(named_tensors=bucket)
+    data = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+    return [MultiprocessingSerializer.serialize(data, output_str=True) for _ in range(tp_size)]
+
+
+def serialized_named_tensors(bucket: NamedTensors, tp_size: int) -> list[str]:
+    """The ``serialized_named_tensors`` field of ``/update_weights_from_tensor`` (sglang required)."""
+    require_sglang()
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    return [MultiprocessingSerializer.serialize(bucket, output_str=True) for _ in range(tp_size)]
+
+
+def _check(result: Any, what: str) -> Any:
+    """SGLang control calls answer ``(success, message)`` or ``{"success": ..., "message": ...}``."""
+    success, message = None, None
+    if isinstance(result, tuple | list) and result and isinstance(result[0], bool):
+        success, message = result[0], result[1] if len(result) > 1 else None
+    elif isinstance(result, dict) and "success" in result:
+        success, message = result["success"], result.get("message")
+    if success is False:
+        raise RuntimeError(f"SGLang {what} failed: {message}")
+    return result
+
+
+# ------------------------------------------------------------------------------- server mode
+
+
+class SGLangServer:
+    """A launched SGLang server process (``python -m sglang.launch_server``), health-checked.
+
+    ``command`` overrides the launch command (tests use a stand-in speaking the same HTTP
+    API). The process gets its own process group so :meth:`stop` ends all its workers.
+    """
+
+    def __init__(
+        self,
+        config: SGLangConfig,
+        *,
+        command: list[str] | None = None,
+        log_path: str | Path | None = None,
+        startup_timeout: float = 600.0,
+        env: dict[str, str] | None = None,
+        wait: bool = True,
+    ) -> None:
+        if command is None:
+            require_sglang()
+            command = config.server_command()
+        self.config = config
+        self.url = f"http://{config.host}:{config.port}"
+        self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        logger.info("launching SGLang server on %s: %s", self.url, " ".join(command))
+        self.process = subprocess.Popen(
+            command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+        if wait:  # wait=False lets a caller start several servers, then wait for each
+            self.wait_healthy(startup_timeout)
+
+    def wait_healthy(self, timeout: float) -> None:
+        import requests as http  # server mode only: the HF-engine path runs without requests
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"SGLang server exited with code {self.process.returncode} before it was "
+                    f"healthy (command: {' '.join(map(str, self.process.args))})"
+                )
+            try:
+                if http.get(self.url + "/health", timeout=5).status_code == 200:
+                    logger.info("SGLang server %s is healthy", self.url)
+                    return
+            except http.RequestException:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"SGLang server {self.url} not healthy after {timeout:.0f}s")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()
+
+
+def _session() -> requests.Session:
+    import requests as http
+
+    return http.Session()
+
+
+class SGLangClient(_CheckedGenerate):
+    """:class:`~rollout_sglang.types.RolloutEngine` talking to an SGLang server over HTTP.
+
+    Give it ``url`` of a running server, or ``server`` (an :class:`SGLangServer` it then owns
+    and stops on :meth:`shutdown`). Weight updates: ``update_weights`` sends buckets through
+    ``/update_weights_from_tensor`` (same node; serialization needs sglang in this process);
+    for another node use :class:`~rollout_sglang.weight_sync.DistributedWeightSender`.
+    """
+
+    name = "sglang-server"
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        server: SGLangServer | None = None,
+        limits: RequestLimits | None = None,
+        tp_size: int = 1,
+        timeout: float = 3600.0,
+    ) -> None:
+        if (url is None) == (server is None):
+            raise ValueError("give exactly one of url= or server=")
+        self.server = server
+        self.url = (server.url if server else url).rstrip("/")
+        self.limits = limits
+        self.tp_size = tp_size
+        self.timeout = timeout
+        self.session = _session()
+        logger.info("rollout engine: SGLang server at %s", self.url)
+
+    def _post(self, path: str, payload: dict[str, Any] | None = None) -> Any:
+        response = self.session.post(self.url + path, json=payload or {}, timeout=self.timeout)
+        if response.status_code != 200:
+            raise RuntimeError(
+                f"{path} answered HTTP {response.status_code}: {response.text[:500]}"
+            )
+        return response.json() if response.content else None
+
+    def _send(
+        self, requests: Sequence[GenerateRequest], params: SamplingParams
+    ) -> list[Completion]:
+        outputs = self._post("/generate", generate_payload(requests, params))
+        if isinstance(outputs, dict):
+            outputs = [outputs]
+        if not isinstance(outputs, list) or len(outputs) != len(requests):
+            raise RuntimeError(
+                f"/generate returned {type(outputs).__name__} of length "
+                f"{len(outputs) if isinstance(outputs, list) else '-'} for {len(requests)} requests"
+            )
+        return [parse_output(o, r) for o, r in zip(outputs, requests, strict=True)]
+
+    def update_weights(self, buckets: Iterable[NamedTensors]) -> None:
+        for bucket in buckets:
+            _check(
+                self._post(
+                    "/update_weights_from_tensor",
+                    {
+                        "serialized_named_tensors": serialized_named_tensors(bucket, self.tp_size),
+                        "load_format": None,
+                        "flush_cache": False,
+                    },
+                ),
+                "update_weights_from_tensor",
+            )
+        self.flush_cache()
+
+    def init_weights_update_group(self, **kwargs: Any) -> Any:
+        return _check(self._post("/init_weights_update_group", kwargs), "init_weights_update_group")
+
+    def update_weights_from_distributed(self, **kwargs: Any) -> Any:
+        return _check(
+            self._post("/update_weights_from_distributed", kwargs),
+            "update_weights_from_distributed",
+        )
+
+    def flush_cache(self) -> None:
+        self._post("/flush_cache")
+
+    def release_memory(self) -> None:
+        _check(self._post("/release_memory_occupation"), "release_memory_occupation")
+
+    def resume_memory(self) -> None:
+        _check(self._post("/resume_memory_occupation"), "resume_memory_occupation")
+
+    def health(self) -> bool:
+        try:
+            return self.session.get(self.url + "/health", timeout=10).status_code == 200
+        except Exception:  # connection refused, timeout: not healthy
+            return False
+
+    def shutdown(self) -> None:
+        self.session.close()
+        if self.server is not None:
+            self.server.stop()

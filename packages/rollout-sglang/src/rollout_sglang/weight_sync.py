@@ -1,0 +1,188 @@
+"""Weight sync from a trainer to SGLang engines in another placement, over a broadcast group.
+
+The trainer (rank 0) and every engine's tensor-parallel workers (ranks ``1..``) join a process
+group of their own, apart from the trainer's default group. SGLang builds its side when asked
+through ``init_weights_update_group``; :func:`init_weight_sync_group` builds the trainer's side
+the same way (a TCP rendezvous, a store prefixed by the group name, a fresh backend), so the
+two meet. Then, per bucket, the engine is told the names, dtypes and shapes to expect
+(``update_weights_from_distributed``) while the trainer broadcasts the tensors in that order.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from rollout_sglang.types import NamedTensors
+
+logger = logging.getLogger(__name__)
+
+
+def init_weight_sync_group(
+    *,
+    backend: str,
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    timeout: timedelta = timedelta(minutes=10),
+) -> dist.ProcessGroup:
+    """Join a process group separate from (and usable without) the default one."""
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    store, rank, world_size = next(
+        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+    )
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    params = inspect.signature(_new_process_group_helper).parameters
+    options = "backend_options" if "backend_options" in params else "pg_options"
+    group, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        store,
+        group_name=group_name,
+        timeout=timeout,
+        **{options: None},
+    )
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def broadcast_bucket(bucket: NamedTensors, group: dist.ProcessGroup, src: int = 0) -> None:
+    """Broadcast each tensor of ``bucket`` in order (contiguous, as the receivers allocate)."""
+    for _, tensor in bucket:
+        dist.broadcast(tensor.contiguous(), src=src, group=group)
+
+
+def bucket_spec(bucket: NamedTensors) -> dict[str, list[Any]]:
+    """What a receiver must allocate: names, dtype names (``"bfloat16"``) and shapes."""
+    return {
+        "names": [name for name, _ in bucket],
+        "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+        "shapes": [list(t.shape) for _, t in bucket],
+    }
+
+
+class DistributedWeightSender:
+    """The trainer's side of weight sync to engines in a separate placement.
+
+    ``engines`` are objects with ``init_weights_update_group(...)`` and
+    ``update_weights_from_distributed(names, dtypes, shapes, group_name, flush_cache)``
+    (:class:`~rollout_sglang.sglang_engine.SGLangEngine` and
+    :class:`~rollout_sglang.sglang_engine.SGLangClient` both have them). ``ranks_per_engine``
+    is each engine's tensor-parallel size. Tensors must be on a device the backend can send
+    (CUDA for NCCL, CPU for gloo).
+    """
+
+    def __init__(
+        self,
+        engines: list[Any],
+        *,
+        master_address: str,
+        master_port: int,
+        ranks_per_engine: int | list[int] = 1,
+        group_name: str = "glimpse_weight_sync",
+        backend: str = "nccl",
+    ) -> None:
+        self.engines = engines
+        sizes = (
+            [ranks_per_engine] * len(engines)
+            if isinstance(ranks_per_engine, int)
+            else list(ranks_per_engine)
+        )
+        self.group_name = group_name
+        self.world_size = 1 + sum(sizes)
+        offsets = [1 + sum(sizes[:i]) for i in range(len(engines))]
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(engines)))
+        # The engines block in their rendezvous until the trainer joins: ask them first, in
+        # the background, then join.
+        futures = [
+            self._pool.submit(
+                engine.init_weights_update_group,
+                master_address=master_address,
+                master_port=master_port,
+                rank_offset=offset,
+                world_size=self.world_size,
+                group_name=group_name,
+                backend=backend,
+            )
+            for engine, offset in zip(engines, offsets, strict=True)
+        ]
+        self.group = init_weight_sync_group(
+            backend=backend,
+            master_address=master_address,
+            master_port=master_port,
+            world_size=self.world_size,
+            rank=0,
+            group_name=group_name,
+        )
+        _wait(futures, "init_weights_update_group")
+        logger.info("weight sync group %r ready: %d ranks", group_name, self.world_size)
+
+    def send(
+        self,
+        buckets: Iterable[NamedTensors],
+        *,
+        to_device: Callable[[Tensor], Tensor] | None = None,
+    ) -> int:
+        """Send every bucket to every engine; returns the number of tensors sent."""
+        count = 0
+        for bucket in buckets:
+            if to_device is not None:
+                bucket = [(name, to_device(t)) for name, t in bucket]
+            spec = bucket_spec(bucket)
+            futures = [
+                self._pool.submit(
+                    engine.update_weights_from_distributed,
+                    **spec,
+                    group_name=self.group_name,
+                    flush_cache=False,
+                )
+                for engine in self.engines
+            ]
+            broadcast_bucket(bucket, self.group)
+            _wait(futures, "update_weights_from_distributed")
+            count += len(bucket)
+        for engine in self.engines:
+            flush = getattr(engine, "flush_cache", None)
+            if flush is not None:
+                flush()
+        return count
+
+    def close(self) -> None:
+        dist.destroy_process_group(self.group)
+        self._pool.shutdown()
+
+
+def _wait(futures: list[Any], what: str) -> None:
+    for future in futures:
+        result = future.result()
+        if isinstance(result, tuple | list) and result and result[0] is False:
+            raise RuntimeError(f"{what} failed on an engine: {result}")
+        if isinstance(result, dict) and result.get("success") is False:
+            raise RuntimeError(f"{what} failed on an engine: {result.get('message', result)}")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype name {name!r}")
+    return dtype

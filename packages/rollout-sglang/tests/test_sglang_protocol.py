@@ -1,0 +1,98 @@
+"""SGLang request building and response parsing (pure data, no sglang needed)."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from rollout_sglang import (
+    GenerateRequest,
+    SamplingParams,
+    generate_payload,
+    parse_output,
+    sampling_params_payload,
+)
+
+
+def test_payload_carries_ids_images_and_sampling(prompt_samples):
+    requests = [GenerateRequest.from_prompt(s) for s in prompt_samples[:2]]
+    params = SamplingParams(
+        temperature=0.8, top_p=0.9, top_k=20, max_new_tokens=12, stop_token_ids=(5, 6), seed=3
+    )
+    payload = generate_payload(requests, params)
+    assert payload["input_ids"] == [r.input_ids.tolist() for r in requests]
+    assert payload["return_logprob"] is True
+    assert payload["rid"] == ["0", "1"]
+    for images, sample in zip(payload["image_data"], prompt_samples[:2], strict=True):
+        assert len(images) == len(sample.images) == 1
+        header, data = images[0].split(",", 1)
+        assert header == "data:image/png;base64"
+        decoded = Image.open(io.BytesIO(base64.b64decode(data)))
+        assert decoded.size == sample.images[0].size
+        assert decoded.convert("RGB").tobytes() == sample.images[0].convert("RGB").tobytes()
+    assert payload["sampling_params"] == {
+        "temperature": 0.8,
+        "top_p": 0.9,
+        "top_k": 20,
+        "max_new_tokens": 12,
+        "ignore_eos": False,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+        "stop_token_ids": [5, 6],
+        "sampling_seed": 3,
+    }
+
+
+def test_text_only_payload_has_no_image_data():
+    payload = generate_payload([GenerateRequest(input_ids=[1, 2, 3])], SamplingParams(top_k=0))
+    assert "image_data" not in payload and "rid" not in payload
+    assert sampling_params_payload(SamplingParams(top_k=0))["top_k"] == -1
+
+
+def _req(n: int = 3) -> GenerateRequest:
+    return GenerateRequest(input_ids=torch.arange(n), request_id="r")
+
+
+def _output(tokens, finish, logprobs=None):
+    lps = logprobs or [-0.5] * len(tokens)
+    return {
+        "text": "...",
+        "output_ids": tokens,
+        "meta_info": {
+            "finish_reason": finish,
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, tokens, strict=True)],
+        },
+    }
+
+
+def test_parse_stop_and_length():
+    stop = parse_output(_output([4, 9, 2], {"type": "stop", "matched": 2}, [-1, -2, -3]), _req())
+    assert (stop.token_ids, stop.logprobs, stop.finish_reason) == ([4, 9, 2], [-1, -2, -3], "stop")
+    assert stop.prompt_length == 3 and stop.request_id == "r" and stop.ok
+    length = parse_output(_output([1, 1], {"type": "length", "length": 2}), _req())
+    assert length.finish_reason == "length" and length.response_length == 2
+
+
+def test_parse_abort_keeps_the_message():
+    out = parse_output(
+        {"meta_info": {"finish_reason": {"type": "abort", "message": "too long"}}}, _req()
+    )
+    assert out.finish_reason == "abort" and "too long" in out.error and not out.ok
+
+
+@pytest.mark.parametrize(
+    ("output", "message"),
+    [
+        ({"text": "x"}, "no meta_info"),
+        ({"meta_info": {"finish_reason": {"type": "length"}}}, "no output_token_logprobs"),
+        ({**_output([1, 2], {"type": "length"}), "output_ids": [7, 8]}, "disagree"),
+        (_output([1], {"type": "weird"}), "unknown SGLang finish_reason"),
+    ],
+)
+def test_parse_malformed_output_is_an_error_not_an_exception(output, message):
+    out = parse_output(output, _req())
+    assert out.finish_reason == "error" and message in out.error
