@@ -212,13 +212,22 @@ def _has_sglang() -> bool:
 
 
 def _sglang_config(cfg: Geo3kGrpoConfig, source: Any) -> Any:
-    import rollout_sglang
+    from rollout_sglang import RolloutConfig
 
-    return rollout_sglang.SGLangConfig(
-        model_path=str(source),
-        mem_fraction_static=cfg.rollout.sglang_mem_fraction_static,
+    if not isinstance(source, str):
+        raise SystemExit("the SGLang engine needs a model folder or hub id (use --load or a name)")
+    return RolloutConfig(
+        model_path=source,
+        backend="sglang",
         tp_size=cfg.rollout.rollout_num_gpus_per_engine,
+        mem_fraction_static=cfg.rollout.sglang_mem_fraction_static,
+        base_gpu_id=0,  # Ray shows each engine only its own GPU(s)
     )
+
+
+def uses_sglang(cfg: Geo3kGrpoConfig, use_gpu: bool) -> bool:
+    kind = cfg.rollout.rollout_engine
+    return kind == "sglang" or (kind == "auto" and use_gpu and _has_sglang())
 
 
 def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
@@ -292,6 +301,13 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
             request_fn=GenerateRequest.from_prompt,
             params_fn=SamplingParams,
             num_cpus=actor_cpus(lay),
+            # Engines on GPUs of their own get weights over NCCL; colocated ones through Ray.
+            transport=(
+                "distributed"
+                if uses_sglang(cfg, lay.use_gpu) and not lay.colocate
+                else "object_store"
+            ),
+            ranks_per_engine=cfg.rollout.rollout_num_gpus_per_engine,
         )
         ray_handle.actors.append(rollout)
         checkpoints = CheckpointManager(

@@ -290,6 +290,7 @@ def make_hf_engine(source: Any, eos_ids: list[int], pad_id: int, max_batch_size:
 
 
 def make_sglang_engine(engine_config: Any) -> Any:
+    """Runs inside a rollout Ray actor: SGLang on the actor's GPU(s)."""
     from rollout_sglang import build_engine
 
     return build_engine(engine_config)

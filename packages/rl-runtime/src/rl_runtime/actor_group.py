@@ -82,6 +82,35 @@ class TrainWorker:
     def onload(self) -> None:
         self.actor.onload()
 
+    def push_weights_distributed(
+        self,
+        engines: Sequence[Any],
+        bucket_bytes: int,
+        ranks_per_engine: int = 1,
+        backend: str = "nccl",
+    ) -> int:
+        """Broadcast HF-named weights to engines in another placement over a process group of
+        their own (NCCL on GPUs): rank 0 and every engine's workers join it once, then each
+        sync is one broadcast per tensor (`rollout_sglang.DistributedWeightSender`)."""
+        if self.rank != 0:
+            for _ in self.actor.iter_hf_weights(bucket_bytes):
+                pass  # gathering full tensors is collective: take part, send nothing
+            return 0
+        if getattr(self, "_sender", None) is None:
+            from rollout_sglang import DistributedWeightSender
+
+            self._sender = DistributedWeightSender(
+                [_RemoteEngine(e) for e in engines],
+                master_address=ray.util.get_node_ip_address(),
+                master_port=_free_port(),
+                ranks_per_engine=ranks_per_engine,
+                backend=backend,
+            )
+        device = "cuda" if backend == "nccl" else "cpu"
+        return self._sender.send(
+            self.actor.iter_hf_weights(bucket_bytes), to_device=lambda t: t.to(device)
+        )
+
     def push_weights(self, engines: Sequence[Any], bucket_bytes: int) -> int:
         """Stream HF-named weights to every engine, one bucket in flight at a time.
 
@@ -126,6 +155,17 @@ class EngineWorker:
     def update_weights(self, bucket: list[tuple[str, Any]]) -> None:
         self.engine.update_weights([bucket])
 
+    def init_weights_update_group(self, kwargs: dict[str, Any]) -> Any:
+        return self.engine.init_weights_update_group(**kwargs)
+
+    def update_weights_from_distributed(self, kwargs: dict[str, Any]) -> Any:
+        return self.engine.update_weights_from_distributed(**kwargs)
+
+    def flush_cache(self) -> None:
+        flush = getattr(self.engine, "flush_cache", None)
+        if flush is not None:
+            flush()
+
     def release_memory(self) -> None:
         self.engine.release_memory()
 
@@ -137,6 +177,22 @@ class EngineWorker:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+class _RemoteEngine:
+    """An engine actor seen as a local engine by `DistributedWeightSender` (blocking calls)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def init_weights_update_group(self, **kwargs: Any) -> Any:
+        return ray.get(self.handle.init_weights_update_group.remote(kwargs))
+
+    def update_weights_from_distributed(self, **kwargs: Any) -> Any:
+        return ray.get(self.handle.update_weights_from_distributed.remote(kwargs))
+
+    def flush_cache(self) -> None:
+        ray.get(self.handle.flush_cache.remote())
 
 
 def _split(items: Sequence[Any], parts: int) -> list[list[int]]:
@@ -217,8 +273,19 @@ class TrainGroup:
         ray.get([w.onload.remote() for w in self.workers])
 
     def push_weights(self, rollout: RolloutGroup, bucket_bytes: int = 256 << 20) -> int:
-        outs = ray.get([w.push_weights.remote(rollout.workers, bucket_bytes) for w in self.workers])
-        return outs[0]
+        """Send the current weights to every engine, by the rollout group's transport:
+        "object_store" (Ray's object store, any placement) or "distributed" (a broadcast group
+        between trainer rank 0 and the engines: NCCL for engines on their own GPUs)."""
+        if rollout.transport == "distributed":
+            calls = [
+                w.push_weights_distributed.remote(
+                    rollout.workers, bucket_bytes, rollout.ranks_per_engine, rollout.sync_backend
+                )
+                for w in self.workers
+            ]
+        else:
+            calls = [w.push_weights.remote(rollout.workers, bucket_bytes) for w in self.workers]
+        return ray.get(calls)[0]
 
     def shutdown(self) -> None:
         for w in self.workers:
@@ -242,7 +309,15 @@ class RolloutGroup:
         request_fn: Callable[[Any], Any],
         params_fn: Callable[..., Any],
         num_cpus: float = 0.25,
+        transport: str = "object_store",
+        ranks_per_engine: int = 1,
+        sync_backend: str = "nccl",
     ) -> None:
+        if transport not in ("object_store", "distributed"):
+            raise ValueError(f"transport must be object_store or distributed, got {transport!r}")
+        self.transport = transport
+        self.ranks_per_engine = ranks_per_engine
+        self.sync_backend = sync_backend
         remote_cls = ray.remote(EngineWorker)
         self.workers = [
             remote_cls.options(
