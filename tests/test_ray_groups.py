@@ -1,0 +1,161 @@
+"""Ray actor groups with the real trainer and engine: weight sync by both transports.
+
+The distributed transport is what separate mode uses between trainer rank 0 and SGLang engines
+(NCCL on GPUs). Here the receiving side is a small gloo receiver in front of the transformers
+engine, so the same sender, group set-up and Ray plumbing run on a CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import pytest
+import ray
+import torch
+
+from rl_runtime import RolloutGroup, TrainGroup, create_placement, init_ray
+
+pytestmark = pytest.mark.slow
+
+
+class GlooReceiver:
+    """The engine side of `rollout_sglang.DistributedWeightSender`, for the HF engine."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.group = None
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def init_weights_update_group(
+        self, *, master_address, master_port, rank_offset, world_size, group_name, backend
+    ):
+        from rollout_sglang.weight_sync import init_weight_sync_group
+
+        self.group = init_weight_sync_group(
+            backend=backend,
+            master_address=master_address,
+            master_port=master_port,
+            world_size=world_size,
+            rank=rank_offset,
+            group_name=group_name,
+        )
+        return True, "ok"
+
+    def update_weights_from_distributed(self, *, names, dtypes, shapes, group_name, flush_cache):
+        import torch.distributed as dist
+
+        bucket = []
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            t = torch.empty(shape, dtype=getattr(torch, dtype))
+            dist.broadcast(t, src=0, group=self.group)
+            bucket.append((name, t))
+        self.engine.update_weights([bucket])
+        return True, "ok"
+
+
+def _tiny_source():
+    from vlm_data import tiny_processor
+    from vlm_models import tiny_config
+
+    proc = tiny_processor()
+    tok = proc.tokenizer
+    ids = {
+        t: tok.convert_tokens_to_ids(t)
+        for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+    }
+    cfg = tiny_config(
+        vocab_size=len(tok),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    return proc, cfg
+
+
+def make_trainer(cfg):
+    from trainers_fsdp import FsdpActor, FsdpConfig
+
+    return FsdpActor(FsdpConfig(model=cfg, device="cpu", attn_implementation="sdpa", seed=0))
+
+
+def make_engine(cfg, seed, eos, gloo):
+    from rollout_sglang import HFEngine
+    from vlm_models import build_model
+
+    torch.manual_seed(seed)
+    engine = HFEngine(build_model(cfg), device="cpu", eos_token_ids=eos, max_batch_size=8)
+    return GlooReceiver(engine) if gloo else engine
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    init_ray(num_cpus=2)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield
+    ray.shutdown()
+
+
+def test_object_store_and_distributed_sync_give_the_same_engine(ray_local):
+    from rollout_sglang import GenerateRequest, SamplingParams
+    from vlm_data import PromptBuilder, make_synthetic_rows
+
+    proc, cfg = _tiny_source()
+    eos = [proc.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    placement = create_placement(
+        num_trainers=1, num_engines=2, colocate=False, use_gpu=False, cpus_per_bundle=0.3
+    )
+    groups = []
+    try:
+        train = TrainGroup(
+            functools.partial(make_trainer, cfg), world_size=1, placement=placement, num_cpus=0.3
+        )
+        groups.append(train)
+        kw = dict(
+            placement=placement,
+            request_fn=GenerateRequest.from_prompt,
+            params_fn=SamplingParams,
+            num_cpus=0.3,
+        )
+        # Two single-engine groups on the engine bundles, random inits that differ.
+        placement.engine_bundles = [1]
+        plain = RolloutGroup(
+            functools.partial(make_engine, cfg, 1, eos, False), num_engines=1, **kw
+        )
+        groups.append(plain)
+        placement.engine_bundles = [2]
+        dist_group = RolloutGroup(
+            functools.partial(make_engine, cfg, 2, eos, True),
+            num_engines=1,
+            transport="distributed",
+            sync_backend="gloo",
+            **kw,
+        )
+        groups.append(dist_group)
+        builder = PromptBuilder(proc)
+        prompts = [builder.build(r, i) for i, r in enumerate(make_synthetic_rows(3, task="color"))]
+        greedy = dict(n=1, temperature=0.0, max_new_tokens=6, seed=0)
+
+        def outputs(group):
+            comps = [c for g in group.generate(prompts, **greedy) for c in g]
+            return [c.token_ids for c in comps], torch.tensor(
+                [lp for c in comps for lp in c.logprobs]
+            )
+
+        ids_a, lp_a = outputs(plain)
+        ids_b, lp_b = outputs(dist_group)
+        assert lp_a.shape != lp_b.shape or not torch.allclose(lp_a, lp_b)  # different weights
+        assert train.push_weights(plain) > 0
+        assert train.push_weights(dist_group) > 0
+        ids_a, lp_a = outputs(plain)
+        ids_b, lp_b = outputs(dist_group)
+        assert ids_a == ids_b
+        torch.testing.assert_close(lp_a, lp_b, rtol=0, atol=1e-6)
+        assert train.push_weights(dist_group) > 0  # the group is set up once, reused
+    finally:
+        for g in groups:
+            g.shutdown()
+        placement.remove()
