@@ -111,3 +111,35 @@ def test_megatron_backend_fails_fast_with_a_clear_message(tmp_path):
     )
     with pytest.raises(PreflightError, match="fsdp"):
         run_grpo(cfg)
+
+
+def test_bad_rows_are_skipped_and_counted():
+    """A row without an answer and one with a corrupt image are skipped, named and counted;
+    the sampler fills its batch from the good rows."""
+    from geo3k_sft.common import RowSource
+    from rl_runtime import PromptSampler
+    from vlm_data import PromptBuilder, make_synthetic_rows, tiny_processor
+
+    rows = make_synthetic_rows(6, task="color")
+    rows[1] = {**rows[1], "answer": ""}
+    rows[4] = {**rows[4], "images": [{"bytes": b"not a png", "path": "broken.png"}]}
+    source = RowSource(rows, PromptBuilder(tiny_processor()))
+    sampler = PromptSampler(source, seed=0, shuffle=False)
+    batch = sampler.next_batch(4)
+    assert [p.index for p in batch] == [0, 2, 3, 5]
+    assert source.skipped == 2 and sampler.state.skipped == 2
+    assert source.builder.stats["missing_answer"] == 1 and source.builder.stats["bad_image"] == 1
+
+
+def test_wandb_offline(tmp_path, monkeypatch):
+    """--wandb without network logs offline into the run folder."""
+    pytest.importorskip("wandb")
+    from rl_runtime import RunLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = RunLogger(tmp_path, wandb=True, wandb_project="glimpse-test", config={"a": 1})
+    logger.log({"step": 1, "reward_mean": 0.5})
+    logger.close()
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1

@@ -70,6 +70,9 @@ class RolloutSection:
     rollout_max_batch_size: int = option(64, "transformers engine: requests per forward batch")
     sglang_mem_fraction_static: float = option(0.6, "SGLang: GPU memory fraction for weights+KV")
     rollout_num_gpus_per_engine: int = option(1, "GPUs per rollout engine (SGLang tensor parallel)")
+    sglang_mm_attention_backend: str | None = option(
+        None, "SGLang vision attention kernel ('sdpa' on B200, where fa3 is missing)"
+    )
 
 
 @dataclass
@@ -222,6 +225,7 @@ def _sglang_config(cfg: Geo3kGrpoConfig, source: Any) -> Any:
         tp_size=cfg.rollout.rollout_num_gpus_per_engine,
         mem_fraction_static=cfg.rollout.sglang_mem_fraction_static,
         base_gpu_id=0,  # Ray shows each engine only its own GPU(s)
+        mm_attention_backend=cfg.rollout.sglang_mm_attention_backend,
     )
 
 
@@ -347,10 +351,10 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
         train.export_hf(run_dir / "hf")
         processor.save_pretrained(run_dir / "hf")
         logger.close()
-        skipped = train_prompts.skipped + (eval_prompts.skipped if eval_prompts else 0)
-        log.info(
-            "GRPO done: %d steps, %d bad rows skipped; run folder %s", len(rows), skipped, run_dir
-        )
+        for name, src in (("train", train_prompts), ("eval", eval_prompts)):
+            if src is not None and src.skipped:
+                log.warning("%s rows skipped, by reason: %s", name, dict(src.builder.stats))
+        log.info("GRPO done: %d steps; run folder %s", len(rows), run_dir)
         return rows
     finally:
         scorer.close()
