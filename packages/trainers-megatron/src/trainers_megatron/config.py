@@ -1,0 +1,43 @@
+"""The Megatron actor's one config: model source, parallelism, precision, batching, optimizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rl_algos import GrpoLossConfig
+
+
+@dataclass
+class MegatronConfig:
+    """Everything :class:`~trainers_megatron.MegatronActor` needs.
+
+    ``model`` is a preset name (random init from ``seed``), an HF folder with safetensors
+    (streamed into the shards) or a config object (random init). Dtypes are names.
+    """
+
+    model: Any = "qwen3-vl-tiny"
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    tp: int = 1  # tensor parallel
+    sp: bool = False  # sequence parallel (needs tp > 1)
+    param_dtype: str | None = None  # compute dtype; None: bfloat16 on CUDA, float32 on CPU
+    recompute: bool = False  # full activation recomputation of every decoder layer
+    max_tokens_per_gpu: int = 16384  # micro-batch token budget (packed THD sequences)
+    temperature: float = 1.0  # the rollout's sampling temperature, for log-probs
+    grpo: GrpoLossConfig = field(default_factory=GrpoLossConfig)
+    sft_loss_agg_mode: str = "token-mean"
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01  # matrices only (norms, biases: none)
+    max_grad_norm: float = 1.0  # <= 0: report the norm, do not clip
+    export_dtype: str = "bfloat16"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens_per_gpu <= 0:
+            raise ValueError(f"max_tokens_per_gpu must be positive, got {self.max_tokens_per_gpu}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {self.temperature}")
+        if self.sp and self.tp < 2:
+            raise ValueError("sp=True (sequence parallel) needs tp > 1")

@@ -1,0 +1,53 @@
+"""One rank of the MegatronActor runs (launched by test_actor.py).
+
+Usage: ``RANK=r WORLD_SIZE=2 MASTER_PORT=p python actor_worker.py case.pt out_dir``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from vlm_models.megatron import _cpu_compat
+
+if not torch.cuda.is_available():
+    _cpu_compat.apply()
+
+from trainers_megatron import MegatronActor, MegatronConfig
+
+
+def main(case_path: str, out_dir: str) -> None:
+    case = torch.load(case_path, weights_only=False)
+    rank = int(os.environ["RANK"])
+    out: dict[str, dict] = {}
+    for name, scenario in case["scenarios"].items():
+        actor = MegatronActor(MegatronConfig(**case["config"], **scenario["config"]))
+        batch = case["batch"] if scenario["share"] else case["batch"].select([rank])
+        result = {"before": actor.compute_logprobs(batch)}
+        result["metrics"] = actor.train_step(batch, loss="grpo")
+        result["after"] = actor.compute_logprobs(batch)
+        if scenario.get("sft"):
+            result["sft"] = actor.train_step(batch, loss="sft")
+        if scenario.get("resume"):
+            ckpt = Path(out_dir) / f"ckpt_{name}"
+            actor.save_checkpoint(ckpt)
+            actor.train_step(batch, loss="grpo")
+            result["second"] = actor.compute_logprobs(batch)
+            actor.load_checkpoint(ckpt)
+            actor.train_step(batch, loss="grpo")
+            result["second_resumed"] = actor.compute_logprobs(batch)
+            exported = {}
+            for bucket in actor.iter_hf_weights(bucket_bytes=1 << 20):
+                exported.update(bucket)
+            result["exported_keys"] = sorted(exported)
+        out[name] = result
+    torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
