@@ -12,7 +12,8 @@ group, everything over the data-parallel group. With ``param_dtype`` below float
 optimizer (torch AdamW) keeps float32 master weights.
 
 Limits of this first version: no pipeline parallelism, no expert parallelism, no reference
-model (pass ``ref_logprobs`` computed elsewhere), no distributed optimizer.
+model (pass ``ref_logprobs`` computed elsewhere), no distributed optimizer. Log-probs use
+Megatron's vocab-parallel cross entropy, so full-vocabulary logits are never gathered.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from safetensors.torch import save_file
 from torch import Tensor
@@ -71,6 +72,23 @@ class MicroBatch:
     @property
     def real_cu(self) -> list[int]:
         return self.cu_seqlens[: len(self.lengths) + 1].tolist()
+
+
+def _vocab_parallel_aligned_logprobs(
+    logits: Tensor, input_ids: Tensor, cu_seqlens: Tensor, temperature: float
+) -> Tensor:
+    """``rl_algos.aligned_logprobs`` for vocabulary-sharded logits ``[T, V / tp]``.
+
+    Megatron's vocab-parallel cross entropy reduces over the TP group, so the full-vocabulary
+    logits are never gathered (float32 on this rank's slice only).
+    """
+    next_ids = torch.roll(input_ids, -1)
+    scaled = logits.float() / temperature
+    lp = -tensor_parallel.vocab_parallel_cross_entropy(scaled[:, None], next_ids[:, None])[:, 0]
+    shifted = torch.cat([lp.new_zeros(1), lp[:-1]])
+    first = torch.zeros_like(shifted, dtype=torch.bool)
+    first[cu_seqlens[:-1].long()] = True
+    return shifted.masked_fill(first, 0.0)
 
 
 def _units(loss_mask: list[Tensor], mode: str) -> float:
@@ -217,9 +235,12 @@ class MegatronActor:
             pixel_values=mb.pixel_values,
             image_grid_thw=mb.image_grid_thw,
             packed_seq_params=packed,
-            runtime_gather_output=True,
-        )[0]
-        lp = aligned_logprobs(logits, mb.input_ids, mb.cu_seqlens, self.config.temperature)
+        )[0]  # [T, V / tp]: this rank's slice of the vocabulary
+        temperature = self.config.temperature
+        if self.tp_size == 1:
+            lp = aligned_logprobs(logits, mb.input_ids, mb.cu_seqlens, temperature)
+        else:
+            lp = _vocab_parallel_aligned_logprobs(logits, mb.input_ids, mb.cu_seqlens, temperature)
         return lp[: mb.num_real]
 
     # ----------------------------------------------------------------------------- protocol
