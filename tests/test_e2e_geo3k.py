@@ -188,6 +188,33 @@ def test_killed_run_resumes_to_the_same_state(sft_run: Path, tmp_path: Path) -> 
         assert (wa[name] == wb[name]).all(), name
 
 
+def test_grpo_on_the_megatron_backend(sft_run: Path, tmp_path: Path) -> None:
+    """The same run on the Megatron-Core actor (gloo on CPU) starts where FSDP starts."""
+    import trainers_megatron
+
+    if not hasattr(trainers_megatron, "MegatronActor"):
+        pytest.skip("trainers_megatron provides no MegatronActor")
+    run = tmp_path / "megatron"
+    _run(
+        "geo3k_grpo",
+        *GRPO_ARGS,
+        "--backend",
+        "megatron",
+        "--load",
+        str(sft_run),
+        "--num-rollout",
+        "2",
+        "--eval-interval",
+        "0",
+        "--output-dir",
+        str(run),
+        log=tmp_path / "log.txt",
+    )
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["reward_mean"] > 0.05 and rows[0]["grad_norm"] > 0
+
+
 def test_readme_quick_start(tmp_path: Path) -> None:
     """`uv run apps/geo3k_grpo --preset tiny` (README), with fewer steps and its own folder."""
     run = tmp_path / "quick"

@@ -101,16 +101,17 @@ def test_preflight_stops_without_gpus(tmp_path, monkeypatch):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_megatron_backend_fails_fast_with_a_clear_message(tmp_path):
+def test_megatron_backend_is_checked_before_anything_starts(tmp_path, monkeypatch):
+    """Without a Megatron actor the launcher stops at once and points at the FSDP backend."""
     import trainers_megatron
 
-    if hasattr(trainers_megatron, "MegatronActor"):
-        pytest.skip("trainers_megatron provides its actor now")
     cfg = parse_grpo(
         ["--preset", "tiny", "--backend", "megatron", "--output-dir", str(tmp_path)], env={}
     )
+    monkeypatch.delattr(trainers_megatron, "MegatronActor", raising=False)
     with pytest.raises(PreflightError, match="fsdp"):
         run_grpo(cfg)
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_bad_rows_are_skipped_and_counted():

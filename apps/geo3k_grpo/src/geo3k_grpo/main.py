@@ -14,29 +14,24 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from geo3k_grpo.config import PRESETS, Geo3kGrpoConfig, parse
 from geo3k_sft.common import (
-    ENV_ALIASES,
-    DataSection,
-    ModelSection,
-    OptimSection,
     RowSource,
-    RunSection,
+    actor_config,
     actor_cpus,
     build_processor,
     eos_token_ids,
-    fsdp_config,
     layout,
     load_split,
     make_hf_engine,
     make_sglang_engine,
     model_source,
-    optim_config,
     start_ray,
+    tp_size,
     trainer_factory,
     use_wandb,
     vision_token_ids,
@@ -44,7 +39,6 @@ from geo3k_sft.common import (
 )
 from rl_runtime import (
     CheckpointManager,
-    GrpoLoopConfig,
     GrpoParts,
     RolloutGroup,
     RunLogger,
@@ -52,108 +46,14 @@ from rl_runtime import (
     TrainGroup,
     check_backend,
     check_gpus,
-    option,
-    parse_config,
     run_grpo,
     setup_logging,
     to_json,
 )
 
+__all__ = ["PRESETS", "Geo3kGrpoConfig", "main", "parse", "run"]
+
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RolloutSection:
-    rollout_engine: Literal["auto", "sglang", "hf"] = option(
-        "auto", "rollout engine; auto: SGLang on GPUs when installed, else transformers"
-    )
-    rollout_max_batch_size: int = option(64, "transformers engine: requests per forward batch")
-    sglang_mem_fraction_static: float = option(0.6, "SGLang: GPU memory fraction for weights+KV")
-    rollout_num_gpus_per_engine: int = option(1, "GPUs per rollout engine (SGLang tensor parallel)")
-    sglang_mm_attention_backend: str | None = option(
-        None, "SGLang vision attention kernel ('sdpa' on B200, where fa3 is missing)"
-    )
-
-
-@dataclass
-class LossSection:
-    eps_clip: float = option(0.2, "PPO clip range (lower)")
-    eps_clip_high: float = option(0.28, "PPO clip range (upper, clip-higher)")
-    kl_coef: float = option(0.0, "KL penalty coefficient (0: no KL, no reference model)")
-    kl_type: str = option("low_var_kl", "KL estimator: low_var_kl | k1 | k2 | k3")
-    entropy_coef: float = option(0.0, "entropy bonus coefficient")
-    loss_agg_mode: str = option(
-        "token-mean", "loss aggregation (token-mean | seq-mean-token-mean...)"
-    )
-    use_tis: bool = option(False, "truncated importance sampling against the rollout log-probs")
-    reward_type: str = option("math", "reward: math | geo3k | math_format")
-    reward_workers: int | None = option(None, "processes that score responses (default: cores)")
-
-
-@dataclass
-class WarmupSection:
-    warmup_sft_steps: int = option(
-        0, "without --load: SFT steps to run first (the tiny preset's format warm-up)"
-    )
-    warmup_sft_batch_size: int = option(32, "SFT warm-up batch size")
-    warmup_sft_lr: float = option(3e-3, "SFT warm-up learning rate")
-
-
-@dataclass
-class Geo3kGrpoConfig:
-    run: RunSection = field(default_factory=lambda: RunSection(output_dir="runs/geo3k_grpo"))
-    model: ModelSection = field(default_factory=ModelSection)
-    data: DataSection = field(default_factory=DataSection)
-    rollout: RolloutSection = field(default_factory=RolloutSection)
-    loss: LossSection = field(default_factory=LossSection)
-    optim: OptimSection = field(default_factory=OptimSection)
-    loop: GrpoLoopConfig = field(default_factory=GrpoLoopConfig)
-    warmup: WarmupSection = field(default_factory=WarmupSection)
-
-
-PRESETS: dict[str, dict[str, Any]] = {
-    # A CPU run in minutes: a random-init tiny Qwen3-VL, the offline tiny processor and the
-    # synthetic "what colour is the square" task. The warm-up teaches the answer format (greedy
-    # answers are right, sampled ones mostly are not); GRPO then raises the sampled reward.
-    "tiny": {
-        "backend": "fsdp",
-        "num_gpus": 0,
-        "model_name": "qwen3-vl-tiny",
-        "tokenizer": "tiny",
-        "dataset": "synthetic:color",
-        "template": "none",
-        "attn_implementation": "sdpa",
-        "output_dir": "runs/geo3k_grpo_tiny",
-        "rollout_engine": "hf",
-        "num_rollout": 30,
-        "rollout_batch_size": 16,
-        "n_samples_per_prompt": 8,
-        "global_batch_size": 64,
-        "rollout_temperature": 1.0,
-        "rollout_max_response_len": 16,
-        "eval_interval": 10,
-        "eval_max_prompts": 32,
-        "save_interval": 10,
-        "lr": 5e-4,
-        "weight_decay": 0.0,
-        "reward_workers": 1,
-        "warmup_sft_steps": 36,
-        "warmup_sft_batch_size": 32,
-        "warmup_sft_lr": 3e-3,
-    },
-}
-
-
-def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None):
-    return parse_config(
-        Geo3kGrpoConfig,
-        argv,
-        env=os.environ if env is None else env,
-        env_aliases=ENV_ALIASES,
-        presets=PRESETS,
-        description=__doc__,
-        prog="geo3k_grpo",
-    )
 
 
 def warm_up(cfg: Geo3kGrpoConfig, run_dir: Path) -> str:
@@ -277,11 +177,12 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
     steps_per_rollout = max(
         1, cfg.loop.rollout_batch_size * cfg.loop.n_samples_per_prompt // cfg.loop.global_batch_size
     )
-    actor_cfg = fsdp_config(
+    actor_cfg = actor_config(
         cfg.model,
         cfg.run,
         source,
-        optim_config(cfg.optim, cfg.loop.num_rollout * steps_per_rollout),
+        cfg.optim,
+        cfg.loop.num_rollout * steps_per_rollout,
         temperature=cfg.loop.rollout_temperature,
         grpo=grpo,
         reference_model=loss.kl_coef > 0,
@@ -296,6 +197,7 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
             world_size=lay.num_trainers,
             placement=ray_handle.placement,
             num_cpus=actor_cpus(lay),
+            tp_size=tp_size(cfg.run, cfg.model),
         )
         ray_handle.actors.append(train)
         rollout = RolloutGroup(

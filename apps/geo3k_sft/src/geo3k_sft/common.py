@@ -93,6 +93,8 @@ class ModelSection:
     gradient_checkpointing: bool = option(False, "activation checkpointing in the trainer")
     freeze_vision: bool = option(False, "keep the vision tower frozen")
     max_tokens_per_gpu: int = option(16384, "micro-batch token budget per GPU")
+    tensor_parallel: int = option(1, "megatron backend: tensor-parallel size")
+    sequence_parallel: bool = option(False, "megatron backend: sequence parallel (needs TP > 1)")
 
 
 @dataclass
@@ -327,10 +329,70 @@ def fsdp_config(
     )
 
 
+def megatron_config(
+    model: ModelSection,
+    run: RunSection,
+    source: Any,
+    opt: OptimSection,
+    *,
+    temperature: float = 1.0,
+    grpo: Any = None,
+    reference_model: bool = False,
+) -> Any:
+    from trainers_megatron import MegatronConfig
+
+    if reference_model:
+        raise SystemExit(
+            "--kl-coef > 0 needs a reference model, which the megatron backend "
+            "does not keep yet: use --backend fsdp"
+        )
+    if opt.lr_schedule != "constant" or opt.lr_warmup_steps:
+        raise SystemExit(
+            "the megatron backend has a constant learning rate only: use "
+            "--lr-schedule constant --lr-warmup-steps 0, or --backend fsdp"
+        )
+    kwargs: dict[str, Any] = {}
+    if grpo is not None:
+        kwargs["grpo"] = grpo
+    return MegatronConfig(
+        model=source,
+        tp=model.tensor_parallel,
+        sp=model.sequence_parallel,
+        param_dtype=model.param_dtype,
+        recompute=model.gradient_checkpointing,
+        max_tokens_per_gpu=model.max_tokens_per_gpu,
+        temperature=temperature,
+        lr=opt.lr,
+        betas=(opt.adam_beta1, opt.adam_beta2),
+        weight_decay=opt.weight_decay,
+        max_grad_norm=opt.clip_grad,
+        seed=run.seed,
+        **kwargs,
+    )
+
+
+def actor_config(
+    model: ModelSection,
+    run: RunSection,
+    source: Any,
+    opt: OptimSection,
+    total_steps: int | None = None,
+    **kwargs: Any,
+) -> Any:
+    """The trainer config of the chosen backend."""
+    if run.backend == "megatron":
+        return megatron_config(model, run, source, opt, **kwargs)
+    return fsdp_config(model, run, source, optim_config(opt, total_steps), **kwargs)
+
+
 def trainer_factory(run: RunSection, actor_config: Any) -> Any:
     if run.backend == "megatron":
         return functools.partial(make_megatron_actor, actor_config)
     return functools.partial(make_fsdp_actor, actor_config)
+
+
+def tp_size(run: RunSection, model: ModelSection) -> int:
+    return model.tensor_parallel if run.backend == "megatron" else 1
 
 
 # ---------------------------------------------------------------------------------- Ray

@@ -22,14 +22,14 @@ from geo3k_sft.common import (
     OptimSection,
     RowSource,
     RunSection,
+    actor_config,
     actor_cpus,
     build_processor,
-    fsdp_config,
     layout,
     load_split,
     model_source,
-    optim_config,
     start_ray,
+    tp_size,
     trainer_factory,
     use_wandb,
     write_config,
@@ -109,9 +109,7 @@ def run(cfg: Geo3kSftConfig) -> Path:
     rows = load_split(cfg.data, cfg.data.train_split, seed=cfg.run.seed)
     samples = RowSource(rows, builder)
     source = model_source(cfg.model, cfg.run, processor)
-    actor_cfg = fsdp_config(
-        cfg.model, cfg.run, source, optim_config(cfg.optim, cfg.sft.sft_num_steps)
-    )
+    actor_cfg = actor_config(cfg.model, cfg.run, source, cfg.optim, cfg.sft.sft_num_steps)
     lay = layout(cfg.run, with_engines=False)
     ray_handle = start_ray(cfg.run, lay)
     try:
@@ -120,6 +118,7 @@ def run(cfg: Geo3kSftConfig) -> Path:
             world_size=lay.num_trainers,
             placement=ray_handle.placement,
             num_cpus=actor_cpus(lay),
+            tp_size=tp_size(cfg.run, cfg.model),
         )
         ray_handle.actors.append(train)
         logger = RunLogger(

@@ -212,9 +212,14 @@ class TrainGroup:
         world_size: int,
         placement: Placement,
         num_cpus: float = 0.25,
+        tp_size: int = 1,
     ) -> None:
+        if world_size % tp_size:
+            raise ValueError(f"world size {world_size} is not a multiple of TP size {tp_size}")
         remote_cls = ray.remote(TrainWorker)
         self.world_size = world_size
+        # Ranks r*tp .. r*tp+tp-1 form one tensor-parallel group and share one data shard.
+        self.tp_size = tp_size
         self.workers: list[Any] = []
         master: tuple[str, int] | None = None
         for rank in range(world_size):
@@ -235,10 +240,12 @@ class TrainGroup:
         log.info("trainer group: %d rank(s) ready", world_size)
 
     def _shard(self, batch: Any) -> list[Any]:
+        """One shard per data-parallel rank, repeated over the ranks of its TP group."""
         if self.world_size == 1:
             return [batch]
-        parts = _split(range(len(batch)), self.world_size)
-        return [batch.select(idx) for idx in parts]
+        dp = self.world_size // self.tp_size
+        parts = [batch.select(idx) for idx in _split(range(len(batch)), dp)]
+        return [parts[rank // self.tp_size] for rank in range(self.world_size)]
 
     def compute_logprobs(self, batch: Any, *, reference: bool = False) -> list[Any]:
         shards = self._shard(batch)
@@ -248,7 +255,8 @@ class TrainGroup:
                 for w, s in zip(self.workers, shards, strict=True)
             ]
         )
-        return [lp for out in outs for lp in out]
+        # the first rank of each TP group speaks for its shard
+        return [lp for out in outs[:: self.tp_size] for lp in out]
 
     def train_step(self, batch: Any, *, loss: str = "grpo") -> dict[str, float]:
         shards = self._shard(batch)

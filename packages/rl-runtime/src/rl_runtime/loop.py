@@ -100,6 +100,8 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
     sampling = dict(temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p)
     sampling["max_new_tokens"] = cfg.rollout_max_response_len
     p.train.push_weights(p.rollout, cfg.weight_bucket_mb << 20)  # engines start from the trainer
+    if p.offload_between_phases:
+        p.train.offload()  # colocated: the first rollout needs the GPU memory
     with step_progress(cfg.num_rollout, start, "GRPO") as advance:
         for step in range(start + 1, cfg.num_rollout + 1):
             timer, t_step, row = Timer(), time.perf_counter(), {"step": step}
