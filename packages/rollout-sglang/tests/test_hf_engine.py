@@ -170,6 +170,21 @@ def test_weight_update_rejects_unknown_names_and_shapes(tiny_model):
         engine.update_weights([[("not.a.weight", torch.zeros(1))]])
     with pytest.raises(ValueError, match="expects"):
         engine.update_weights([[("lm_head.weight", torch.zeros(3, 3))]])
+    # same element count, other layout: refused rather than loaded scrambled
+    weight = tiny_model.get_parameter("model.language_model.layers.0.mlp.down_proj.weight")
+    with pytest.raises(ValueError, match="expects"):
+        engine.update_weights([[("model.language_model.layers.0.mlp.down_proj.weight", weight.T)]])
+
+
+def test_weight_update_accepts_a_flat_patch_embedding():
+    from vlm_models import build_model, tiny_config
+
+    model = build_model(tiny_config())
+    name = "model.visual.patch_embed.proj.weight"
+    param = model.get_parameter(name)
+    flat = torch.randn(param.shape[0], param[0].numel())  # a Linear-style export
+    HFEngine(model).update_weights([[(name, flat)]])
+    torch.testing.assert_close(param.detach(), flat.view(param.shape))
 
 
 def test_release_and_resume_memory(tiny_model, requests_):

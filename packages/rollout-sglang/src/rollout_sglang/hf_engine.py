@@ -190,7 +190,8 @@ class HFEngine:
         logits = out.logits[:, -1].float()
         attention_mask = inputs["attention_mask"]
         text_pos = lengths.clone()  # position of the next token in its own sequence
-        mrope_pos = inputs["position_ids"][1:, :, -1].max(0).values + 1  # next M-RoPE position
+        # next M-RoPE position: one past the largest position of the prompt (its "rope delta")
+        mrope_pos = inputs["position_ids"][1:].amax(dim=(0, 2)) + 1
         del out, inputs
 
         tokens = torch.zeros((batch, max_steps), dtype=torch.long, device=device)
