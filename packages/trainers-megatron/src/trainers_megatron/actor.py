@@ -272,10 +272,15 @@ class MegatronActor:
         mode = cfg.grpo.loss_agg_mode if loss == "grpo" else cfg.sft_loss_agg_mode
         norm = cfg.grpo.norm_length if loss == "grpo" else None
         if mode == "seq-mean-token-sum-norm" and norm is None:
-            longest = torch.tensor([max([float((m > 0).sum()) for m in batch.loss_mask] or [0.0])])
+            longest = torch.tensor(
+                [max([float((m > 0).sum()) for m in batch.loss_mask] or [0.0])], device=self.device
+            )
             dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=self.dp_group)
             norm = max(1.0, float(longest))
-        units = torch.tensor([_units(batch.loss_mask, mode)], dtype=torch.float64)
+        # (collectives on self.device: NCCL reduces CUDA tensors only)
+        units = torch.tensor(
+            [_units(batch.loss_mask, mode)], dtype=torch.float64, device=self.device
+        )
         dist.all_reduce(units, group=self.dp_group)
         denominator = max(float(units), 1.0)
         grpo_cfg = dataclasses.replace(cfg.grpo, loss_agg_mode=mode, norm_length=norm)
@@ -320,13 +325,21 @@ class MegatronActor:
         for p in self.params:
             p.grad = None
         self.step += 1
-        stats = torch.tensor([total, tokens, *sums.values()], dtype=torch.float64)
+        keys = sorted(sums)
+        if dist.get_world_size(self.dp_group) > 1:  # a rank without samples has no metrics
+            gathered: list[list[str]] = [[] for _ in range(dist.get_world_size(self.dp_group))]
+            dist.all_gather_object(gathered, keys, group=self.dp_group)
+            keys = sorted(set().union(*gathered))
+        stats = torch.tensor(
+            [total, tokens, *(sums.get(k, 0.0) for k in keys)],
+            dtype=torch.float64,
+            device=self.device,
+        )
         dist.all_reduce(stats, group=self.dp_group)
-        out = {
-            k: float(v) / max(float(stats[1]), 1.0) for k, v in zip(sums, stats[2:], strict=True)
-        }
+        weight = max(float(stats[1]), 1.0)
+        out = {k: float(v) / weight for k, v in zip(keys, stats[2:], strict=True)}
         elapsed = time.perf_counter() - start
-        n_tokens = torch.tensor([float(batch.num_tokens)])
+        n_tokens = torch.tensor([float(batch.num_tokens)], device=self.device)
         dist.all_reduce(n_tokens, group=self.dp_group)
         out.update(
             loss=float(stats[0]),
