@@ -62,6 +62,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="ours: torch.compile each layer")
     p.add_argument("--ac", action="store_true", help="ours: activation checkpointing")
     p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument(
+        "--profile", type=Path, default=None, help="ours: profile one step, top ops here"
+    )
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch default if unset)")
     p.add_argument("--out", type=Path, default=None, help="JSON result path (rank 0)")
     args = p.parse_args()
@@ -196,7 +199,22 @@ def run_ours(args, device: torch.device) -> tuple[dict, int, int]:
     times = time_steps(step, args, device)
     result = summarize("ours", times, args.batch * args.seq_len, params, device)
     result["last_metrics"] = metrics
+    if args.profile and actor.rank == 0:
+        profile_step(step, args.profile, device)
     return result, params, actor.world_size
+
+
+def profile_step(step_fn, path: Path, device: torch.device) -> None:
+    """One step under torch.profiler; the ops that take the most device time, as a table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step_fn()
+        sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
 
 
 def main() -> None:

@@ -31,6 +31,9 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
       patch_embed) run patch_embed 150 python3 tools/bench/bench_patch_embed.py --device cuda --out "$OUT/patch_embed.json" ;;
       megatron_parity) run megatron_parity 180 python3 tools/bench/bench_megatron_parity.py --device cuda --out "$OUT/megatron_parity.json" ;;
       fsdp_train) run fsdp_train 240 python3 tools/bench/bench_fsdp_train.py --device cuda --out "$OUT/fsdp_train.json" ;;
+      fsdp_variants)
+        run fsdp_compile 240 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --compile --out "$OUT/fsdp_compile.json"
+        run fsdp_profile 180 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --steps 2 --profile "$OUT/fsdp_profile.txt" ;;
       fsdp_scaling) run fsdp_scaling 300 torchrun --standalone --nproc-per-node "$ngpu" tools/bench/bench_fsdp_train.py --device cuda --out "$OUT/fsdp_train_${ngpu}gpu.json" ;;
       hf_engine) run hf_engine 300 python3 tools/bench/bench_hf_engine.py --device cuda --out "$OUT/hf_engine.json" ;;
       gpu_tests) run gpu_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider packages ;;
