@@ -113,11 +113,8 @@ class MegatronActor:
     def __init__(self, config: MegatronConfig) -> None:
         self.config = config
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.dtype = (
-            getattr(torch, config.param_dtype or "")
-            if config.param_dtype
-            else (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        )
+        default_dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.dtype = getattr(torch, config.param_dtype or default_dtype)
         initialize_model_parallel(Parallelism(tp=config.tp, sp=config.sp), seed=config.seed)
         self.rank = dist.get_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
