@@ -40,6 +40,7 @@ from vlm_models import build_model, packed_position_ids, resolve_config
 from vlm_models.megatron import (
     Parallelism,
     SafetensorsReader,
+    apply_cpu_compat,
     build_megatron_model,
     initialize_model_parallel,
     iter_hf_weights,
@@ -115,6 +116,10 @@ class MegatronActor:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         default_dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = getattr(torch, config.param_dtype or default_dtype)
+        if self.device.type == "cpu":
+            # megatron-core 0.16.1 assumes CUDA in a few places; CPU runs (tests, debugging)
+            # need the compatibility layer, which refuses to run where CUDA exists.
+            apply_cpu_compat()
         initialize_model_parallel(Parallelism(tp=config.tp, sp=config.sp), seed=config.seed)
         self.rank = dist.get_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()

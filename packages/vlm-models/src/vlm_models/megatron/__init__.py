@@ -20,6 +20,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
         "`pip install megatron-core==0.16.1`)"
     ) from err
 
+from vlm_models.megatron._cpu_compat import apply as apply_cpu_compat
 from vlm_models.megatron.checkpoint import (
     SafetensorsReader,
     hf_to_megatron_checkpoint,
@@ -70,6 +71,7 @@ __all__ = [
     "SafetensorsReader",
     "StageLayout",
     "TextArch",
+    "apply_cpu_compat",
     "block_spec",
     "build_megatron_model",
     "destroy_model_parallel",

@@ -1,4 +1,4 @@
-"""Test-only shims that let Megatron-Core 0.16.1 run on a machine without CUDA.
+"""CPU-only shims (tests, debugging) that let Megatron-Core 0.16.1 run without CUDA.
 
 Megatron-Core assumes a GPU in a few places that the local (non-TE) path otherwise runs fine
 without:
@@ -15,7 +15,9 @@ without:
 get/set helpers no-ops (there is no CUDA RNG; the CPU RNG state is still saved and restored), makes
 ``torch.cuda.current_device()`` answer ``"cpu"`` and ``Tensor.cuda()`` return the tensor
 unchanged (without CUDA both would otherwise raise). It refuses to run where CUDA is available, so
-none of it can reach a GPU run; only tests and CPU benchmarks call it (the library never does).
+none of it can reach a GPU run. Tests, the CPU mode of the benchmark and
+``trainers_megatron.MegatronActor`` on a machine without CUDA call it (as
+``vlm_models.megatron.apply_cpu_compat``); the model code itself never does.
 """
 
 from __future__ import annotations
