@@ -171,6 +171,8 @@ def model_source(model: ModelSection, run: RunSection, processor: Any) -> Any:
             video_token_id=ids["<|video_pad|>"],
             vision_start_token_id=ids["<|vision_start|>"],
             vision_end_token_id=ids["<|vision_end|>"],
+            bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+            eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
         )
     if Path(name).expanduser().exists():
         return str(Path(name).expanduser())

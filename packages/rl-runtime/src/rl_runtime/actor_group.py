@@ -27,11 +27,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _configure_worker_logging() -> None:
-    logging.basicConfig(
-        level=os.environ.get("GLIMPSE_LOG_LEVEL", "INFO"),
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+def _configure_worker_logging(level: str) -> None:
+    """Worker logs reach the driver's console through Ray; keep them to what matters."""
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
 
 
 class TrainWorker:
@@ -44,8 +42,9 @@ class TrainWorker:
         master_addr: str | None,
         master_port: int | None,
         factory: Callable[[], Any],
+        log_level: str = "WARNING",
     ) -> None:
-        _configure_worker_logging()
+        _configure_worker_logging(log_level)
         self.rank = rank
         self.world_size = world_size
         if world_size > 1 or master_addr:
@@ -140,8 +139,9 @@ class EngineWorker:
         factory: Callable[[], Any],
         request_fn: Callable[[Any], Any],
         params_fn: Callable[..., Any],
+        log_level: str = "WARNING",
     ) -> None:
-        _configure_worker_logging()
+        _configure_worker_logging(log_level)
         self.engine = factory()
         self.request_fn = request_fn
         self.params_fn = params_fn
@@ -213,6 +213,7 @@ class TrainGroup:
         placement: Placement,
         num_cpus: float = 0.25,
         tp_size: int = 1,
+        log_level: str = "WARNING",
     ) -> None:
         if world_size % tp_size:
             raise ValueError(f"world size {world_size} is not a multiple of TP size {tp_size}")
@@ -234,7 +235,7 @@ class TrainGroup:
                 master = ray.get(probe.remote())
             addr, port = master if master else (None, None)
             self.workers.append(
-                remote_cls.options(**opts).remote(rank, world_size, addr, port, factory)
+                remote_cls.options(**opts).remote(rank, world_size, addr, port, factory, log_level)
             )
         ray.get([w.address.remote() for w in self.workers])  # surface construction errors now
         log.info("trainer group: %d rank(s) ready", world_size)
@@ -320,6 +321,7 @@ class RolloutGroup:
         transport: str = "object_store",
         ranks_per_engine: int = 1,
         sync_backend: str = "nccl",
+        log_level: str = "WARNING",
     ) -> None:
         if transport not in ("object_store", "distributed"):
             raise ValueError(f"transport must be object_store or distributed, got {transport!r}")
@@ -332,7 +334,7 @@ class RolloutGroup:
                 num_cpus=num_cpus,
                 num_gpus=placement.engine_gpus,
                 scheduling_strategy=placement.strategy(placement.engine_bundles[i]),
-            ).remote(factory, request_fn, params_fn)
+            ).remote(factory, request_fn, params_fn, log_level)
             for i in range(num_engines)
         ]
         ray.get([w.health.remote() for w in self.workers])
