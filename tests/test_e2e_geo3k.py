@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.slow
+# Real processes on 2 shared cores: allow more than the suite-wide 300 s per test.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 # Shared by every GRPO run below (the same seed-determined run, smaller than the quick start).
 GRPO_ARGS = ["--preset", "tiny", "--ray-num-cpus", "2"]

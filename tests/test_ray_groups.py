@@ -16,7 +16,8 @@ import torch
 
 from rl_runtime import RolloutGroup, TrainGroup, create_placement, init_ray
 
-pytestmark = pytest.mark.slow
+# Real processes on 2 shared cores: allow more than the suite-wide 300 s per test.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 class GlooReceiver:
