@@ -38,6 +38,15 @@ log = logging.getLogger("bench_fsdp_train")
 
 H200_BF16_PEAK = 989e12
 
+# --variants: FsdpConfig changes from the "ours" configuration, each measured on its own.
+VARIANTS = {
+    "compile": {"compile": True},
+    "unfused_norm": {"fused_rms_norm": False},
+    "layer_units": {"shard_layers": True},
+    "root_unit": {"shard_layers": False},
+    "ac": {"activation_checkpointing": True},
+}
+
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -61,6 +70,24 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--attn", default="packed", help="ours: packed | sdpa | flash_attention_2")
     p.add_argument("--compile", action="store_true", help="ours: torch.compile each layer")
     p.add_argument("--ac", action="store_true", help="ours: activation checkpointing")
+    p.add_argument(
+        "--no-fused-norm", action="store_true", help="ours: transformers' own RMSNorm forward"
+    )
+    p.add_argument(
+        "--shard-layers",
+        default="auto",
+        choices=["auto", "yes", "no"],
+        help="ours: FSDP unit per layer (yes), root only (no), auto: per layer when world > 1",
+    )
+    p.add_argument(
+        "--variants",
+        default="",
+        help="extra configurations of ours, measured after it in the same process, comma "
+        f"separated: {', '.join(VARIANTS)}",
+    )
+    p.add_argument(
+        "--count-ops", action="store_true", help="count the aten ops one step of ours dispatches"
+    )
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument(
         "--profile", type=Path, default=None, help="ours: profile one step, top ops here"
@@ -167,17 +194,14 @@ def run_baseline(args, device: torch.device) -> tuple[dict, int]:
     times = time_steps(step, args, device)
     result = summarize("baseline", times, args.batch * args.seq_len, params, device)
     model = optimizer = inputs = None  # free before building ours
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    free(device)
     return result, params
 
 
-def run_ours(args, device: torch.device) -> tuple[dict, int, int]:
-    from trainers_fsdp import FsdpActor, FsdpConfig, OptimConfig
+def ours_config(args, device: torch.device, **changes):
+    from trainers_fsdp import FsdpConfig, OptimConfig
 
-    cfg = FsdpConfig(
+    cfg = dict(
         model=args.preset,
         model_overrides=model_overrides(args.preset),
         device=str(device),
@@ -185,23 +209,66 @@ def run_ours(args, device: torch.device) -> tuple[dict, int, int]:
         max_tokens_per_gpu=args.max_tokens_per_gpu,
         activation_checkpointing=args.ac,
         compile=args.compile,
+        fused_rms_norm=not args.no_fused_norm,
+        shard_layers={"auto": None, "yes": True, "no": False}[args.shard_layers],
         log_entropy=True,
         optim=OptimConfig(lr=1e-6, weight_decay=0.01, max_grad_norm=1.0),
     )
-    actor = FsdpActor(cfg)
+    cfg.update(changes)
+    return FsdpConfig(**cfg)
+
+
+def run_ours(args, device: torch.device, name: str = "ours", **changes) -> tuple[dict, int, int]:
+    from trainers_fsdp import FsdpActor
+
+    actor = FsdpActor(ours_config(args, device, **changes))
     params = sum(p.numel() for p in actor.model.parameters())
     batch = make_batch(args, actor.model.config, args.batch, seed=1 + actor.rank)
     metrics = {}
+    held = {"actor": actor, "batch": batch}  # cleared below so the next variant has the memory
 
     def step():
-        metrics.update(actor.train_step(batch, loss=args.loss))
+        metrics.update(held["actor"].train_step(held["batch"], loss=args.loss))
 
     times = time_steps(step, args, device)
-    result = summarize("ours", times, args.batch * args.seq_len, params, device)
+    result = summarize(name, times, args.batch * args.seq_len, params, device)
     result["last_metrics"] = metrics
-    if args.profile and actor.rank == 0:
+    if changes:
+        result["config_changes"] = changes
+    if args.count_ops:
+        result["aten_ops_per_step"] = count_ops(step)
+        log.info("%-8s %d aten ops per step", name, result["aten_ops_per_step"])
+    if args.profile and actor.rank == 0 and name == "ours":
         profile_step(step, args.profile, device)
-    return result, params, actor.world_size
+    world = actor.world_size
+    del actor, batch
+    held.clear()
+    free(device)
+    return result, params, world
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def count_ops(step_fn) -> int:
+    """aten ops dispatched by one step (forward, backward, optimizer): the kernel launches a
+    GPU step costs the host, measurable on CPU."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counter.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counter():
+        step_fn()
+    return Counter.n
 
 
 def profile_step(step_fn, path: Path, device: torch.device) -> None:
@@ -231,6 +298,11 @@ def main() -> None:
     if not args.skip_baseline:
         baseline, _ = run_baseline(args, device)
     ours, params, world = run_ours(args, device)
+    variants = {}
+    for name in filter(None, args.variants.split(",")):
+        if name not in VARIANTS:
+            raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+        variants[name], _, _ = run_ours(args, device, name, **VARIANTS[name])
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -245,8 +317,11 @@ def main() -> None:
         "attn": args.attn,
         "compile": args.compile,
         "activation_checkpointing": args.ac,
+        "fused_rms_norm": not args.no_fused_norm,
+        "shard_layers": args.shard_layers,
         "baseline": baseline,
         "ours": ours,
+        "variants": variants,
     }
     if baseline:
         result["speedup"] = ours["tokens_per_s_per_gpu"] / baseline["tokens_per_s_per_gpu"]
@@ -258,6 +333,11 @@ def main() -> None:
                 f"(MFU {100 * baseline['mfu']:.1f}%) | {line} | ratio {result['speedup']:.2f}x"
             )
         print(line)
+        for name, v in variants.items():
+            print(
+                f"  variant {name}: {v['tokens_per_s_per_gpu']:.0f} tok/s/GPU, "
+                f"MFU {100 * v['mfu']:.1f}%, x{v['tokens_per_s_per_gpu'] / ours['tokens_per_s_per_gpu']:.2f} vs ours"
+            )
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=2))

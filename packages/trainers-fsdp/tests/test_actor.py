@@ -150,3 +150,31 @@ def test_bad_requests_are_clear(make_config, batch):
         actor.train_step(batch, loss="dpo")
     with pytest.raises(ValueError, match="reference_model"):
         actor.compute_logprobs(batch, reference=True)
+
+
+def test_device_side_clip_and_skip_equal_host_path(make_config, batch):
+    """The fused optimizer's no-sync step (clip coefficient and non-finite skip on the device)
+    updates exactly as the host path does, and a NaN gradient leaves the weights unchanged."""
+    from trainers_fsdp import OptimConfig
+
+    def run(fused: bool):
+        optim = OptimConfig(lr=1e-3, max_grad_norm=1e-2, fused=fused)
+        actor = FsdpActor(make_config(optim=optim))
+        metrics = actor.train_step(batch, loss="sft")
+        params = {n: p.full_tensor().clone() for n, p in actor.model.named_parameters()}
+        return actor, metrics, params
+
+    _, m_host, p_host = run(False)
+    actor, m_dev, p_dev = run(True)
+    assert m_dev["grad_norm"] == pytest.approx(m_host["grad_norm"], rel=1e-6)
+    assert m_dev["update_skipped"] == 0.0 and m_dev["loss"] == pytest.approx(m_host["loss"])
+    for name, p in p_host.items():
+        torch.testing.assert_close(p_dev[name], p, atol=1e-6, rtol=1e-5)
+
+    batch.advantages = [a.float() * float("nan") for a in batch.advantages]
+    lr_before = actor.scheduler.get_last_lr()[0]
+    out = actor.train_step(batch, loss="grpo")
+    assert out["update_skipped"] == 1.0
+    assert actor.scheduler.get_last_lr()[0] == lr_before
+    for name, p in actor.model.named_parameters():
+        torch.testing.assert_close(p.full_tensor(), p_dev[name], atol=0, rtol=0)

@@ -31,8 +31,15 @@ from trainers_fsdp.attention import PACKED_ATTENTION, PackedSeqInfo, register_pa
 from trainers_fsdp.checkpoint import load_checkpoint, save_checkpoint
 from trainers_fsdp.config import FsdpConfig
 from trainers_fsdp.distributed import all_reduce_, build_mesh, init_distributed, resolve_device
+from trainers_fsdp.fused import fuse_rms_norms
 from trainers_fsdp.microbatch import MicroBatch, build_micro_batch, plan_micro_batches
-from trainers_fsdp.optim import build_optimizer, build_scheduler, clip_grad_norm
+from trainers_fsdp.optim import (
+    build_optimizer,
+    build_scheduler,
+    clip_and_step_on_device,
+    clip_grad_norm,
+    fused_skip_supported,
+)
 from trainers_fsdp.parallelize import apply_ac, apply_compile, apply_fsdp, mixed_precision_policy
 from trainers_fsdp.weights import export_hf_folder, iter_hf_weight_buckets
 from vlm_models import build_model
@@ -40,6 +47,17 @@ from vlm_models import build_model
 logger = logging.getLogger(__name__)
 
 LOSSES = ("grpo", "sft")
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A step's metrics reduced over ranks but not yet read from the device."""
+
+    mean_keys: list[str]
+    ext_keys: list[str]
+    mean_vec: Tensor  # token-weighted sums, then total weight, loss, tokens (float64)
+    ext_vec: Tensor  # maxima (minima negated), then a 0 pad
+    num_micro_batches: float = 0.0
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
@@ -110,6 +128,8 @@ class FsdpActor:
         if not trainable:
             model.requires_grad_(False)
             model.eval()
+        if cfg.fused_rms_norm:
+            fuse_rms_norms(model)
         if trainable and cfg.activation_checkpointing:
             apply_ac(model)
         if cfg.compile:
@@ -126,6 +146,9 @@ class FsdpActor:
                 else cfg.reshard_after_forward
             ),
             cpu_offload=offload,
+            shard_layers=(
+                self.world_size > 1 or offload if cfg.shard_layers is None else cfg.shard_layers
+            ),
         )
         if not offload:
             model.to(self.device)
@@ -243,14 +266,19 @@ class FsdpActor:
         """One optimizer step over ``batch`` (this rank's part of the global batch).
 
         :meth:`forward_backward` then :meth:`optimizer_step`; returns their metrics together
-        with ``tokens`` (global), ``step_time_s`` and ``tokens_per_s``.
+        with ``tokens`` (global), ``step_time_s`` and ``tokens_per_s``. With the fused
+        optimizer (the CUDA default) the host reads the device once, at the end: the metrics
+        and the gradient norm in one transfer, so the GPU never waits for the host mid-step.
         """
         start = time.perf_counter()
-        metrics = self.forward_backward(batch, loss=loss)
-        metrics.update(self.optimizer_step())
+        pending = self._accumulate(batch, loss)
+        grad_norm = self._clip_and_update()
+        values = self._read(pending, extra=[grad_norm])
+        grad_norm_value = values.pop("_extra_0")
+        out = {**values, **self._after_update(grad_norm_value)}
         elapsed = time.perf_counter() - start
-        metrics.update(step_time_s=elapsed, tokens_per_s=metrics["tokens"] / elapsed)
-        return metrics
+        out.update(step_time_s=elapsed, tokens_per_s=out["tokens"] / elapsed)
+        return out
 
     def forward_backward(self, batch: TrainBatch, *, loss: str = "grpo") -> dict[str, float]:
         """Accumulate the gradient of the global-batch loss; no optimizer step.
@@ -261,6 +289,10 @@ class FsdpActor:
         divides by the global count of loss tokens, the sequence modes by the global count of
         samples.
         """
+        return self._read(self._accumulate(batch, loss))
+
+    def _accumulate(self, batch: TrainBatch, loss: str) -> _Pending:
+        """:meth:`forward_backward` up to the reduced metrics, left on the device."""
         self._check_batch(batch, loss)
         self._require_onloaded()
         cfg = self.config
@@ -323,27 +355,39 @@ class FsdpActor:
                     sums[k] = v if k not in sums else torch.maximum(sums[k], v)
                 else:
                     sums[k] = sums.get(k, 0.0) + v * tokens
-        out = self._reduce_metrics(sums, weights, loss_total)
-        n_tokens = all_reduce_(torch.tensor([float(batch.num_tokens)], dtype=torch.float64))
-        out.update(
-            tokens=float(n_tokens.item()),
-            loss_tokens=out.pop("_weights"),
-            num_micro_batches=float(n_micro),
-        )
-        return out
+        pending = self._reduce_metrics(sums, weights, loss_total, float(batch.num_tokens))
+        pending.num_micro_batches = float(n_micro)
+        return pending
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip, step AdamW and the LR schedule, zero the gradients. A non-finite gradient
         norm skips the update (reported as ``update_skipped``)."""
-        grad_norm = float(clip_grad_norm(self.model.parameters(), self.config.optim.max_grad_norm))
+        return self._after_update(float(self._clip_and_update()))
+
+    def _clip_and_update(self) -> Tensor:
+        """Clip and step the optimizer, zero the gradients; the gradient norm (a tensor).
+
+        The fused optimizer skips a non-finite step on the device (no host read here); the
+        others read the norm first and skip on the host.
+        """
+        max_norm = self.config.optim.max_grad_norm
+        if fused_skip_supported(self.optimizer):
+            norm = clip_and_step_on_device(self.model.parameters(), self.optimizer, max_norm)
+        else:
+            norm = clip_grad_norm(self.model.parameters(), max_norm)
+            if math.isfinite(float(norm)):
+                self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def _after_update(self, grad_norm: float) -> dict[str, float]:
+        """Host-side end of an optimizer step: LR schedule, step count, the step's metrics."""
         skipped = not math.isfinite(grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         if skipped:
             logger.warning("step %d: non-finite grad norm %s, update skipped", self.step, grad_norm)
         else:
-            self.optimizer.step()
             self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return {
             "grad_norm": grad_norm,
@@ -353,9 +397,10 @@ class FsdpActor:
         }
 
     def _reduce_metrics(
-        self, sums: dict[str, Tensor], weights: float, loss_total: Tensor
-    ) -> dict[str, float]:
-        """Token-weighted means over all ranks (max / min for ``*_max`` / ``*_min``)."""
+        self, sums: dict[str, Tensor], weights: float, loss_total: Tensor, tokens: float
+    ) -> _Pending:
+        """Token-weighted sums (max / min for ``*_max`` / ``*_min``) reduced over all ranks,
+        still on the device: :meth:`_read` turns them into means with one host transfer."""
         keys = sorted(sums)
         if self.world_size > 1:
             gathered: list[list[str]] = [[] for _ in range(self.world_size)]
@@ -364,29 +409,47 @@ class FsdpActor:
         mean_keys = [k for k in keys if not (k.endswith("_max") or k.endswith("_min"))]
         ext_keys = [k for k in keys if k not in mean_keys]
         dev = self.device
+        f64 = torch.float64
         mean_vec = torch.stack(
-            [torch.as_tensor(sums.get(k, 0.0), dtype=torch.float64, device=dev) for k in mean_keys]
-            + [torch.tensor(weights, dtype=torch.float64, device=dev), loss_total.to(dev)]
+            [torch.as_tensor(sums.get(k, 0.0), dtype=f64, device=dev) for k in mean_keys]
+            + [
+                torch.tensor(weights, dtype=f64, device=dev),
+                loss_total.to(dev),
+                torch.tensor(tokens, dtype=f64, device=dev),
+            ]
         )
         all_reduce_(mean_vec)
         ext_vec = torch.stack(
-            [
-                torch.as_tensor(sums.get(k, -float("inf")), dtype=torch.float64, device=dev)
-                for k in ext_keys
-            ]
-            + [torch.zeros((), dtype=torch.float64, device=dev)]
+            [torch.as_tensor(sums.get(k, -float("inf")), dtype=f64, device=dev) for k in ext_keys]
+            + [torch.zeros((), dtype=f64, device=dev)]
         )
         all_reduce_(ext_vec, dist.ReduceOp.MAX)
-        mean_vals = mean_vec.cpu().tolist()
-        total_w = mean_vals[-2]
+        return _Pending(mean_keys, ext_keys, mean_vec, ext_vec)
+
+    def _read(self, pending: _Pending, extra: list[Tensor] = ()) -> dict[str, float]:
+        """The metrics of :meth:`_reduce_metrics` (plus ``extra`` scalars as ``_extra_<i>``),
+        read from the device in one transfer: the step's single host sync."""
+        dev = pending.mean_vec.device
+        parts = [pending.mean_vec, pending.ext_vec]
+        parts += [torch.as_tensor(e).to(dev, torch.float64).reshape(1) for e in extra]
+        values = torch.cat(parts).tolist()
+        n_mean = len(pending.mean_keys)
+        mean_vals, rest = values[: n_mean + 3], values[n_mean + 3 :]
+        total_w, loss_value, tokens = mean_vals[-3:]
         out = {
             k: v / total_w if total_w > 0 else 0.0
-            for k, v in zip(mean_keys, mean_vals, strict=False)
+            for k, v in zip(pending.mean_keys, mean_vals, strict=False)
         }
-        for k, v in zip(ext_keys, ext_vec.cpu().tolist(), strict=False):
+        for k, v in zip(pending.ext_keys, rest, strict=False):
             out[k] = v if k.endswith("_max") else -v
-        out["loss"] = mean_vals[-1]
-        out["_weights"] = total_w
+        for i, v in enumerate(rest[len(pending.ext_keys) + 1 :]):
+            out[f"_extra_{i}"] = v
+        out.update(
+            loss=loss_value,
+            tokens=tokens,
+            loss_tokens=total_w,
+            num_micro_batches=pending.num_micro_batches,
+        )
         return out
 
     # ----------------------------------------------------------------------------- weights

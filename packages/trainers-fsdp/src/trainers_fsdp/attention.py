@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -46,17 +47,20 @@ class PackedSeqInfo:
     def from_lengths(cls, lengths: list[int], device: torch.device) -> PackedSeqInfo:
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+        if device.type == "cuda":  # queued copy from pinned memory, no host wait
+            cu = cu.pin_memory().to(device, non_blocking=True)
         return cls(cu.to(device), tuple(int(x) for x in lengths), max(lengths))
 
 
-_VARLEN_DISABLED: list[bool] = []  # set when varlen_attn failed once in this process
+class _Varlen(NamedTuple):
+    fn: Callable
+    causal: dict  # keyword arguments that make varlen_attn causal
+    has_gqa: bool
+    has_scale: bool
 
 
-@cache
-def _varlen():
-    """(varlen_attn, kwargs for causal, supports GQA, takes scale) or None when absent."""
-    if _VARLEN_DISABLED:
-        return None
+def _resolve_varlen() -> _Varlen | None:
+    """torch's ``varlen_attn`` and how to call it causally, or None when absent."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -68,7 +72,13 @@ def _varlen():
         causal = {"is_causal": True}
     else:
         return None
-    return varlen_attn, causal, "enable_gqa" in params, "scale" in params
+    return _Varlen(varlen_attn, causal, "enable_gqa" in params, "scale" in params)
+
+
+# Resolved once at import, read as a plain global in the forward: a cached-function call there
+# made dynamo warn and trace the resolver inside every compiled layer. Set to None when
+# varlen_attn fails once (then per-sample sdpa is used for the rest of the process).
+_VARLEN: _Varlen | None = _resolve_varlen()
 
 
 def _repeat_kv(x: torch.Tensor, n_rep: int, dim: int) -> torch.Tensor:
@@ -94,13 +104,14 @@ def packed_attention_forward(
     if dropout:
         raise ValueError("packed attention does not implement dropout")
     n_rep = query.shape[1] // key.shape[1]
-    varlen = _varlen()
+    global _VARLEN
+    varlen = _VARLEN
     default_scale = query.shape[-1] ** -0.5
     if (
         varlen is not None
         and query.is_cuda
         and query.dtype in (torch.bfloat16, torch.float16)
-        and (varlen[3] or scaling is None or abs(scaling - default_scale) < 1e-12)
+        and (varlen.has_scale or scaling is None or abs(scaling - default_scale) < 1e-12)
     ):
         fn, causal, has_gqa, has_scale = varlen
         q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
@@ -114,14 +125,15 @@ def packed_attention_forward(
         else:
             k, v = _repeat_kv(k, n_rep, 1), _repeat_kv(v, n_rep, 1)
         cu, m = packed_seq_info.cu_seqlens, packed_seq_info.max_seqlen
+        if torch.compiler.is_compiling():  # no try/except in the traced graph
+            return fn(q, k, v, cu, cu, m, m, **extra).unsqueeze(0), None
         try:
             out = fn(q, k, v, cu, cu, m, m, **extra)  # [T, H, D]
             return out.unsqueeze(0), None
         except (RuntimeError, NotImplementedError, TypeError) as err:
             # An unsupported shape / build: use per-sample sdpa from now on, say so once.
             logger.warning("varlen_attn failed (%s); using per-sample sdpa instead", err)
-            _varlen.cache_clear()
-            _VARLEN_DISABLED.append(True)
+            _VARLEN = None
     # split (not slicing): its backward concatenates the gradients once instead of
     # materialising a zero-filled full-size gradient per sample.
     lengths = list(packed_seq_info.lengths)

@@ -48,6 +48,13 @@ class FsdpConfig:
     # ZeRO-3 (True) or keep params gathered from forward to backward (False); None: True when
     # there is more than one rank (a world of one saves nothing by resharding).
     reshard_after_forward: bool | None = None
+    # FSDP units per decoder layer / vision block (True) or the root only (False); None: per
+    # layer when there is more than one rank or the module is CPU-offloaded, else root only
+    # (one gather and one reduce per step instead of one per layer; see parallelize.apply_fsdp).
+    shard_layers: bool | None = None
+    # RMSNorm as one fused torch kernel instead of transformers' float32 elementwise chain
+    # (trainers_fsdp.fused); off gives the exact transformers forward.
+    fused_rms_norm: bool = True
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile each decoder layer / vision block
     max_tokens_per_gpu: int = 16384  # micro-batch token budget (dynamic batch size)

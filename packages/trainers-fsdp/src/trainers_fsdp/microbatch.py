@@ -55,23 +55,45 @@ class MicroBatch:
         return cu
 
     def to(self, device: torch.device) -> MicroBatch:
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        """The same micro-batch on ``device``: asynchronous copies from pinned host memory."""
+        move = lambda t: None if t is None else to_device(t, device)  # noqa: E731
+        pixels = self.pixel_values
+        if isinstance(pixels, list):  # one host concatenation, straight into pinned memory
+            pixels = _pinned_cat(pixels) if device.type == "cuda" else torch.cat(pixels)
         return MicroBatch(
             indices=self.indices,
             lengths=self.lengths,
             input_ids=move(self.input_ids),
             position_ids=move(self.position_ids),
-            pixel_values=(
-                torch.cat([move(p) for p in self.pixel_values])
-                if isinstance(self.pixel_values, list)
-                else move(self.pixel_values)
-            ),
+            pixel_values=move(pixels),
             image_grid_thw=move(self.image_grid_thw),
             fields={k: move(v) for k, v in self.fields.items()},
             has_dummy=self.has_dummy,
             loss_units=self.loss_units,
             loss_positions=move(self.loss_positions),
         )
+
+
+def to_device(t: Tensor, device: torch.device) -> Tensor:
+    """Copy a host tensor to ``device`` without blocking the host.
+
+    A pageable source makes the CUDA copy synchronous (the driver stages it through its own
+    pinned buffer while the host waits); from pinned memory the copy is queued and the host
+    goes on launching kernels. torch's caching host allocator keeps the pinned block alive
+    until the copy has run.
+    """
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device, non_blocking=True)
+    if not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+def _pinned_cat(parts: list[Tensor]) -> Tensor:
+    """``torch.cat(parts)`` written directly into pinned host memory (one host copy)."""
+    rows = sum(p.shape[0] for p in parts)
+    out = torch.empty((rows, *parts[0].shape[1:]), dtype=parts[0].dtype, pin_memory=True)
+    return torch.cat(parts, out=out)
 
 
 def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:

@@ -83,3 +83,41 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
             for p in grads:
                 p.grad.mul_(coef)
     return norm
+
+
+def fused_skip_supported(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` can skip a step on the device (fused Adam/AdamW ``found_inf``)."""
+    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and bool(
+        optimizer.defaults.get("fused")
+    )
+
+
+@torch.no_grad()
+def clip_and_step_on_device(
+    params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer, max_norm: float
+) -> torch.Tensor:
+    """Clip the gradients and step a fused AdamW without reading anything on the host.
+
+    The clip coefficient stays a device tensor, and a non-finite norm reaches the fused kernel
+    as ``found_inf``, which leaves parameters, moments and step counts unchanged (the mechanism
+    AMP's grad scaler uses). Returns the global gradient norm as a device tensor; the caller
+    reads it with the step's other metrics in one transfer.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    norm = norm.float()
+    finite = torch.isfinite(norm)
+    if max_norm > 0:
+        coef = torch.where(finite, (max_norm / (norm + 1e-6)).clamp(max=1.0), 1.0)
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        torch._foreach_mul_(local, coef)
+    optimizer.found_inf = (~finite).float()
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
+    return norm

@@ -51,17 +51,24 @@ def apply_fsdp(
     *,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    shard_layers: bool = True,
 ) -> nn.Module:
     """``fully_shard`` every unit of :func:`shard_units`, then the root. Returns ``model``.
 
     The root is never resharded after forward: its parameters (embeddings, LM head) are needed
     again at the start of backward. ``cpu_offload`` keeps the sharded parameters in pinned CPU
     memory and gathers them to the GPU per unit (used for the idle reference model).
+
+    ``shard_layers=False`` shards the root only: one all-gather (with the bf16 cast) and one
+    reduce-scatter per step instead of one per layer. On a single rank with
+    ``reshard_after_forward=False`` every layer's parameters stay gathered anyway, so per-layer
+    units only add hook and copy overhead (about 4 hooks and 2 collectives per layer per step);
+    the cost is that the bf16 gradients of the whole model live until the end of backward.
     """
     kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
-    units = shard_units(model)
+    units = shard_units(model) if shard_layers else []
     for unit in units:
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
