@@ -116,8 +116,14 @@ def run_generate(model, requests, new_tokens: int, device) -> float:
     )
     sync(device)
     elapsed = time.perf_counter() - start
-    assert out.shape[1] == requests[0].prompt_length + new_tokens, out.shape
+    if out.shape[1] != requests[0].prompt_length + new_tokens:
+        raise RuntimeError(f"model.generate returned {tuple(out.shape)}")
     return elapsed
+
+
+def step_ms(total_s: float, first_token_s: float, new_tokens: int) -> float:
+    """Milliseconds per decode step: the time beyond the first token, over the other tokens."""
+    return (total_s - first_token_s) / max(new_tokens - 1, 1) * 1e3
 
 
 def main() -> None:
@@ -200,21 +206,40 @@ def main() -> None:
         requests = synthetic_requests(model.config, batch, prompt_len, image_side, seed=batch)
         tokens = batch * new_tokens
         ours = min(run_ours(model, requests, new_tokens, device) for _ in range(repeats))
-        row: dict[str, Any] = {"batch": batch, "ours_s": ours, "ours_tok_s": tokens / ours}
+        # per decode step: (time for N tokens - time for 1 token, i.e. prefill) / (N - 1)
+        ours_first = min(run_ours(model, requests, 1, device) for _ in range(repeats))
+        row: dict[str, Any] = {
+            "batch": batch,
+            "ours_s": ours,
+            "ours_tok_s": tokens / ours,
+            "ours_prefill_s": ours_first,
+            "ours_step_ms": step_ms(ours, ours_first, new_tokens),
+        }
         if not args.skip_baseline:
             if gpu:
                 torch.cuda.empty_cache()
             base = min(run_generate(model, requests, new_tokens, device) for _ in range(repeats))
-            row.update(generate_s=base, generate_tok_s=tokens / base, ratio=base / ours)
+            base_first = min(run_generate(model, requests, 1, device) for _ in range(repeats))
+            row.update(
+                generate_s=base,
+                generate_tok_s=tokens / base,
+                generate_prefill_s=base_first,
+                generate_step_ms=step_ms(base, base_first, new_tokens),
+                ratio=base / ours,
+            )
         if gpu:
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             torch.cuda.reset_peak_memory_stats(device)
             torch.cuda.empty_cache()
         results["runs"].append(row)
-        line = f"batch {batch:4d}: HF engine {row['ours_tok_s']:9.1f} tok/s"
+        line = (
+            f"batch {batch:4d}: HF engine {row['ours_tok_s']:9.1f} tok/s"
+            f" ({row['ours_step_ms']:7.1f} ms/step)"
+        )
         if "ratio" in row:
             line += (
-                f" | model.generate {row['generate_tok_s']:9.1f} tok/s | ratio {row['ratio']:.2f}x"
+                f" | model.generate {row['generate_tok_s']:9.1f} tok/s"
+                f" ({row['generate_step_ms']:7.1f} ms/step) | ratio {row['ratio']:.2f}x"
             )
         print(line, flush=True)
 

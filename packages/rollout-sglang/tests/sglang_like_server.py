@@ -18,6 +18,7 @@ import base64
 import io
 import json
 import threading
+from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
@@ -34,6 +35,7 @@ class State:
         self.calls = 0
         self.released = False
         self.group = None
+        self.sync_timeout = timedelta(minutes=10)
         self.weights: dict[str, torch.Tensor] = {}
         self.last_sampling_params: dict | None = None
 
@@ -155,6 +157,7 @@ class Handler(BaseHTTPRequestHandler):
             world_size=body["world_size"],
             rank=body["rank_offset"],
             group_name=body["group_name"],
+            timeout=STATE.sync_timeout,
         )
         self._reply(200, {"success": True, "message": "joined"})
 
@@ -174,7 +177,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument(
+        "--sync-timeout", type=float, default=600, help="weight-sync rendezvous timeout, seconds"
+    )
     args = parser.parse_args()
+    STATE.sync_timeout = timedelta(seconds=args.sync_timeout)
     ThreadingHTTPServer((args.host, args.port), Handler).serve_forever()
 
 

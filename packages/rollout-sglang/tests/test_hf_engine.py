@@ -75,6 +75,17 @@ def test_logprobs_equal_a_forward_pass(engine, tiny_model, requests_, params):
         torch.testing.assert_close(torch.tensor(completion.logprobs), expected, atol=2e-4, rtol=0)
 
 
+def test_unpadded_batch_logprobs_equal_a_forward_pass(engine, tiny_model, requests_):
+    # equal-length prompts: no padding, so decode runs without any attention mask
+    same = [copy.copy(requests_[0]) for _ in range(3)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=3)
+    completions = engine.generate(same, params)
+    assert len({tuple(c.token_ids) for c in completions}) > 1  # rows sampled independently
+    for request, completion in zip(same, completions, strict=True):
+        expected = _forward_logprobs(tiny_model, request, completion, params.temperature)
+        torch.testing.assert_close(torch.tensor(completion.logprobs), expected, atol=2e-4, rtol=0)
+
+
 def test_batched_equals_one_by_one(engine, requests_):
     batched = engine.generate(requests_, greedy())
     alone = [engine.generate([r], greedy())[0] for r in requests_]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import socket
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from rollout_sglang import (
 
 SERVER_SCRIPT = Path(__file__).with_name("sglang_like_server.py")
 PARAMS = SamplingParams(max_new_tokens=4, seed=1)
+SYNC_TIMEOUT = timedelta(seconds=60)  # every process group here fails rather than hangs
 
 
 def free_port() -> int:
@@ -49,13 +51,17 @@ def servers():
             config.host,
             "--port",
             str(config.port),
+            "--sync-timeout",
+            str(SYNC_TIMEOUT.total_seconds()),
         ]
         launched.append(SGLangServer(config, command=command, wait=False))
-    for server in launched:  # started together, waited for one by one
-        server.wait_healthy(timeout=120)
-    yield launched
-    for server in launched:
-        server.stop()
+    try:
+        for server in launched:  # started together, waited for one by one
+            server.wait_healthy(timeout=120)
+        yield launched
+    finally:
+        for server in launched:
+            server.stop()
 
 
 def stats(url: str) -> dict:
@@ -177,22 +183,41 @@ def test_router_isolates_a_failing_engine(servers, requests_):
 
 def test_distributed_weight_sync_to_two_servers(servers):
     clients = [SGLangClient(s.url) for s in servers]
+    # master_port=0: the sender's store picks a free port itself (no race for a port)
     sender = DistributedWeightSender(
-        clients, master_address="127.0.0.1", master_port=free_port(), backend="gloo"
+        clients, master_address="127.0.0.1", backend="gloo", timeout=SYNC_TIMEOUT
     )
-    torch.manual_seed(0)
-    weights = {
-        "model.language_model.embed_tokens.weight": torch.randn(8, 4, dtype=torch.bfloat16),
-        "model.visual.patch_embed.proj.weight": torch.randn(4, 3, 2, 2, 2),
-        "lm_head.bias": torch.arange(5, dtype=torch.float32),
-    }
-    buckets = [list(weights.items())[:2], list(weights.items())[2:]]
-    assert sender.send(buckets) == 3
-    for url in (s.url for s in servers):
-        for name, tensor in weights.items():
-            got = http.post(url + "/get_weights_by_name", json={"name": name}, timeout=10).json()
-            assert got == tensor.float().flatten().tolist()
-    sender.close()
+    try:
+        assert sender.master_port > 0
+        torch.manual_seed(0)
+        weights = {
+            "model.language_model.embed_tokens.weight": torch.randn(8, 4, dtype=torch.bfloat16),
+            "model.visual.patch_embed.proj.weight": torch.randn(4, 3, 2, 2, 2),
+            "lm_head.bias": torch.arange(5, dtype=torch.float32),
+        }
+        buckets = [list(weights.items())[:2], list(weights.items())[2:]]
+        assert sender.send(buckets) == 3
+        for url in (s.url for s in servers):
+            for name, tensor in weights.items():
+                got = http.post(
+                    url + "/get_weights_by_name", json={"name": name}, timeout=10
+                ).json()
+                assert got == tensor.float().flatten().tolist()
+    finally:
+        sender.close()
+
+
+def test_weight_sync_fails_when_an_engine_never_joins():
+    class Absent:
+        """Answers the join request but never joins the group."""
+
+        def init_weights_update_group(self, **kwargs):
+            return {"success": True, "message": "pretending"}
+
+    with pytest.raises(Exception, match=r"(?i)timeout|timed out"):
+        DistributedWeightSender(
+            [Absent()], master_address="127.0.0.1", backend="gloo", timeout=timedelta(seconds=2)
+        )
 
 
 def test_build_engine_picks_hf_without_sglang(tiny_model, caplog):

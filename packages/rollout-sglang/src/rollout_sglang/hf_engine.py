@@ -31,6 +31,72 @@ def _eos_ids(model: nn.Module) -> tuple[int, ...]:
     return ()
 
 
+class _LaggedCount:
+    """A device-side count read by the host one step late on accelerators (exactly on CPU).
+
+    Reading ``int(tensor)`` every decode step blocks the host until the device has finished the
+    step, so the next step's kernels cannot be queued meanwhile. Here the count is copied
+    asynchronously into pinned memory and read at the next call, when it is long done.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.lagged = device.type != "cpu"
+        self._pending: tuple[Tensor, torch.Event] | None = None
+
+    def exchange(self, count: Tensor) -> int:
+        """Queue ``count`` [a 0-d tensor]; return the previous one's value (0 if none)."""
+        if not self.lagged:
+            return int(count)
+        host = torch.empty((), dtype=count.dtype, pin_memory=True)
+        host.copy_(count, non_blocking=True)
+        event = torch.Event(device=count.device)
+        event.record()
+        previous, self._pending = self._pending, (host, event)
+        if previous is None:
+            return 0
+        previous[1].synchronize()
+        return int(previous[0])
+
+    def reset(self) -> None:
+        """Forget the queued count (the rows it counted changed)."""
+        self._pending = None
+
+
+class _DecodeMasks:
+    """The attention mask of each decode step, without rebuilding it from a growing 2-D mask.
+
+    Unpadded batches pass no mask (SDPA's fast path: no mask, grouped-query attention without
+    repeating the KV heads, and no host sync inside transformers' "is the mask all ones?"
+    check). Padded batches under SDPA pass a ready 4-D boolean view ``[B, 1, 1, kv]`` of one
+    preallocated buffer, which transformers uses as is; other attention implementations get the
+    2-D view of the same buffer.
+    """
+
+    def __init__(self, prompt_mask: Tensor, max_steps: int, attn_implementation: str | None):
+        batch, width = prompt_mask.shape
+        self.padded = not bool(prompt_mask.all())
+        self.four_d = attn_implementation == "sdpa"
+        self.buffer = None
+        if self.padded:
+            self.buffer = torch.ones(
+                (batch, width + max_steps), dtype=torch.bool, device=prompt_mask.device
+            )
+            self.buffer[:, :width] = prompt_mask.bool()
+
+    def select(self, keep: Tensor) -> None:
+        """Keep only these rows (after finished rows were pruned)."""
+        if self.buffer is not None:
+            self.buffer = self.buffer[keep]
+
+    def step(self, kv_length: int) -> Tensor | None:
+        """The mask for a step whose keys (cache plus the new token) number ``kv_length``."""
+        if self.buffer is None:
+            return None
+        if self.four_d:
+            return self.buffer[:, None, None, :kv_length]
+        return self.buffer[:, :kv_length]
+
+
 class HFEngine:
     """:class:`~rollout_sglang.types.RolloutEngine` over a ``*ForConditionalGeneration`` model.
 
@@ -74,6 +140,9 @@ class HFEngine:
             max_prompt_length=max_prompt_length or self.context_length - 1,
             needs_pixels=True,
         )
+        self._attn_implementation = getattr(
+            config.get_text_config(), "_attn_implementation", None
+        ) or getattr(config, "_attn_implementation", None)
         self._loader = WeightLoader(model)
         self._released = False
         logger.info(
@@ -177,21 +246,24 @@ class HFEngine:
         device = self.device
         batch = len(requests)
         inputs = self._prefill_inputs(requests)
-        lengths = torch.tensor([r.prompt_length for r in requests], device=device)
+        prompt_lengths = [r.prompt_length for r in requests]
+        lengths = torch.tensor(prompt_lengths, device=device)
         limits = (self.context_length - lengths).clamp(max=params.max_new_tokens)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.eos_token_ids)
         stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
-        max_steps = int(limits.max())
+        width = max(prompt_lengths)
+        max_steps = min(params.max_new_tokens, self.context_length - min(prompt_lengths))
 
         out = self.model(**inputs, use_cache=True, logits_to_keep=1)
         cache = out.past_key_values
         logits = out.logits[:, -1].float()
-        attention_mask = inputs["attention_mask"]
-        text_pos = lengths.clone()  # position of the next token in its own sequence
-        # next M-RoPE position: one past the largest position of the prompt (its "rope delta")
-        mrope_pos = inputs["position_ids"][1:].amax(dim=(0, 2)) + 1
+        # Decode positions: text row = own length + step, M-RoPE rows = one past the prompt's
+        # largest position (its "rope delta") + step. Built once; each step adds the step.
+        mrope_next = inputs["position_ids"][1:].amax(dim=(0, 2)) + 1
+        positions = torch.cat([lengths[None], mrope_next.expand(3, -1)])[:, :, None]
+        masks = _DecodeMasks(inputs["attention_mask"], max_steps, self._attn_implementation)
         del out, inputs
 
         tokens = torch.zeros((batch, max_steps), dtype=torch.long, device=device)
@@ -200,6 +272,8 @@ class HFEngine:
         stopped = torch.zeros(batch, dtype=torch.bool, device=device)
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         rows = torch.arange(batch, device=device)  # original index of each row still in the batch
+        n_rows = batch
+        finished_count = _LaggedCount(device)
         for step in range(max_steps):
             token, logprob = sample_tokens(
                 logits,
@@ -212,31 +286,34 @@ class HFEngine:
             live = ~finished[rows]
             tokens[rows, step] = token
             logprobs[rows, step] = logprob
-            n_generated[rows] = torch.where(live, step + 1, n_generated[rows])
-            hit_stop = live & torch.isin(token, stop)
-            stopped[rows] |= hit_stop
-            finished[rows] |= hit_stop | (step + 1 >= limits[rows])
-            n_finished = int(finished[rows].sum())  # the one host sync per step
-            if n_finished == rows.numel():
+            n_generated[rows] += live
+            done = finished[rows] | (live & torch.isin(token, stop))
+            stopped[rows] |= done & live
+            finished[rows] = done | (step + 1 >= limits[rows])
+            if step + 1 == max_steps:
                 break
-            if n_finished >= max(1.0, self.prune_fraction * rows.numel()):
-                keep = (~finished[rows]).nonzero().squeeze(-1)
+            # Exact on CPU; on an accelerator the previous step's count, so the host queues the
+            # next forward without waiting for this one (a finished row costs one extra step).
+            n_finished = finished_count.exchange(finished[rows].sum())
+            if n_finished == n_rows:
+                break
+            if n_finished >= max(1.0, self.prune_fraction * n_rows):
+                keep = (~finished[rows]).nonzero().squeeze(-1)  # a host sync, once per prune
+                if keep.numel() == 0:
+                    break
                 cache.reorder_cache(keep)
-                rows, token, attention_mask = rows[keep], token[keep], attention_mask[keep]
-                text_pos, mrope_pos = text_pos[keep], mrope_pos[keep]
-            attention_mask = torch.cat(
-                [attention_mask, attention_mask.new_ones(rows.numel(), 1)], 1
-            )
-            position_ids = torch.cat([text_pos[None], mrope_pos.expand(3, -1)], 0)[:, :, None]
+                rows, token, positions = rows[keep], token[keep], positions[:, keep]
+                masks.select(keep)
+                n_rows = keep.numel()
+                finished_count.reset()
             out = self.model(
                 input_ids=token[:, None],
-                attention_mask=attention_mask,
-                position_ids=position_ids,
+                attention_mask=masks.step(width + step + 1),
+                position_ids=positions + step,
                 past_key_values=cache,
                 use_cache=True,
             )
             cache, logits = out.past_key_values, out.logits[:, -1].float()
-            text_pos, mrope_pos = text_pos + 1, mrope_pos + 1
         return self._completions(requests, tokens, logprobs, n_generated, stopped)
 
     @staticmethod

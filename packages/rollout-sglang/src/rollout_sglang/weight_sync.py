@@ -14,6 +14,7 @@ import inspect
 import logging
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from datetime import timedelta
 from typing import Any
 
@@ -35,8 +36,14 @@ def init_weight_sync_group(
     rank: int,
     group_name: str,
     timeout: timedelta = timedelta(minutes=10),
+    store: dist.Store | None = None,
 ) -> dist.ProcessGroup:
-    """Join a process group separate from (and usable without) the default one."""
+    """Join a process group separate from (and usable without) the default one.
+
+    Rank 0 may pass the ``store`` it already serves (:func:`serve_weight_sync_store`); the
+    others rendezvous over TCP at ``master_address:master_port``. ``timeout`` bounds the
+    rendezvous and every collective, so a peer that never comes fails instead of hanging.
+    """
     from torch.distributed.distributed_c10d import (
         Backend,
         PrefixStore,
@@ -45,9 +52,10 @@ def init_weight_sync_group(
         rendezvous,
     )
 
-    store, rank, world_size = next(
-        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
-    )
+    if store is None:
+        store, rank, world_size = next(
+            rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+        )
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     params = inspect.signature(_new_process_group_helper).parameters
@@ -64,6 +72,25 @@ def init_weight_sync_group(
     )
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
+
+
+def serve_weight_sync_store(
+    master_address: str, master_port: int, world_size: int, timeout: timedelta
+) -> dist.TCPStore:
+    """Rank 0's rendezvous store, listening before any peer is told where to connect.
+
+    ``master_port=0`` lets the OS pick a free port (read it from ``store.port``): no window in
+    which another process can take a port chosen in advance; a fixed port already in use fails
+    here at once rather than sending the peers to someone else's store.
+    """
+    return dist.TCPStore(
+        master_address,
+        master_port,
+        world_size,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
 
 
 def broadcast_bucket(bucket: NamedTensors, group: dist.ProcessGroup, src: int = 0) -> None:
@@ -97,10 +124,11 @@ class DistributedWeightSender:
         engines: list[Any],
         *,
         master_address: str,
-        master_port: int,
+        master_port: int = 0,
         ranks_per_engine: int | list[int] = 1,
         group_name: str = "glimpse_weight_sync",
         backend: str = "nccl",
+        timeout: timedelta = timedelta(minutes=10),
     ) -> None:
         self.engines = engines
         sizes = (
@@ -111,6 +139,9 @@ class DistributedWeightSender:
         self.group_name = group_name
         self.world_size = 1 + sum(sizes)
         offsets = [1 + sum(sizes[:i]) for i in range(len(engines))]
+        self.timeout = timeout
+        store = serve_weight_sync_store(master_address, master_port, self.world_size, timeout)
+        self.master_port = store.port
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(engines)))
         # The engines block in their rendezvous until the trainer joins: ask them first, in
         # the background, then join.
@@ -118,7 +149,7 @@ class DistributedWeightSender:
             self._pool.submit(
                 engine.init_weights_update_group,
                 master_address=master_address,
-                master_port=master_port,
+                master_port=self.master_port,
                 rank_offset=offset,
                 world_size=self.world_size,
                 group_name=group_name,
@@ -126,15 +157,21 @@ class DistributedWeightSender:
             )
             for engine, offset in zip(engines, offsets, strict=True)
         ]
-        self.group = init_weight_sync_group(
-            backend=backend,
-            master_address=master_address,
-            master_port=master_port,
-            world_size=self.world_size,
-            rank=0,
-            group_name=group_name,
-        )
-        _wait(futures, "init_weights_update_group")
+        try:
+            self.group = init_weight_sync_group(
+                backend=backend,
+                master_address=master_address,
+                master_port=self.master_port,
+                world_size=self.world_size,
+                rank=0,
+                group_name=group_name,
+                timeout=timeout,
+                store=store,
+            )
+            _wait(futures, "init_weights_update_group", timeout)
+        except BaseException:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            raise
         logger.info("weight sync group %r ready: %d ranks", group_name, self.world_size)
 
     def send(
@@ -159,7 +196,7 @@ class DistributedWeightSender:
                 for engine in self.engines
             ]
             broadcast_bucket(bucket, self.group)
-            _wait(futures, "update_weights_from_distributed")
+            _wait(futures, "update_weights_from_distributed", self.timeout)
             count += len(bucket)
         for engine in self.engines:
             flush = getattr(engine, "flush_cache", None)
@@ -169,12 +206,16 @@ class DistributedWeightSender:
 
     def close(self) -> None:
         dist.destroy_process_group(self.group)
-        self._pool.shutdown()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _wait(futures: list[Any], what: str) -> None:
+def _wait(futures: list[Any], what: str, timeout: timedelta) -> None:
+    """Each engine's answer; an engine silent for longer than ``timeout`` is an error."""
     for future in futures:
-        result = future.result()
+        try:
+            result = future.result(timeout=timeout.total_seconds())
+        except FuturesTimeout:
+            raise TimeoutError(f"{what}: an engine did not answer within {timeout}") from None
         if isinstance(result, tuple | list) and result and result[0] is False:
             raise RuntimeError(f"{what} failed on an engine: {result}")
         if isinstance(result, dict) and result.get("success") is False:
