@@ -107,6 +107,24 @@ def test_stop_token_ends_one_request_and_pruning_keeps_the_others(engine, reques
         assert after.logprobs == pytest.approx(before.logprobs, abs=1e-5)
 
 
+def test_lagged_finished_count_gives_the_same_completions(tiny_model, requests_):
+    # the accelerator path (finished rows counted one step late, pruning on the late count)
+    # forced on CPU: one extra step for finished rows must change nothing in the completions
+    exact = HFEngine(tiny_model, max_batch_size=4, prune_fraction=0.1)
+    lagged = HFEngine(tiny_model, max_batch_size=4, prune_fraction=0.1)
+    lagged.lag_finished_count = True
+    # greedy: sampled rows would draw other noise once the batch is pruned at another step
+    first = exact.generate(requests_, greedy(8))
+    # stop on a token one request sampled at its 3rd step, so that one stops early
+    stop = first[1].token_ids[2]
+    params = greedy(8, stop_token_ids=(stop,))
+    want, got = exact.generate(requests_, params), lagged.generate(requests_, params)
+    assert any(c.finish_reason == "stop" for c in want)
+    for a, b in zip(want, got, strict=True):
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
 def test_ignore_eos(tiny_model, requests_):
     probe = HFEngine(tiny_model)
     first = probe.generate(requests_[:1], greedy(3))[0].token_ids[0]

@@ -4,6 +4,11 @@ Our own decode loop rather than ``model.generate``: left-padded batches with per
 M-RoPE positions computed once at prefill (the model's global ``rope_deltas`` state is never
 used, so rows can be dropped mid-generation), a KV cache, per-request stop, finished rows pruned
 from the batch and the cache, and the log-prob of each sampled token returned alongside it.
+
+Per decode step the loop does what ``model.generate`` does and less: no host sync (the count of
+finished rows is copied asynchronously and read one step late on accelerators), no attention
+mask rebuilt from a growing 2-D mask (unpadded batches pass none; padded ones a view of one
+preallocated buffer), positions built once.
 """
 
 from __future__ import annotations
@@ -39,22 +44,28 @@ class _LaggedCount:
     asynchronously into pinned memory and read at the next call, when it is long done.
     """
 
-    def __init__(self, device: torch.device) -> None:
-        self.lagged = device.type != "cpu"
-        self._pending: tuple[Tensor, torch.Event] | None = None
+    def __init__(self, device: torch.device, lagged: bool | None = None) -> None:
+        self.on_accelerator = device.type != "cpu"
+        self.lagged = self.on_accelerator if lagged is None else lagged
+        self._pending: tuple[Tensor, torch.Event | None] | None = None
 
     def exchange(self, count: Tensor) -> int:
-        """Queue ``count`` [a 0-d tensor]; return the previous one's value (0 if none)."""
+        """Queue ``count`` (a 0-d tensor); return the previous one's value (0 if none)."""
         if not self.lagged:
             return int(count)
-        host = torch.empty((), dtype=count.dtype, pin_memory=True)
-        host.copy_(count, non_blocking=True)
-        event = torch.Event(device=count.device)
-        event.record()
+        event = None
+        if self.on_accelerator:
+            host = torch.empty((), dtype=count.dtype, pin_memory=True)
+            host.copy_(count, non_blocking=True)
+            event = torch.Event(device=count.device)
+            event.record()
+        else:  # lagged on CPU: only to exercise this path in tests
+            host = count.clone()
         previous, self._pending = self._pending, (host, event)
         if previous is None:
             return 0
-        previous[1].synchronize()
+        if previous[1] is not None:
+            previous[1].synchronize()
         return int(previous[0])
 
     def reset(self) -> None:
@@ -143,6 +154,8 @@ class HFEngine:
         self._attn_implementation = getattr(
             config.get_text_config(), "_attn_implementation", None
         ) or getattr(config, "_attn_implementation", None)
+        # read the finished count one step late (no host sync per step); on by default off CPU
+        self.lag_finished_count = self.device.type != "cpu"
         self._loader = WeightLoader(model)
         self._released = False
         logger.info(
@@ -273,7 +286,7 @@ class HFEngine:
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         rows = torch.arange(batch, device=device)  # original index of each row still in the batch
         n_rows = batch
-        finished_count = _LaggedCount(device)
+        finished_count = _LaggedCount(device, lagged=self.lag_finished_count)
         for step in range(max_steps):
             token, logprob = sample_tokens(
                 logits,

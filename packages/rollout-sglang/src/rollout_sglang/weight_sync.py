@@ -117,6 +117,11 @@ class DistributedWeightSender:
     :class:`~rollout_sglang.sglang_engine.SGLangClient` both have them). ``ranks_per_engine``
     is each engine's tensor-parallel size. Tensors must be on a device the backend can send
     (CUDA for NCCL, CPU for gloo).
+
+    The trainer serves the rendezvous store before asking the engines to join; the default
+    ``master_port=0`` lets the OS pick a free port (``self.master_port``). ``timeout`` bounds
+    the rendezvous, every broadcast and every engine's answer: a missing engine is an error
+    after ``timeout``, never a hang. (SGLang's own side uses its default timeout.)
     """
 
     def __init__(
