@@ -34,7 +34,11 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
       fsdp_variants)
         run fsdp_compile 240 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --compile --out "$OUT/fsdp_compile.json"
         run fsdp_profile 180 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --steps 2 --profile "$OUT/fsdp_profile.txt" ;;
-      fsdp_scaling) run fsdp_scaling 300 torchrun --standalone --nproc-per-node "$ngpu" tools/bench/bench_fsdp_train.py --device cuda --out "$OUT/fsdp_train_${ngpu}gpu.json" ;;
+      fsdp_scaling)  # ours on 2 and 4 GPUs (same per-GPU batch); compare with fsdp_train's 1 GPU
+        for n in 2 4; do
+          [ "$ngpu" -ge "$n" ] && run "fsdp_${n}gpu" 240 torchrun --standalone --nproc-per-node "$n" \
+            tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --out "$OUT/fsdp_train_${n}gpu.json"
+        done ;;
       hf_engine) run hf_engine 300 python3 tools/bench/bench_hf_engine.py --device cuda --out "$OUT/hf_engine.json" ;;
       gpu_tests) run gpu_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider packages ;;
       *) echo "unknown benchmark $w" >>"$log" ;;
