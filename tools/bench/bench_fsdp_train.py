@@ -45,6 +45,8 @@ VARIANTS = {
     "layer_units": {"shard_layers": True},
     "root_unit": {"shard_layers": False},
     "ac": {"activation_checkpointing": True},
+    "vision_attn": {"fused_vision_attention": True},
+    "compile_vision_attn": {"compile": True, "fused_vision_attention": True},
 }
 
 

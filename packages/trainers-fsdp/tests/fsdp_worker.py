@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import mixed_batch, tiny_actor_config
-from trainers_fsdp import FsdpActor, FsdpConfig
+from trainers_fsdp import FsdpActor, FsdpConfig, OptimConfig
 
 
 def shard(n: int, rank: int, world: int) -> list[int]:
@@ -35,7 +35,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    cfg: FsdpConfig = tiny_actor_config(max_tokens_per_gpu=64)
+    # fused AdamW: the optimizer step below takes the no-host-sync path (sharded grad norm,
+    # device-side clip), which must agree across world sizes too
+    optim = OptimConfig(lr=1e-2, weight_decay=0.0, fused=True)
+    cfg: FsdpConfig = tiny_actor_config(max_tokens_per_gpu=64, optim=optim)
     actor = FsdpActor(cfg)
     batch = mixed_batch()
     part = batch.select(shard(len(batch), actor.rank, actor.world_size))
@@ -52,6 +55,9 @@ def main() -> None:
         }
         actor.optimizer.zero_grad(set_to_none=True)
         results[(loss, agg)] = {"grads": grads, "metrics": metrics}
+    metrics = actor.train_step(part, loss="sft")
+    params = {n: p.full_tensor() for n, p in actor.model.named_parameters()}
+    results["train_step"] = {"grad_norm": metrics["grad_norm"], "params": params}
     if actor.rank == 0:
         torch.save(results, args.out)
     actor.close()

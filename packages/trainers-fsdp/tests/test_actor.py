@@ -34,10 +34,13 @@ def _full_grads(actor: FsdpActor) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize("scope", ["all", "loss"])
-def test_compute_logprobs_equals_plain_hf_forward(make_config, make_plain_model, batch, scope):
-    """All positions ("all"), or the loss positions with zeros elsewhere ("loss", default)."""
-    actor = FsdpActor(make_config(logprobs_scope=scope))
+@pytest.mark.parametrize("scope,fused_vision", [("all", False), ("loss", False), ("loss", True)])
+def test_compute_logprobs_equals_plain_hf_forward(
+    make_config, make_plain_model, batch, scope, fused_vision
+):
+    """All positions ("all"), or the loss positions with zeros elsewhere ("loss", default);
+    with the fused vision attention too."""
+    actor = FsdpActor(make_config(logprobs_scope=scope, fused_vision_attention=fused_vision))
     plain = make_plain_model()
     ours = actor.compute_logprobs(batch)
     image_token = plain.config.image_token_id

@@ -63,6 +63,16 @@ def test_two_process_fsdp_matches_one_process(tmp_path):
     two = _launch(2, tmp_path / "two.pt")
     for a, b in zip(one["logprobs"], two["logprobs"], strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    step1, step2 = one.pop("train_step"), two.pop("train_step")
+    assert step2["grad_norm"] == pytest.approx(step1["grad_norm"], rel=1e-5)
+    # Adam divides by sqrt(v): where a gradient is ~0, reduction-order noise can flip an
+    # element's update (+-lr). The update must agree on (nearly) every element and never differ
+    # by more than that.
+    lr = 1e-2
+    for name, p in step1["params"].items():
+        diff = (step2["params"][name] - p).abs()
+        off = (diff > 1e-5).float().mean().item()
+        assert diff.max() <= 2 * lr + 1e-6 and off <= 0.01, f"{name}: {diff.max():.2e}, {off:.2%}"
     cases = [k for k in one if k != "logprobs"]
     assert len(cases) == 3
     for case in cases:

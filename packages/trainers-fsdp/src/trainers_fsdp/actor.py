@@ -31,7 +31,7 @@ from trainers_fsdp.attention import PACKED_ATTENTION, PackedSeqInfo, register_pa
 from trainers_fsdp.checkpoint import load_checkpoint, save_checkpoint
 from trainers_fsdp.config import FsdpConfig
 from trainers_fsdp.distributed import all_reduce_, build_mesh, init_distributed, resolve_device
-from trainers_fsdp.fused import fuse_rms_norms
+from trainers_fsdp.fused import fuse_rms_norms, fuse_vision_attention, vision_seqlens
 from trainers_fsdp.microbatch import MicroBatch, build_micro_batch, plan_micro_batches
 from trainers_fsdp.optim import (
     build_optimizer,
@@ -130,6 +130,8 @@ class FsdpActor:
             model.eval()
         if cfg.fused_rms_norm:
             fuse_rms_norms(model)
+        if cfg.fused_vision_attention:
+            fuse_vision_attention(model)
         if trainable and cfg.activation_checkpointing:
             apply_ac(model)
         if cfg.compile:
@@ -186,6 +188,13 @@ class FsdpActor:
             kwargs["image_grid_thw"] = mb.image_grid_thw
         if self.config.attn_implementation == PACKED_ATTENTION:
             kwargs["packed_seq_info"] = PackedSeqInfo.from_lengths(mb.lengths, self.device)
+        with vision_seqlens(mb.vision_lengths):
+            return self._scored_forward(model, mb, kwargs, entropy)
+
+    def _scored_forward(
+        self, model: nn.Module, mb: MicroBatch, kwargs: dict, entropy: str | None
+    ) -> tuple[Tensor, Tensor | None]:
+        """The model call and the log-prob (and entropy) rows of :meth:`_forward`."""
         temperature = self.config.temperature
         total = mb.input_ids.shape[0]
         if self.config.logprobs_scope == "all":

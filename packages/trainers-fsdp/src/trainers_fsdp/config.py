@@ -55,6 +55,9 @@ class FsdpConfig:
     # RMSNorm as one fused torch kernel instead of transformers' float32 elementwise chain
     # (trainers_fsdp.fused); off gives the exact transformers forward.
     fused_rms_norm: bool = True
+    # Qwen3-VL vision attention with bf16 rotary and one varlen kernel for all images, no host
+    # sync per block (trainers_fsdp.fused); off until measured on the GPU against the default.
+    fused_vision_attention: bool = False
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile each decoder layer / vision block
     max_tokens_per_gpu: int = 16384  # micro-batch token budget (dynamic batch size)

@@ -42,6 +42,8 @@ class MicroBatch:
     has_dummy: bool
     loss_units: dict[str, float]  # loss tokens / samples with tokens / samples, per agg mode
     loss_positions: Tensor  # LongTensor[R]: loss tokens that have a predecessor in their sample
+    # patches per image frame (host ints), so vision attention needs no device read
+    vision_lengths: list[int] | None = None
 
     @property
     def num_real_tokens(self) -> int:
@@ -71,6 +73,7 @@ class MicroBatch:
             has_dummy=self.has_dummy,
             loss_units=self.loss_units,
             loss_positions=move(self.loss_positions),
+            vision_lengths=self.vision_lengths,
         )
 
 
@@ -161,6 +164,7 @@ def build_micro_batch(
     mrope = packed_position_ids(ids, grids, config, types)
     text = torch.cat([torch.arange(n) for n in lengths])
     present = [(p, g) for p, g in zip(pixels, grids, strict=True) if g is not None and len(g)]
+    grids_present = [g.long() for _, g in present]
     if any(p is None for p, _ in present):
         raise ValueError("a sample has image_grid_thw but no pixel_values")
     fields = {}
@@ -190,4 +194,7 @@ def build_micro_batch(
         has_dummy=add_dummy,
         loss_units=loss_units,
         loss_positions=torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long),
+        vision_lengths=[
+            int(h * w) for g in grids_present for t, h, w in g.tolist() for _ in range(t)
+        ],
     )

@@ -85,6 +85,30 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
     return norm
 
 
+def _sharded_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm (float32) of FSDP-sharded gradients, computed on the local shards.
+
+    When every gradient is a DTensor sharded (no replication) over one mesh, the squared norm is
+    the sum over ranks of the local squared norms: one foreach norm over plain tensors and one
+    all-reduce, instead of DTensor dispatch for each of hundreds of gradients. Anything else goes
+    through ``get_total_norm``.
+    """
+    meshes = {g.device_mesh for g in grads if isinstance(g, DTensor)}
+    all_sharded = len(meshes) == 1 and all(
+        isinstance(g, DTensor) and all(p.is_shard() for p in g.placements) for g in grads
+    )
+    if not all_sharded:
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        return (norm.full_tensor() if isinstance(norm, DTensor) else norm).float()
+    local = [g.to_local() for g in grads]
+    norms = torch._foreach_norm(local, 2.0, dtype=torch.float32)
+    squared = torch.stack(norms).square().sum()
+    mesh = meshes.pop()
+    if mesh.size() > 1:
+        torch.distributed.all_reduce(squared, group=mesh.get_group())
+    return squared.sqrt()
+
+
 def fused_skip_supported(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` can skip a step on the device (fused Adam/AdamW ``found_inf``)."""
     return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and bool(
@@ -106,10 +130,7 @@ def clip_and_step_on_device(
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    norm = norm.float()
+    norm = _sharded_grad_norm(grads)
     finite = torch.isfinite(norm)
     if max_norm > 0:
         coef = torch.where(finite, (max_norm / (norm + 1e-6)).clamp(max=1.0), 1.0)
