@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -47,7 +48,7 @@ class _LaggedCount:
     def __init__(self, device: torch.device, lagged: bool | None = None) -> None:
         self.on_accelerator = device.type != "cpu"
         self.lagged = self.on_accelerator if lagged is None else lagged
-        self._pending: tuple[Tensor, torch.Event | None] | None = None
+        self._pending: tuple[Tensor, Any] | None = None
 
     def exchange(self, count: Tensor) -> int:
         """Queue ``count`` (a 0-d tensor); return the previous one's value (0 if none)."""
@@ -57,7 +58,8 @@ class _LaggedCount:
         if self.on_accelerator:
             host = torch.empty((), dtype=count.dtype, pin_memory=True)
             host.copy_(count, non_blocking=True)
-            event = torch.Event(device=count.device)
+            cuda = count.device.type == "cuda"
+            event = torch.cuda.Event() if cuda else torch.Event(device=count.device)
             event.record()
         else:  # lagged on CPU: only to exercise this path in tests
             host = count.clone()
