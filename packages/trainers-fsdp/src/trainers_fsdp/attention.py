@@ -104,6 +104,9 @@ def packed_attention_forward(
     if dropout:
         raise ValueError("packed attention does not implement dropout")
     n_rep = query.shape[1] // key.shape[1]
+    # a real bool: under torch.compile(dynamic=True) the head counts are symbolic, and sdpa's
+    # enable_gqa does not take a SymBool (it broke the graph); branching specializes it.
+    gqa = True if n_rep > 1 else False  # noqa: SIM210
     global _VARLEN
     varlen = _VARLEN
     default_scale = query.shape[-1] ** -0.5
@@ -120,7 +123,7 @@ def packed_attention_forward(
         extra = dict(causal)
         if has_scale:
             extra["scale"] = scaling
-        if has_gqa and n_rep > 1:
+        if has_gqa and gqa:
             extra["enable_gqa"] = True
         else:
             k, v = _repeat_kv(k, n_rep, 1), _repeat_kv(v, n_rep, 1)
@@ -136,15 +139,14 @@ def packed_attention_forward(
             _VARLEN = None
     # split (not slicing): its backward concatenates the gradients once instead of
     # materialising a zero-filled full-size gradient per sample.
+    # Indexing, not zip(): dynamo could not trace zip over the split tuples.
     lengths = list(packed_seq_info.lengths)
+    qs, ks, vs = (t.split(lengths, dim=2) for t in (query, key, value))
     outs = [
-        F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=n_rep > 1)
-        for q, k, v in zip(
-            query.split(lengths, dim=2),
-            key.split(lengths, dim=2),
-            value.split(lengths, dim=2),
-            strict=True,
+        F.scaled_dot_product_attention(
+            qs[i], ks[i], vs[i], is_causal=True, scale=scaling, enable_gqa=gqa
         )
+        for i in range(len(lengths))
     ]
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     return out.transpose(1, 2).contiguous(), None

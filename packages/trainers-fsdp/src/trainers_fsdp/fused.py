@@ -148,7 +148,7 @@ def _vision_attention_forward(
                 c.transpose(0, 1)[None],
                 scale=self.scaling,
             )[0].transpose(0, 1)
-            for a, b, c in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True)
+            for a, b, c in zip(q.split(lengths), k.split(lengths), v.split(lengths))  # noqa: B905
         ]
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
     return self.proj(out.reshape(t, -1))
