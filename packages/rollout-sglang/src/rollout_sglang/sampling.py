@@ -40,12 +40,14 @@ def sample_tokens(
         tokens = logits.argmax(-1)
         logprobs = logits.log_softmax(-1)
     else:
-        scaled = logits / temperature
+        scaled = logits if temperature == 1.0 else logits / temperature
         logprobs = scaled.log_softmax(-1)
-        probs = filter_top_k_top_p(scaled, top_k, top_p).softmax(-1)
+        filtered = filter_top_k_top_p(scaled, top_k, top_p)
+        # without truncation the probabilities are exp(log-probs): no second normalisation
+        probs = logprobs.exp() if filtered is scaled else filtered.softmax(-1)
         # Exponential race (argmax of p / E, E ~ Exp(1)) draws from p like multinomial, but is
         # one fused pass over the vocabulary instead of a cumulative search: much faster on
         # large vocabularies on CPU, and sync-free on GPU.
         noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-        tokens = (probs / noise).argmax(-1)
+        tokens = probs.div_(noise).argmax(-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
