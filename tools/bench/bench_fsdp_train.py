@@ -250,6 +250,8 @@ def run_ours(args, device: torch.device, name: str = "ours", **changes) -> tuple
 
 
 def free(device: torch.device) -> None:
+    """Release the last configuration's memory (compiled graphs hold their modules too)."""
+    torch._dynamo.reset()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
