@@ -30,7 +30,7 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
       logprobs) run logprobs 120 python3 tools/bench/bench_logprobs.py --device cuda --out "$OUT/logprobs.json" ;;
       patch_embed) run patch_embed 150 python3 tools/bench/bench_patch_embed.py --device cuda --out "$OUT/patch_embed.json" ;;
       megatron_parity) run megatron_parity 180 python3 tools/bench/bench_megatron_parity.py --device cuda --out "$OUT/megatron_parity.json" ;;
-      fsdp_train) run fsdp_train 240 python3 tools/bench/bench_fsdp_train.py --device cuda --out "$OUT/fsdp_train.json" ;;
+      fsdp_train) run fsdp_train 330 python3 tools/bench/bench_fsdp_train.py --device cuda --variants "${FSDP_VARIANTS:-vision_attn,compile}" --out "$OUT/fsdp_train.json" ;;
       fsdp_variants)
         run fsdp_compile 240 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --compile --out "$OUT/fsdp_compile.json"
         run fsdp_profile 180 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --steps 2 --profile "$OUT/fsdp_profile.txt" ;;
