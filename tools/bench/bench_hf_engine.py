@@ -126,6 +126,30 @@ def step_ms(total_s: float, first_token_s: float, new_tokens: int) -> float:
     return (total_s - first_token_s) / max(new_tokens - 1, 1) * 1e3
 
 
+def profile_decode(model, device, prompt_len: int, image_side: int, path: str) -> None:
+    """Top device/host ops of 32 decode steps at batch 64, ours and model.generate, to see where
+    a per-step gap comes from (slow under the profiler: give it minutes on a 2B model)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    requests = synthetic_requests(model.config, 64, prompt_len, image_side, seed=7)
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    out = []
+    for name, fn in [
+        ("ours", lambda: run_ours(model, requests, 32, device)),
+        ("generate", lambda: run_generate(model, requests, 32, device)),
+    ]:
+        fn()  # warm
+        with profile(activities=acts) as prof:
+            elapsed = fn()
+        out.append(f"===== {name}: {elapsed:.3f} s for 32 new tokens at batch 64")
+        for key in ("self_cuda_time_total", "cpu_time_total"):
+            out.append(
+                prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
+            )
+    with open(path, "w") as f:
+        f.write("\n".join(out))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -169,6 +193,7 @@ def main() -> None:
     )
     parser.add_argument("--skip-baseline", action="store_true", help="only time the HF engine")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--profile", default=None, help="profile 32 decode steps, tables here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
@@ -184,6 +209,9 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = build_model(preset, dtype=dtype, attn_implementation=args.attn, device=device).eval()
+    if args.profile:
+        profile_decode(model, device, prompt_len, image_side, args.profile)
+        return
     results: dict[str, Any] = {
         "bench": "bench_hf_engine",
         "device": torch.cuda.get_device_name(device) if gpu else platform.processor() or "cpu",
