@@ -279,3 +279,14 @@ def test_non_finite_values_outside_mask_do_not_leak():
         assert torch.isfinite(loss)
         (grad,) = torch.autograd.grad(loss, lp)
         assert torch.isfinite(grad[1]) and grad[1] != 0
+
+
+def test_loss_denominator_counts_tokens_samples_with_tokens_and_samples() -> None:
+    from rl_algos import loss_denominator
+
+    masks = [torch.tensor([0.0, 1.0, 1.0]), torch.tensor([0.0, 0.0]), torch.tensor([1.0])]
+    assert loss_denominator(masks, "token-mean") == 3.0
+    assert loss_denominator(masks, "seq-mean-token-mean") == 2.0
+    assert loss_denominator(masks, "seq-mean-token-sum-norm") == 3.0
+    with pytest.raises(ValueError, match="aggregation mode"):
+        loss_denominator(masks, "sum")

@@ -17,9 +17,11 @@ from rl_algos.logprobs import (
 )
 from rl_algos.losses import (
     GrpoLossConfig,
+    LossAggMode,
     aggregate_loss,
     grpo_loss,
     kl_penalty,
+    loss_denominator,
     masked_mean,
     policy_loss,
     sft_loss,
@@ -28,6 +30,7 @@ from rl_algos.losses import (
 __all__ = [
     "GroupFilterResult",
     "GrpoLossConfig",
+    "LossAggMode",
     "TrainBatch",
     "aggregate_loss",
     "aligned_entropy",
@@ -40,6 +43,7 @@ __all__ = [
     "grpo_loss",
     "kl_penalty",
     "logprobs_from_logits",
+    "loss_denominator",
     "masked_mean",
     "pack_by_token_budget",
     "pack_sequences",

@@ -56,6 +56,22 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return _masked(values, mask).sum() / (mask != 0).sum().clamp(min=1).to(values.dtype)
 
 
+def loss_denominator(loss_mask: Sequence[Tensor], mode: LossAggMode) -> float:
+    """What ``aggregate_loss`` divides by over a whole step, for its ``denominator``.
+
+    Masked tokens (``token-mean``), samples with a masked token (``seq-mean-token-mean``) or
+    samples (``seq-mean-token-sum-norm``) of ``loss_mask`` (per-sample masks). A trainer sums
+    this over its micro-batches and ranks so the step's loss equals one big batch's.
+    """
+    if mode == "token-mean":
+        return float(sum(int((m > 0).sum()) for m in loss_mask))
+    if mode == "seq-mean-token-mean":
+        return float(sum(1 for m in loss_mask if bool((m > 0).any())))
+    if mode == "seq-mean-token-sum-norm":
+        return float(len(loss_mask))
+    raise ValueError(f"unknown loss aggregation mode {mode!r}")
+
+
 def aggregate_loss(
     values: Tensor,
     loss_mask: Tensor,

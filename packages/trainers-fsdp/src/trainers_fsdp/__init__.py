@@ -6,7 +6,7 @@
 a plain transformers model by the small functions of :mod:`trainers_fsdp.parallelize`.
 """
 
-from trainers_fsdp.actor import FsdpActor, aligned_entropy
+from trainers_fsdp.actor import FsdpActor
 from trainers_fsdp.attention import PACKED_ATTENTION, PackedSeqInfo, register_packed_attention
 from trainers_fsdp.config import FsdpConfig, OptimConfig
 from trainers_fsdp.distributed import build_mesh, init_distributed, resolve_device
@@ -29,7 +29,6 @@ __all__ = [
     "MicroBatch",
     "OptimConfig",
     "PackedSeqInfo",
-    "aligned_entropy",
     "apply_ac",
     "apply_compile",
     "apply_fsdp",

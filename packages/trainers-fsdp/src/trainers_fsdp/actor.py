@@ -21,10 +21,12 @@ from torch import Tensor, nn
 
 from rl_algos import (
     TrainBatch,
+    aligned_entropy,
     aligned_logprobs,
     entropy_from_logits,
     grpo_loss,
     logprobs_from_logits,
+    loss_denominator,
     sft_loss,
 )
 from trainers_fsdp.attention import PACKED_ATTENTION, PackedSeqInfo, register_packed_attention
@@ -62,25 +64,6 @@ class _Pending:
 
 def _dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, name)
-
-
-def aligned_entropy(logits: Tensor, cu_seqlens: list[int], temperature: float) -> Tensor:
-    """Entropy of the distribution that predicted token ``t`` at position ``t`` (0 at each
-    sample's first position), the layout of ``aligned_logprobs``."""
-    ent = entropy_from_logits(logits, temperature)
-    shifted = torch.cat([ent.new_zeros(1), ent[:-1]])
-    first = torch.zeros_like(shifted, dtype=torch.bool)
-    first[torch.tensor(cu_seqlens[:-1], device=logits.device)] = True
-    return shifted.masked_fill(first, 0.0)
-
-
-def _loss_units(loss_mask: list[Tensor], mode: str) -> float:
-    """What an aggregation mode divides by: masked tokens, or samples (with tokens)."""
-    if mode == "token-mean":
-        return float(sum(int((m > 0).sum()) for m in loss_mask))
-    if mode == "seq-mean-token-mean":
-        return float(sum(1 for m in loss_mask if bool((m > 0).any())))
-    return float(len(loss_mask))
 
 
 class FsdpActor:
@@ -307,7 +290,7 @@ class FsdpActor:
         cfg = self.config
         mode, norm = self._loss_settings(batch, loss)
         grpo_cfg = dataclasses.replace(cfg.grpo, loss_agg_mode=mode, norm_length=norm)
-        local_units = _loss_units(batch.loss_mask, mode)
+        local_units = loss_denominator(batch.loss_mask, mode)
         global_units = float(all_reduce_(torch.tensor([local_units], dtype=torch.float64)).item())
         entropy_mode = None
         if loss == "grpo" and cfg.grpo.entropy_coef:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 from torch import Tensor
 from transformers import PretrainedConfig
 
-from rl_algos import TrainBatch, pack_by_token_budget
+from rl_algos import LossAggMode, TrainBatch, loss_denominator, pack_by_token_budget
 from trainers_fsdp.distributed import all_reduce_
 from vlm_models import packed_position_ids
 
@@ -173,11 +174,7 @@ def build_micro_batch(
         if values is not None and indices:
             fields[name] = torch.cat([values[i].reshape(-1).float() for i in indices])
     masks = [batch.loss_mask[i] > 0 for i in indices]
-    loss_units = {
-        "token-mean": float(sum(int(m.sum()) for m in masks)),
-        "seq-mean-token-mean": float(sum(1 for m in masks if bool(m.any()))),
-        "seq-mean-token-sum-norm": float(len(masks)),
-    }
+    loss_units = {mode: loss_denominator(masks, mode) for mode in get_args(LossAggMode)}
     positions, start = [], 0
     for m in masks:
         local = m.nonzero().reshape(-1)

@@ -34,7 +34,14 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from safetensors.torch import save_file
 from torch import Tensor
 
-from rl_algos import TrainBatch, aligned_logprobs, grpo_loss, pack_by_token_budget, sft_loss
+from rl_algos import (
+    TrainBatch,
+    aligned_logprobs,
+    grpo_loss,
+    loss_denominator,
+    pack_by_token_budget,
+    sft_loss,
+)
 from trainers_megatron.config import MegatronConfig
 from vlm_models import build_model, packed_position_ids, resolve_config
 from vlm_models.megatron import (
@@ -90,15 +97,6 @@ def _vocab_parallel_aligned_logprobs(
     first = torch.zeros_like(shifted, dtype=torch.bool)
     first[cu_seqlens[:-1].long()] = True
     return shifted.masked_fill(first, 0.0)
-
-
-def _units(loss_mask: list[Tensor], mode: str) -> float:
-    """What an aggregation mode divides by: masked tokens, or samples (with tokens)."""
-    if mode == "token-mean":
-        return float(sum(int((m > 0).sum()) for m in loss_mask))
-    if mode == "seq-mean-token-mean":
-        return float(sum(1 for m in loss_mask if bool((m > 0).any())))
-    return float(len(loss_mask))
 
 
 class MegatronActor:
@@ -281,7 +279,7 @@ class MegatronActor:
             norm = max(1.0, float(longest))
         # (collectives on self.device: NCCL reduces CUDA tensors only)
         units = torch.tensor(
-            [_units(batch.loss_mask, mode)], dtype=torch.float64, device=self.device
+            [loss_denominator(batch.loss_mask, mode)], dtype=torch.float64, device=self.device
         )
         dist.all_reduce(units, group=self.dp_group)
         denominator = max(float(units), 1.0)
