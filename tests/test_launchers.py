@@ -114,6 +114,20 @@ def test_megatron_backend_is_checked_before_anything_starts(tmp_path, monkeypatc
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_reward_options_are_checked_before_anything_starts(tmp_path):
+    """A tolerance on the strict math reward stops the run at once, naming the flags."""
+    cfg = parse_grpo(
+        ["--preset", "tiny", "--reward-tolerance", "0.05", "--output-dir", str(tmp_path)], env={}
+    )
+    with pytest.raises(SystemExit, match="--reward-tolerance"):
+        run_grpo(cfg)
+    assert not (tmp_path / "sft_warmup").exists()
+    geo3k = parse_grpo(
+        ["--preset", "tiny", "--reward-type", "geo3k", "--reward-tolerance", "0.05"], env={}
+    )
+    assert (geo3k.loss.reward_type, geo3k.loss.reward_tolerance) == ("geo3k", 0.05)
+
+
 def test_bad_rows_are_skipped_and_counted():
     """A row without an answer and one with a corrupt image are skipped, named and counted;
     the sampler fills its batch from the good rows."""

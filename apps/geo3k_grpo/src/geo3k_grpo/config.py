@@ -47,6 +47,9 @@ class LossSection:
     )
     use_tis: bool = option(False, "truncated importance sampling against the rollout log-probs")
     reward_type: str = option("math", "reward: math | geo3k | math_format")
+    reward_tolerance: float = option(
+        0.0, "geo3k / math_format: relative numeric tolerance (the recipes tried 0.05)"
+    )
     reward_workers: int | None = option(None, "processes that score responses (default: cores)")
 
 

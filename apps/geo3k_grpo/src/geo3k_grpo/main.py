@@ -134,9 +134,22 @@ def uses_sglang(cfg: Geo3kGrpoConfig, use_gpu: bool) -> bool:
     return kind == "sglang" or (kind == "auto" and use_gpu and _has_sglang())
 
 
+def reward_options(loss) -> dict[str, float]:
+    """The reward's keyword options, checked now so a bad flag stops the run before any work."""
+    from rewards_math import build
+
+    options = {"tolerance": loss.reward_tolerance} if loss.reward_tolerance else {}
+    try:
+        build(loss.reward_type, **options)
+    except ValueError as err:
+        raise SystemExit(f"--reward-type / --reward-tolerance: {err}") from None
+    return options
+
+
 def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
     check_gpus(cfg.run.num_gpus, preset=cfg.run.preset)
     check_backend(cfg.run.backend)
+    rewards = reward_options(cfg.loss)
     run_dir = Path(cfg.run.output_dir)
     write_config(cfg, run_dir)
     if cfg.run.load is None and cfg.warmup.warmup_sft_steps > 0:
@@ -190,7 +203,7 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
     loop_cfg = dataclasses.replace(cfg.loop, use_ref_logprobs=loss.kl_coef > 0)
     lay = layout(cfg.run)
     ray_handle = start_ray(cfg.run, lay)
-    scorer = BatchScorer(loss.reward_type, num_workers=loss.reward_workers)
+    scorer = BatchScorer(loss.reward_type, num_workers=loss.reward_workers, **rewards)
     try:
         train = TrainGroup(
             trainer_factory(cfg.run, actor_cfg),
