@@ -15,7 +15,7 @@ import logging
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 from PIL import Image
@@ -39,6 +39,9 @@ TEMPLATES: dict[str, str] = {
         "tags. The final answer MUST BE put in \\boxed{{}}."
     ),
 }
+
+
+T = TypeVar("T")
 
 
 class SkipReason(enum.StrEnum):
@@ -116,7 +119,39 @@ def user_messages(
     return messages
 
 
-class PromptBuilder:
+class CountingBuilder(Generic[T]):
+    """Row -> sample with every outcome counted in `stats` (by `SkipReason`, and "built").
+
+    `build(row, index)` raises `SkipRow` for a bad row after counting it; `maybe_build` logs
+    the message instead and returns None, so a long run skips the row and goes on.
+    """
+
+    kind = "row"  # how log lines name a row
+
+    def __init__(self) -> None:
+        self.stats: Counter[str] = Counter()
+
+    def _build(self, row: Mapping[str, Any], index: int) -> T:
+        raise NotImplementedError
+
+    def build(self, row: Mapping[str, Any], index: int) -> T:
+        try:
+            sample = self._build(row, index)
+        except SkipRow as skip:
+            self.stats[skip.reason] += 1
+            raise
+        self.stats["built"] += 1
+        return sample
+
+    def maybe_build(self, row: Mapping[str, Any], index: int) -> T | None:
+        try:
+            return self.build(row, index)
+        except SkipRow as skip:
+            logger.warning("skipping %s %d (%s): %s", self.kind, index, skip.reason, skip)
+            return None
+
+
+class PromptBuilder(CountingBuilder["PromptSample"]):
     """Turns dataset rows into `PromptSample`s, skipping and counting the rows it cannot use.
 
     `build(row, index)` raises `SkipRow` for a bad row (after counting it in `stats`);
@@ -149,25 +184,9 @@ class PromptBuilder:
         self.image_token_id = int(processor.image_token_id)
         self.merge_length = int(processor.image_processor.merge_size) ** 2
         self.image_device = image_device
-        self.stats: Counter[str] = Counter()
+        super().__init__()
 
     # -- public -----------------------------------------------------------------------------
-
-    def build(self, row: Mapping[str, Any], index: int) -> PromptSample:
-        try:
-            sample = self._build(row, index)
-        except SkipRow as skip:
-            self.stats[skip.reason] += 1
-            raise
-        self.stats["built"] += 1
-        return sample
-
-    def maybe_build(self, row: Mapping[str, Any], index: int) -> PromptSample | None:
-        try:
-            return self.build(row, index)
-        except SkipRow as skip:
-            logger.warning("skipping row %d (%s): %s", index, skip.reason, skip)
-            return None
 
     def iter_samples(
         self, rows: Iterable[Mapping[str, Any]], start: int = 0

@@ -11,7 +11,6 @@ reply and its `<|im_end|>`, never the prompt or the `<|im_start|>assistant\\n` h
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,7 @@ from vlm_data.images import ImageError, ImageLoader
 from vlm_data.loading import ANSWER_KEY, IMAGE_KEY, PROMPT_KEY
 from vlm_data.prompts import (
     IMAGE_PLACEHOLDER,
+    CountingBuilder,
     PromptBuilder,
     SkipReason,
     SkipRow,
@@ -67,7 +67,7 @@ class SftSample:
         return int(self.input_ids.numel())
 
 
-class SftSampleBuilder:
+class SftSampleBuilder(CountingBuilder["SftSample"]):
     """Rows -> `SftSample`s, skipping and counting bad rows (the reasons of `SkipReason`).
 
     A row either has `messages` (as written by tools/format_geo3k_sft.py: user turns whose text
@@ -75,6 +75,8 @@ class SftSampleBuilder:
     geo3k row (`problem`, `answer`, `images`) whose reply becomes `Answer: \\boxed{answer}`.
     The prompt template applies to the last user turn, as it does for rollout prompts.
     """
+
+    kind = "SFT row"
 
     def __init__(
         self,
@@ -100,23 +102,7 @@ class SftSampleBuilder:
         )
         self.max_length = max_length
         self.messages_key = messages_key
-        self.stats: Counter[str] = Counter()
-
-    def build(self, row: Mapping[str, Any], index: int) -> SftSample:
-        try:
-            sample = self._build(row, index)
-        except SkipRow as skip:
-            self.stats[skip.reason] += 1
-            raise
-        self.stats["built"] += 1
-        return sample
-
-    def maybe_build(self, row: Mapping[str, Any], index: int) -> SftSample | None:
-        try:
-            return self.build(row, index)
-        except SkipRow as skip:
-            logger.warning("skipping SFT row %d (%s): %s", index, skip.reason, skip)
-            return None
+        super().__init__()
 
     def _messages(self, row: Mapping[str, Any], index: int) -> list[dict[str, Any]]:
         messages = row.get(self.messages_key)
