@@ -12,7 +12,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from geo3k_sft.common import ENV_ALIASES, DataSection, ModelSection, OptimSection, RunSection
+from geo3k_sft.common import (
+    ENV_ALIASES,
+    TINY_RUN,
+    DataSection,
+    ModelSection,
+    OptimSection,
+    RunSection,
+)
 from rl_runtime import GrpoLoopConfig, option, parse_config
 
 DESCRIPTION = """GRPO on Geometry3K (the miles / slime geo3k VLM recipe), `uv run apps/geo3k_grpo`.
@@ -79,13 +86,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # synthetic "what colour is the square" task. The warm-up teaches the answer format (greedy
     # answers are right, sampled ones mostly are not); GRPO then raises the sampled reward.
     "tiny": {
-        "backend": "fsdp",
-        "num_gpus": 0,
-        "model_name": "qwen3-vl-tiny",
-        "tokenizer": "tiny",
-        "dataset": "synthetic:color",
+        **TINY_RUN,
         "template": "none",
-        "attn_implementation": "sdpa",
         "output_dir": "runs/geo3k_grpo_tiny",
         "rollout_engine": "hf",
         "num_rollout": 30,

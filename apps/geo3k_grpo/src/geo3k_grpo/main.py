@@ -31,8 +31,7 @@ from geo3k_sft.common import (
     make_sglang_engine,
     model_source,
     start_ray,
-    tp_size,
-    trainer_factory,
+    train_group,
     use_wandb,
     vision_token_ids,
     write_config,
@@ -43,7 +42,6 @@ from rl_runtime import (
     RolloutGroup,
     RunLogger,
     SftLoopConfig,
-    TrainGroup,
     check_backend,
     check_gpus,
     run_grpo,
@@ -205,14 +203,7 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
     ray_handle = start_ray(cfg.run, lay)
     scorer = BatchScorer(loss.reward_type, num_workers=loss.reward_workers, **rewards)
     try:
-        train = TrainGroup(
-            trainer_factory(cfg.run, actor_cfg),
-            world_size=lay.num_trainers,
-            placement=ray_handle.placement,
-            num_cpus=actor_cpus(lay),
-            tp_size=tp_size(cfg.run, cfg.model),
-        )
-        ray_handle.actors.append(train)
+        train = train_group(cfg.run, cfg.model, actor_cfg, lay, ray_handle)
         rollout = RolloutGroup(
             engine_factory(cfg, source, processor, lay.use_gpu),
             num_engines=lay.num_engines,

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import torch
 
-from rl_runtime import Placement, create_placement, init_ray, option, to_dict
+from rl_runtime import Placement, TrainGroup, create_placement, init_ray, option, to_dict
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,16 @@ SUPPORTED_MODELS = (
 )
 
 TINY_MODEL = "qwen3-vl-tiny"
+#: What both launchers' `--preset tiny` share: a CPU run of a random-init tiny Qwen3-VL with the
+#: offline tiny processor on the synthetic colour task.
+TINY_RUN: dict[str, Any] = {
+    "backend": "fsdp",
+    "num_gpus": 0,
+    "model_name": TINY_MODEL,
+    "tokenizer": "tiny",
+    "dataset": "synthetic:color",
+    "attn_implementation": "sdpa",
+}
 SYNTHETIC = "synthetic"
 
 
@@ -457,6 +467,21 @@ def start_ray(run: RunSection, lay: Layout) -> RayHandle:
         cpus_per_bundle=2.0 if lay.use_gpu else 0.5,
     )
     return RayHandle(placement, owns)
+
+
+def train_group(
+    run: RunSection, model: ModelSection, actor_cfg: Any, lay: Layout, ray_handle: RayHandle
+) -> TrainGroup:
+    """The trainer ranks as Ray actors, registered with `ray_handle` for shutdown."""
+    group = TrainGroup(
+        trainer_factory(run, actor_cfg),
+        world_size=lay.num_trainers,
+        placement=ray_handle.placement,
+        num_cpus=actor_cpus(lay),
+        tp_size=tp_size(run, model),
+    )
+    ray_handle.actors.append(group)
+    return group
 
 
 def actor_cpus(lay: Layout) -> float:

@@ -17,20 +17,19 @@ from typing import Any
 
 from geo3k_sft.common import (
     ENV_ALIASES,
+    TINY_RUN,
     DataSection,
     ModelSection,
     OptimSection,
     RowSource,
     RunSection,
     actor_config,
-    actor_cpus,
     build_processor,
     layout,
     load_split,
     model_source,
     start_ray,
-    tp_size,
-    trainer_factory,
+    train_group,
     use_wandb,
     write_config,
 )
@@ -38,7 +37,6 @@ from rl_runtime import (
     CheckpointManager,
     RunLogger,
     SftLoopConfig,
-    TrainGroup,
     check_backend,
     check_gpus,
     parse_config,
@@ -61,12 +59,7 @@ class Geo3kSftConfig:
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
-        "backend": "fsdp",
-        "num_gpus": 0,
-        "model_name": "qwen3-vl-tiny",
-        "tokenizer": "tiny",
-        "dataset": "synthetic:color",
-        "attn_implementation": "sdpa",
+        **TINY_RUN,
         "output_dir": "runs/geo3k_sft_tiny",
         "lr": 3e-3,
         "weight_decay": 0.0,
@@ -113,14 +106,7 @@ def run(cfg: Geo3kSftConfig) -> Path:
     lay = layout(cfg.run, with_engines=False)
     ray_handle = start_ray(cfg.run, lay)
     try:
-        train = TrainGroup(
-            trainer_factory(cfg.run, actor_cfg),
-            world_size=lay.num_trainers,
-            placement=ray_handle.placement,
-            num_cpus=actor_cpus(lay),
-            tp_size=tp_size(cfg.run, cfg.model),
-        )
-        ray_handle.actors.append(train)
+        train = train_group(cfg.run, cfg.model, actor_cfg, lay, ray_handle)
         logger = RunLogger(
             run_dir,
             wandb=use_wandb(cfg.run, os.environ),
