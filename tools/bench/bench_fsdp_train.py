@@ -92,7 +92,10 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument(
-        "--profile", type=Path, default=None, help="ours: profile one step, top ops here"
+        "--profile",
+        type=Path,
+        default=None,
+        help="profile one step of ours and of each variant: profile_<name>.txt in this folder",
     )
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch default if unset)")
     p.add_argument("--out", type=Path, default=None, help="JSON result path (rank 0)")
@@ -240,8 +243,8 @@ def run_ours(args, device: torch.device, name: str = "ours", **changes) -> tuple
     if args.count_ops:
         result["aten_ops_per_step"] = count_ops(step)
         log.info("%-8s %d aten ops per step", name, result["aten_ops_per_step"])
-    if args.profile and actor.rank == 0 and name == "ours":
-        profile_step(step, args.profile, device)
+    if args.profile and actor.rank == 0:
+        profile_step(step, args.profile / f"profile_{name}.txt", device, held["actor"].model)
     world = actor.world_size
     del actor, batch
     held.clear()
@@ -275,17 +278,82 @@ def count_ops(step_fn) -> int:
     return Counter.n
 
 
-def profile_step(step_fn, path: Path, device: torch.device) -> None:
-    """One step under torch.profiler; the ops that take the most device time, as a table."""
+def profile_step(step_fn, path: Path, device: torch.device, model: torch.nn.Module) -> None:
+    """One step under torch.profiler, written to ``path``: wall time against device busy time
+    (the gap is the GPU waiting on the host), the actor's phase ranges and the model parts
+    (vision tower, language model, LM head: forward only) with their host and device totals,
+    then the ops that take the most device time."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    parts = {"model.vision": "model.visual", "model.text": "model.language_model"}
+    parts["model.lm_head"] = "lm_head"
+    hooks = []
+    for label, name in parts.items():
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            continue
+        hooks += _range_hooks(module, label)
     with profile(activities=activities) as prof:
+        start = time.perf_counter()
         step_fn()
         sync(device)
+        wall_ms = (time.perf_counter() - start) * 1e3
+    for h in hooks:
+        h.remove()
+    busy_ms = _device_busy_ms(prof)
+    ranges = [e for e in prof.key_averages() if e.key.startswith(("fsdp_actor.", "model."))]
+    lines = [
+        f"wall {wall_ms:.1f} ms, device busy {busy_ms:.1f} ms ({100 * busy_ms / wall_ms:.0f}%)",
+        "",
+        f"{'range':<24}{'calls':>6}{'host ms':>10}{'device ms':>11}",
+    ]
+    for e in sorted(ranges, key=lambda e: e.key):
+        lines.append(
+            f"{e.key:<24}{e.count:>6}{e.cpu_time_total / 1e3:>10.1f}"
+            f"{e.device_time_total / 1e3:>11.1f}"
+        )
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=45, max_name_column_width=60)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
+    path.write_text("\n".join(lines) + "\n\n" + table)
+    log.info("profile: %s", lines[0])
+
+
+def _range_hooks(module: torch.nn.Module, label: str) -> list:
+    """Forward hooks that open and close a profiler range named ``label`` around ``module``."""
+    from torch.profiler import record_function
+
+    open_ranges = []
+
+    def pre(*_):
+        r = record_function(label)
+        r.__enter__()
+        open_ranges.append(r)
+
+    def post(*_):
+        open_ranges.pop().__exit__(None, None, None)
+
+    return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+
+def _device_busy_ms(prof) -> float:
+    """Time the GPU spent running kernels or copies (union of their intervals)."""
+    spans = sorted(
+        (e.start_ns(), e.end_ns())
+        for e in prof.profiler.kineto_results.events()
+        if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0
+    )
+    busy, end = 0, None
+    for s, e in spans:
+        if end is None or s > end:
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    return busy / 1e6
 
 
 def main() -> None:

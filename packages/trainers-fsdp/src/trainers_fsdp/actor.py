@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.profiler import record_function
 
 from rl_algos import (
     TrainBatch,
@@ -171,7 +172,7 @@ class FsdpActor:
             kwargs["image_grid_thw"] = mb.image_grid_thw
         if self.config.attn_implementation == PACKED_ATTENTION:
             kwargs["packed_seq_info"] = PackedSeqInfo.from_lengths(mb.lengths, self.device)
-        with vision_seqlens(mb.vision_lengths):
+        with vision_seqlens(mb.vision_lengths), record_function("fsdp_actor.forward"):
             return self._scored_forward(model, mb, kwargs, entropy)
 
     def _scored_forward(
@@ -309,32 +310,12 @@ class FsdpActor:
             if not mb.indices:  # dummy row: run forward/backward for the collectives only
                 (logprobs.sum() * 0.0).backward()
                 continue
-            n_real = mb.num_real_tokens
-            lp = logprobs[:n_real]
-            f = mb.fields
-            cu = mb.real_cu_seqlens
-            mask = f["loss_mask"]
-            if loss == "grpo":
-                value, metrics = grpo_loss(
-                    lp,
-                    old_logprobs=f.get("old_logprobs", lp.detach()),
-                    advantages=f["advantages"],
-                    loss_mask=mask,
-                    cu_seqlens=cu,
-                    config=grpo_cfg,
-                    ref_logprobs=f.get("ref_logprobs"),
-                    rollout_logprobs=f.get("rollout_logprobs"),
-                    entropy=None if ent is None else ent[:n_real],
-                )
-            else:
-                value = sft_loss(lp, mask, cu, mode, norm_length=norm)
-                metrics = {"loss": value.detach()}
-                if ent is not None:
-                    on = (mask > 0).to(ent.dtype)
-                    metrics["entropy"] = (ent[:n_real] * on).sum() / on.sum().clamp(min=1)
+            with record_function("fsdp_actor.loss"):
+                value, metrics = self._micro_loss(loss, mb, logprobs, ent, grpo_cfg, mode, norm)
             scale = mb.loss_units[mode] / global_units if global_units > 0 else 0.0
             # FSDP averages gradients over ranks; multiplying by world size makes it a sum.
-            (value * (scale * self.world_size)).backward()
+            with record_function("fsdp_actor.backward"):
+                (value * (scale * self.world_size)).backward()
             loss_total += value.detach().double() * scale
             tokens = float(mb.loss_units["token-mean"])
             weights += tokens
@@ -351,6 +332,41 @@ class FsdpActor:
         pending.num_micro_batches = float(n_micro)
         return pending
 
+    def _micro_loss(
+        self,
+        loss: str,
+        mb: MicroBatch,
+        logprobs: Tensor,
+        ent: Tensor | None,
+        grpo_cfg,
+        mode: str,
+        norm: float | None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """One micro-batch's loss (before the global-batch scale) and its metrics."""
+        n_real = mb.num_real_tokens
+        lp = logprobs[:n_real]
+        f = mb.fields
+        cu = mb.real_cu_seqlens
+        mask = f["loss_mask"]
+        if loss == "grpo":
+            return grpo_loss(
+                lp,
+                old_logprobs=f.get("old_logprobs", lp.detach()),
+                advantages=f["advantages"],
+                loss_mask=mask,
+                cu_seqlens=cu,
+                config=grpo_cfg,
+                ref_logprobs=f.get("ref_logprobs"),
+                rollout_logprobs=f.get("rollout_logprobs"),
+                entropy=None if ent is None else ent[:n_real],
+            )
+        value = sft_loss(lp, mask, cu, mode, norm_length=norm)
+        metrics = {"loss": value.detach()}
+        if ent is not None:
+            on = (mask > 0).to(ent.dtype)
+            metrics["entropy"] = (ent[:n_real] * on).sum() / on.sum().clamp(min=1)
+        return value, metrics
+
     def optimizer_step(self) -> dict[str, float]:
         """Clip, step AdamW and the LR schedule, zero the gradients. A non-finite gradient
         norm skips the update (reported as ``update_skipped``)."""
@@ -363,13 +379,14 @@ class FsdpActor:
         others read the norm first and skip on the host.
         """
         max_norm = self.config.optim.max_grad_norm
-        if fused_skip_supported(self.optimizer):
-            norm = clip_and_step_on_device(self.model.parameters(), self.optimizer, max_norm)
-        else:
-            norm = clip_grad_norm(self.model.parameters(), max_norm)
-            if math.isfinite(float(norm)):
-                self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with record_function("fsdp_actor.optimizer"):
+            if fused_skip_supported(self.optimizer):
+                norm = clip_and_step_on_device(self.model.parameters(), self.optimizer, max_norm)
+            else:
+                norm = clip_grad_norm(self.model.parameters(), max_norm)
+                if math.isfinite(float(norm)):
+                    self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return norm
 
     def _after_update(self, grad_norm: float) -> dict[str, float]:
