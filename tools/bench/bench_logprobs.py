@@ -49,9 +49,11 @@ def make_inputs(tokens: int, vocab: int, device: str, seed: int = 0):
     return logits, labels, weights
 
 
-def run_once(impl: str, logits, labels, weights, chunk_size: int | None) -> None:
+def run_once(impl: str, logits, labels, weights, args) -> None:
     if impl == "ours":
-        out = logprobs_from_logits(logits, labels, chunk_size=chunk_size)
+        out = logprobs_from_logits(
+            logits, labels, chunk_size=args.chunk_size, compiled=args.compiled
+        )
     else:
         out = baseline_logprobs(logits, labels)
     (out * weights).sum().backward()
@@ -82,11 +84,11 @@ def _rss_bytes() -> int:
 def measure(impl: str, args) -> dict:
     """Peak extra memory and mean time of `impl` in this process."""
     # Pay one-time start-up costs (thread pools, kernels) on a tiny input, outside the figures.
-    run_once(impl, *make_inputs(4, 64, args.device), args.chunk_size)
+    run_once(impl, *make_inputs(4, 64, args.device), args)
     logits, labels, weights = make_inputs(args.tokens, args.vocab, args.device)
     _sync(args.device)
     for _ in range(args.warmup):
-        run_once(impl, logits, labels, weights, args.chunk_size)
+        run_once(impl, logits, labels, weights, args)
     _sync(args.device)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -96,7 +98,7 @@ def measure(impl: str, args) -> dict:
     times = []
     for _ in range(args.repeats):
         start = time.perf_counter()
-        run_once(impl, logits, labels, weights, args.chunk_size)
+        run_once(impl, logits, labels, weights, args)
         _sync(args.device)
         times.append(time.perf_counter() - start)
     if args.device == "cuda":
@@ -116,7 +118,9 @@ def parity_check(args) -> float:
     """Max |ours - baseline| on the first rows, so the figures compare equal results."""
     logits, labels, _ = make_inputs(min(args.tokens, 256), args.vocab, args.device)
     with torch.no_grad():
-        ours = logprobs_from_logits(logits, labels, chunk_size=args.chunk_size)
+        ours = logprobs_from_logits(
+            logits, labels, chunk_size=args.chunk_size, compiled=args.compiled
+        )
         ref = baseline_logprobs(logits, labels)
     return float((ours - ref).abs().max())
 
@@ -127,6 +131,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--chunk-size", type=int, default=None, help="rows per chunk (default: auto)")
+    p.add_argument(
+        "--compiled", action="store_true", help="ours: torch.compile-d chunk kernels (CUDA)"
+    )
     p.add_argument("--repeats", type=int, default=None, help="timed runs (cpu 1, cuda 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed runs (cpu 0, cuda 2)")
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
@@ -184,6 +191,7 @@ def main() -> None:
             "tokens": args.tokens,
             "vocab": args.vocab,
             "chunk_size": args.chunk_size,
+            "compiled": args.compiled,
             "repeats": args.repeats,
             "warmup": args.warmup,
             "parity_max_abs_diff": max_diff,
