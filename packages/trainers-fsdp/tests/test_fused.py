@@ -52,32 +52,3 @@ def test_norm_with_other_formula_is_left_alone():
     model = nn.Sequential(OnePlusRMSNorm(8))
     assert fuse_rms_norms(model) == 0
     assert "forward" not in vars(model[0])
-
-
-def test_fused_vision_attention_matches_transformers(make_plain_model, batch):
-    """Two images in one vision forward: same features and gradients, with the host lengths
-    given (no device read) or not."""
-    from trainers_fsdp.fused import fuse_vision_attention, vision_lengths, vision_seqlens
-
-    plain, fused = make_plain_model(), make_plain_model()
-    depth = fused.config.vision_config.depth
-    assert fuse_vision_attention(fused) == depth
-    pixels = torch.cat([batch.pixel_values[0], batch.pixel_values[2]])
-    grid = torch.cat([batch.image_grid_thw[0], batch.image_grid_thw[2]])
-
-    def run(model, lengths=None):
-        model.zero_grad()
-        with vision_seqlens(lengths):
-            out = model.model.visual(pixels, grid_thw=grid)
-        feats = out.pooler_output if hasattr(out, "pooler_output") else out[0]
-        feats = torch.cat(feats) if isinstance(feats, (list, tuple)) else feats
-        feats.square().mean().backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        return feats.detach(), grads
-
-    ref, ref_grads = run(plain)
-    for lengths in (None, vision_lengths(grid)):
-        got, grads = run(fused, lengths)
-        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
-        for name, g in ref_grads.items():
-            torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-4, msg=name)

@@ -34,7 +34,7 @@ from trainers_fsdp.attention import PACKED_ATTENTION, PackedSeqInfo, register_pa
 from trainers_fsdp.checkpoint import load_checkpoint, save_checkpoint
 from trainers_fsdp.config import FsdpConfig
 from trainers_fsdp.distributed import all_reduce_, build_mesh, init_distributed, resolve_device
-from trainers_fsdp.fused import fuse_rms_norms, fuse_vision_attention, vision_seqlens
+from trainers_fsdp.fused import fuse_rms_norms
 from trainers_fsdp.microbatch import MicroBatch, build_micro_batch, plan_micro_batches
 from trainers_fsdp.optim import (
     build_optimizer,
@@ -44,6 +44,7 @@ from trainers_fsdp.optim import (
     fused_skip_supported,
 )
 from trainers_fsdp.parallelize import apply_ac, apply_compile, apply_fsdp, mixed_precision_policy
+from trainers_fsdp.vision import VisionInputs, fuse_vision_attention
 from trainers_fsdp.weights import export_hf_folder, iter_hf_weight_buckets
 from vlm_models import build_model
 
@@ -86,6 +87,7 @@ class FsdpActor:
         self.mesh = build_mesh(self.device)
         default_dtype = "bfloat16" if self.device.type == "cuda" else None
         self.param_dtype = _dtype(config.param_dtype or default_dtype)
+        self._vision_inputs: dict[int, VisionInputs | None] = {}  # by id(model)
         self.model = self._build(trainable=True)
         self.ref_model = self._build(trainable=False) if config.reference_model else None
         self.optimizer = build_optimizer(self.model, config.optim, self.device)
@@ -116,6 +118,7 @@ class FsdpActor:
             fuse_rms_norms(model)
         if cfg.fused_vision_attention:
             fuse_vision_attention(model)
+        self._vision_inputs[id(model)] = VisionInputs.attach(model)
         if trainable and cfg.activation_checkpointing:
             apply_ac(model)
         if cfg.compile:
@@ -145,11 +148,14 @@ class FsdpActor:
         return self.model.config
 
     # ----------------------------------------------------------------------------- forward
-    def _micro_batches(self, batch: TrainBatch) -> Iterator[MicroBatch]:
+    def _micro_batches(self, batch: TrainBatch, model: nn.Module) -> Iterator[MicroBatch]:
         plan = plan_micro_batches(batch.lengths, self.config.max_tokens_per_gpu)
         need_vision = self.world_size > 1
+        vision = self._vision_inputs.get(id(model))
         for indices in plan:
             mb = build_micro_batch(batch, indices, self.model_config, need_vision=need_vision)
+            if vision is not None and mb.image_grid_thw is not None:
+                mb.vision_inputs = vision.compute(mb.image_grid_thw)
             yield mb.to(self.device)
 
     def _forward(
@@ -172,8 +178,12 @@ class FsdpActor:
             kwargs["image_grid_thw"] = mb.image_grid_thw
         if self.config.attn_implementation == PACKED_ATTENTION:
             kwargs["packed_seq_info"] = PackedSeqInfo.from_lengths(mb.lengths, self.device)
-        with vision_seqlens(mb.vision_lengths), record_function("fsdp_actor.forward"):
-            return self._scored_forward(model, mb, kwargs, entropy)
+        vision = self._vision_inputs.get(id(model))
+        with record_function("fsdp_actor.forward"):
+            if vision is None:
+                return self._scored_forward(model, mb, kwargs, entropy)
+            with vision.use(mb.vision_inputs):
+                return self._scored_forward(model, mb, kwargs, entropy)
 
     def _scored_forward(
         self, model: nn.Module, mb: MicroBatch, kwargs: dict, entropy: str | None
@@ -201,14 +211,15 @@ class FsdpActor:
             zero = logits.sum().float() * 0.0
             return torch.zeros(total, device=logits.device) + zero, None
         logits = model(**kwargs, logits_to_keep=positions - 1).logits[0]  # [R, V]
-        rows = logprobs_from_logits(logits, mb.input_ids[positions], temperature)
+        compiled = self.config.compile
+        rows = logprobs_from_logits(logits, mb.input_ids[positions], temperature, compiled=compiled)
         logprobs = torch.zeros(total, device=rows.device, dtype=rows.dtype)
         logprobs = logprobs.index_copy(0, positions, rows)
         ent = None
         if entropy is not None:
             with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
                 src = logits if entropy == "grad" else logits.detach()
-                ent_rows = entropy_from_logits(src, temperature)
+                ent_rows = entropy_from_logits(src, temperature, compiled=compiled)
                 ent = torch.zeros_like(logprobs).index_copy(0, positions, ent_rows)
         return logprobs, ent
 
@@ -222,7 +233,7 @@ class FsdpActor:
         was_training = model.training
         model.eval()
         out: list[Tensor | None] = [None] * len(batch)
-        for mb in self._micro_batches(batch):
+        for mb in self._micro_batches(batch, model):
             logprobs, _ = self._forward(model, mb)
             logprobs = logprobs.float().cpu()
             start = 0
@@ -304,7 +315,7 @@ class FsdpActor:
         weights = 0.0
         loss_total = torch.zeros((), device=self.device, dtype=torch.float64)
         n_micro = 0
-        for mb in self._micro_batches(batch):
+        for mb in self._micro_batches(batch, self.model):
             n_micro += 1
             logprobs, ent = self._forward(self.model, mb, entropy=entropy_mode)
             if not mb.indices:  # dummy row: run forward/backward for the collectives only

@@ -55,11 +55,13 @@ class FsdpConfig:
     # RMSNorm as one fused torch kernel instead of transformers' float32 elementwise chain
     # (trainers_fsdp.fused); off gives the exact transformers forward.
     fused_rms_norm: bool = True
-    # Qwen3-VL vision attention with bf16 rotary and one varlen kernel for all images, no host
-    # sync per block (trainers_fsdp.fused); off until measured on the GPU against the default.
-    fused_vision_attention: bool = False
+    # Qwen3-VL vision attention with bf16 rotary and one varlen kernel for all images, with no
+    # host sync per block (trainers_fsdp.vision); off gives transformers' own (one sdpa per
+    # image after a cu_seqlens read in every block).
+    fused_vision_attention: bool = True
     activation_checkpointing: bool = False
-    compile: bool = False  # torch.compile each decoder layer / vision block
+    # torch.compile each decoder layer / vision block, and the log-prob / entropy chunk kernels
+    compile: bool = False
     max_tokens_per_gpu: int = 16384  # micro-batch token budget (dynamic batch size)
     temperature: float = 1.0  # the rollout's sampling temperature, for log-probs
     # "loss": run the LM head only on rows that predict loss tokens (log-probs elsewhere are 0,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import get_args
+from typing import Any, get_args
 
 import torch
 from torch import Tensor
@@ -43,8 +43,8 @@ class MicroBatch:
     has_dummy: bool
     loss_units: dict[str, float]  # loss tokens / samples with tokens / samples, per agg mode
     loss_positions: Tensor  # LongTensor[R]: loss tokens that have a predecessor in their sample
-    # patches per image frame (host ints), so vision attention needs no device read
-    vision_lengths: list[int] | None = None
+    # the vision tower's precomputed inputs (trainers_fsdp.vision.VisionInputs), or None
+    vision_inputs: dict[str, Any] | None = None
 
     @property
     def num_real_tokens(self) -> int:
@@ -74,7 +74,11 @@ class MicroBatch:
             has_dummy=self.has_dummy,
             loss_units=self.loss_units,
             loss_positions=move(self.loss_positions),
-            vision_lengths=self.vision_lengths,
+            vision_inputs=None
+            if self.vision_inputs is None
+            else {
+                k: move(v) if isinstance(v, Tensor) else v for k, v in self.vision_inputs.items()
+            },
         )
 
 
@@ -165,7 +169,6 @@ def build_micro_batch(
     mrope = packed_position_ids(ids, grids, config, types)
     text = torch.cat([torch.arange(n) for n in lengths])
     present = [(p, g) for p, g in zip(pixels, grids, strict=True) if g is not None and len(g)]
-    grids_present = [g.long() for _, g in present]
     if any(p is None for p, _ in present):
         raise ValueError("a sample has image_grid_thw but no pixel_values")
     fields = {}
@@ -191,7 +194,4 @@ def build_micro_batch(
         has_dummy=add_dummy,
         loss_units=loss_units,
         loss_positions=torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long),
-        vision_lengths=[
-            int(h * w) for g in grids_present for t, h, w in g.tolist() for _ in range(t)
-        ],
     )

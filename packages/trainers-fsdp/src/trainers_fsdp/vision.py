@@ -1,0 +1,206 @@
+"""The Qwen3-VL vision tower without host syncs or per-image kernels in its forward.
+
+transformers derives the tower's per-patch inputs from ``grid_thw`` on the device inside the
+forward: position-embedding interpolation taps, rotary position ids and attention boundaries,
+with ``tolist()`` / ``repeat_interleave`` host syncs and a Python loop of small kernels per
+image. Since transformers 5.17 the vision forward takes these precomputed, as keywords
+(``transformers.vision_utils``). :class:`VisionInputs` computes them on the host when a
+micro-batch is built (the same functions, on CPU tensors, so the values are identical) and
+hands them to the tower through a forward pre-hook, so they never reach the language model's
+keywords.
+
+:func:`fuse_vision_attention` replaces each block's attention with one that applies the rotary
+embedding in the activation dtype (not a float32 copy of q and k) and runs all images in one
+varlen kernel, sized by the ``max_seqlen`` keyword rather than a device read per block. A
+module whose layout differs is left alone (a probe compares it with the original first).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import MethodType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+logger = logging.getLogger(__name__)
+
+# The keywords transformers' vision forward pops from its kwargs, and the helper computing each.
+_HELPERS = (
+    "get_vision_interpolation_indices_and_weights",
+    "get_vision_position_ids",
+    "get_vision_attention_seqlens",
+)
+_ATTRIBUTES = ("num_grid_per_side", "interpolation_mode", "interpolation_align_corners")
+
+
+class VisionInputs:
+    """Precomputed vision-tower inputs for the micro-batch being run, injected by a pre-hook.
+
+    Example::
+
+        inputs = VisionInputs.attach(model)        # None when the tower takes no precomputed keys
+        kwargs = inputs.compute(image_grid_thw)    # on the host, when the micro-batch is built
+        with inputs.use(moved_kwargs):             # moved to the device with the micro-batch
+            model(**batch)
+    """
+
+    def __init__(self, visual: nn.Module) -> None:
+        self.visual = visual
+        self._current: dict[str, Any] | None = None
+        visual.register_forward_pre_hook(self._inject, with_kwargs=True)
+
+    @classmethod
+    def attach(cls, model: nn.Module) -> VisionInputs | None:
+        """Hook ``model``'s vision tower if its forward takes the precomputed keywords."""
+        visual = getattr(getattr(model, "model", None), "visual", None)
+        if visual is None or not all(hasattr(visual, a) for a in _ATTRIBUTES):
+            return None
+        try:
+            import transformers.vision_utils  # noqa: F401
+
+            source = inspect.getsource(type(visual).forward)
+        except (ImportError, OSError, TypeError):
+            return None
+        if not all(name in source for name in _HELPERS):
+            logger.info("%s computes its inputs itself: left as it is", type(visual).__name__)
+            return None
+        return cls(visual)
+
+    def compute(self, grid_thw: Tensor) -> dict[str, Any]:
+        """The tower's inputs for images ``grid_thw`` (``[n, 3]``, CPU), as its forward would
+        compute them, plus ``max_seqlen`` as a Python int."""
+        from transformers import vision_utils
+
+        visual = self.visual
+        grid = grid_thw.long().cpu()
+        indices, weights = vision_utils.get_vision_interpolation_indices_and_weights(
+            grid,
+            num_grid_per_side=visual.num_grid_per_side,
+            mode=visual.interpolation_mode,
+            align_corners=visual.interpolation_align_corners,
+            spatial_merge_size=visual.config.spatial_merge_size,
+        )
+        cu_seqlens = vision_utils.get_vision_cu_seqlens(grid)
+        return {
+            "interp_indices": indices,
+            "interp_weights": weights,
+            "position_ids": vision_utils.get_vision_position_ids(grid, visual.spatial_merge_size),
+            "cu_seqlens": cu_seqlens,
+            "max_seqlen": int((cu_seqlens[1:] - cu_seqlens[:-1]).max()),
+        }
+
+    @contextmanager
+    def use(self, inputs: dict[str, Any] | None) -> Iterator[None]:
+        """Inject ``inputs`` (already on the compute device) into the tower's forwards inside."""
+        self._current = inputs
+        try:
+            yield
+        finally:
+            self._current = None
+
+    def _inject(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self._current is None:
+            return None
+        return args, {**kwargs, **self._current}
+
+
+# ------------------------------------------------------------------------------- attention
+def _rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``x * cos + rotate_half(x) * sin`` written on the two halves (no negated copy)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out1 = x1 * cos[..., :half] - x2 * sin[..., :half]
+    out2 = x2 * cos[..., half:] + x1 * sin[..., half:]
+    return torch.cat((out1, out2), dim=-1)
+
+
+def _vision_attention_forward(
+    self: nn.Module,
+    hidden_states: Tensor,
+    cu_seqlens: Tensor,
+    rotary_pos_emb: Tensor | None = None,
+    position_embeddings: tuple[Tensor, Tensor] | None = None,
+    max_seqlen: int | None = None,
+    **kwargs,
+) -> Tensor:
+    """Qwen3-VL vision attention: bf16 rotary, all images in one varlen kernel on CUDA."""
+    from trainers_fsdp import attention
+
+    t = hidden_states.shape[0]
+    # q, k and v as three GEMMs on slices of the fused weight: the backward then sums three
+    # input gradients instead of concatenating them into one [T, 3 * dim] tensor, a cat that
+    # compiled together with the rotary backward ran about 20x slower than its memory traffic.
+    n = self.qkv.out_features // 3
+    w, b = self.qkv.weight, self.qkv.bias
+    q, k, v = (
+        F.linear(
+            hidden_states, w[i * n : (i + 1) * n], None if b is None else b[i * n : (i + 1) * n]
+        ).view(t, self.num_heads, -1)
+        for i in range(3)
+    )
+    cos, sin = position_embeddings
+    cos, sin = cos.unsqueeze(-2).to(q.dtype), sin.unsqueeze(-2).to(q.dtype)
+    q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
+    varlen = attention._VARLEN
+    if varlen is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        cu = cu_seqlens.to(torch.int32)
+        if max_seqlen is None:  # not precomputed: one device read
+            max_seqlen = int((cu[1:] - cu[:-1]).max())
+        out = varlen.fn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=self.scaling)
+    else:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        outs = [
+            F.scaled_dot_product_attention(
+                a.transpose(0, 1)[None],
+                b.transpose(0, 1)[None],
+                c.transpose(0, 1)[None],
+                scale=self.scaling,
+            )[0].transpose(0, 1)
+            for a, b, c in zip(q.split(lengths), k.split(lengths), v.split(lengths))  # noqa: B905
+        ]
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    return self.proj(out.reshape(t, -1))
+
+
+@torch.no_grad()
+def _probe_vision_attention(module: nn.Module) -> bool:
+    """True when the fused forward equals the module's own on a small float32 input."""
+    dim, head_dim = module.qkv.in_features, module.head_dim
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, dim, generator=gen, dtype=module.qkv.weight.dtype)
+    emb = torch.randn(7, head_dim, generator=gen, dtype=x.dtype)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    pe = (emb.cos(), emb.sin())
+    try:
+        expected = type(module).forward(module, x, cu_seqlens=cu, position_embeddings=pe)
+    except Exception as err:
+        logger.debug("vision attention probe of %s failed: %s", type(module).__name__, err)
+        return False
+    got = _vision_attention_forward(module, x, cu_seqlens=cu, position_embeddings=pe)
+    return expected.shape == got.shape and torch.allclose(expected, got, rtol=1e-4, atol=1e-5)
+
+
+def fuse_vision_attention(model: nn.Module) -> int:
+    """Give each Qwen3-VL vision attention the fused forward, when the probe confirms it matches
+    (a transformers version with another layout is left alone). Returns how many."""
+    fused = 0
+    verdict: dict[type, bool] = {}
+    for module in model.modules():
+        cls = type(module)
+        if not (cls.__name__.endswith("VisionAttention") and hasattr(module, "qkv")):
+            continue
+        if cls not in verdict:
+            verdict[cls] = _probe_vision_attention(module)
+            if not verdict[cls]:
+                logger.info("%s left unfused: the probe did not match", cls.__name__)
+        if verdict[cls]:
+            module.forward = MethodType(_vision_attention_forward, module)
+            fused += 1
+    logger.info("fused %d vision attention modules", fused)
+    return fused
