@@ -122,10 +122,12 @@ def clip_and_step_on_device(
 ) -> torch.Tensor:
     """Clip the gradients and step a fused AdamW without reading anything on the host.
 
-    The clip coefficient stays a device tensor, and a non-finite norm reaches the fused kernel
-    as ``found_inf``, which leaves parameters, moments and step counts unchanged (the mechanism
-    AMP's grad scaler uses). Returns the global gradient norm as a device tensor; the caller
-    reads it with the step's other metrics in one transfer.
+    The clip factor stays a device tensor and reaches the fused kernel as ``grad_scale``, by
+    which it divides each gradient as it reads it (so clipping costs no pass of its own over the
+    gradients), and a non-finite norm reaches it as ``found_inf``, which leaves parameters,
+    moments and step counts unchanged: the two hooks AMP's grad scaler uses. Returns the global
+    gradient norm as a device tensor; the caller reads it with the step's other metrics in one
+    transfer.
     """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
@@ -133,12 +135,10 @@ def clip_and_step_on_device(
     norm = _sharded_grad_norm(grads)
     finite = torch.isfinite(norm)
     if max_norm > 0:
-        coef = torch.where(finite, (max_norm / (norm + 1e-6)).clamp(max=1.0), 1.0)
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        torch._foreach_mul_(local, coef)
+        optimizer.grad_scale = torch.where(finite, ((norm + 1e-6) / max_norm).clamp(min=1.0), 1.0)
     optimizer.found_inf = (~finite).float()
     try:
         optimizer.step()
     finally:
-        del optimizer.found_inf
+        optimizer.found_inf = optimizer.grad_scale = None
     return norm
