@@ -102,6 +102,9 @@ class ModelSection:
     param_dtype: str | None = option(None, "compute dtype (default: bfloat16 on GPU, fp32 on CPU)")
     gradient_checkpointing: bool = option(False, "activation checkpointing in the trainer")
     freeze_vision: bool = option(False, "keep the vision tower frozen")
+    compile: bool = option(
+        False, "fsdp backend: torch.compile each decoder layer and vision block (GPU)"
+    )
     max_tokens_per_gpu: int = option(16384, "micro-batch token budget per GPU")
     tensor_parallel: int = option(1, "megatron backend: tensor-parallel size")
     sequence_parallel: bool = option(False, "megatron backend: sequence parallel (needs TP > 1)")
@@ -332,6 +335,7 @@ def fsdp_config(
         device="cuda" if run.num_gpus > 0 else "cpu",
         param_dtype=model.param_dtype,
         activation_checkpointing=model.gradient_checkpointing,
+        compile=model.compile,
         max_tokens_per_gpu=model.max_tokens_per_gpu,
         temperature=temperature,
         optim=optim,
