@@ -27,10 +27,11 @@ run() {  # name timeout command...
 for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; do
   for w in $what; do
     case $w in
-      logprobs) run logprobs 120 python3 tools/bench/bench_logprobs.py --device cuda --out "$OUT/logprobs.json" ;;
+      logprobs) run logprobs 120 python3 tools/bench/bench_logprobs.py --device cuda --out "$OUT/logprobs.json"
+        run logprobs_compiled 120 python3 tools/bench/bench_logprobs.py --device cuda --compiled --out "$OUT/logprobs_compiled.json" ;;
       patch_embed) run patch_embed 150 python3 tools/bench/bench_patch_embed.py --device cuda --out "$OUT/patch_embed.json" ;;
       megatron_parity) run megatron_parity 180 python3 tools/bench/bench_megatron_parity.py --device cuda --out "$OUT/megatron_parity.json" ;;
-      fsdp_train) run fsdp_train 330 python3 tools/bench/bench_fsdp_train.py --device cuda --variants "${FSDP_VARIANTS:-vision_attn,compile}" --out "$OUT/fsdp_train.json" ;;
+      fsdp_train) run fsdp_train 330 python3 tools/bench/bench_fsdp_train.py --device cuda --variants "${FSDP_VARIANTS:-compile,hf_vision_attn}" --out "$OUT/fsdp_train.json" ;;
       fsdp_variants)
         run fsdp_compile 240 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --compile --out "$OUT/fsdp_compile.json"
         run fsdp_profile 180 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --steps 2 --profile "$OUT/fsdp_profile.txt" ;;
@@ -41,7 +42,7 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
         done ;;
       hf_profile) run hf_profile 200 python3 tools/bench/bench_hf_engine.py --device cuda --profile "$OUT/hf_profile.txt" ;;
       hf_engine) run hf_engine 300 python3 tools/bench/bench_hf_engine.py --device cuda --out "$OUT/hf_engine.json" ;;
-      gpu_tests) run gpu_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider packages ;;
+      gpu_tests) run gpu_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -o log_level=WARNING packages ;;
       *) echo "unknown benchmark $w" >>"$log" ;;
     esac
   done
