@@ -11,6 +11,10 @@ tokens after the 2 x 2 merge), at random init of a named shape (``--preset``).
   reduction, samples packed without padding to ``--max-tokens-per-gpu``, varlen attention
   within samples, chunked log-probs, fused AdamW, GRPO or SFT loss).
 
+Each configuration (baseline, ours, each ``--variants`` entry) runs in a fresh process of its own
+(``--same-process`` to run them in this one): in one process the first FSDP actor measured 20-27%
+slower than the same configuration built after it, so a shared process makes the order matter.
+
 MFU = 6 * params * tokens / time / 989e12 (H200 dense bf16 peak), per GPU. World size comes from
 the environment, so ``torchrun --nproc-per-node N`` measures N GPUs (the baseline then runs on
 every GPU independently with the same per-GPU batch; ours shards one global batch of
@@ -29,6 +33,8 @@ import json
 import logging
 import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -40,7 +46,7 @@ H200_BF16_PEAK = 989e12
 
 # --variants: FsdpConfig changes from the "ours" configuration, each measured on its own.
 VARIANTS = {
-    "again": {},  # ours once more: shows how much a measurement's place in the run moves it
+    "again": {},  # ours once more: run-to-run spread (and, with --same-process, order effects)
     "compile": {"compile": True},
     "unfused_norm": {"fused_rms_norm": False},
     "hf_vision_attn": {"fused_vision_attention": False},
@@ -99,6 +105,13 @@ def parse_args() -> argparse.Namespace:
         help="profile one step of ours and of each variant: profile_<name>.txt in this folder",
     )
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch default if unset)")
+    p.add_argument(
+        "--same-process",
+        action="store_true",
+        help="measure every configuration in this process (default: each in a fresh one, "
+        "except under torchrun)",
+    )
+    p.add_argument("--only", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=None, help="JSON result path (rank 0)")
     args = p.parse_args()
     cuda = args.device.startswith("cuda")
@@ -371,6 +384,23 @@ def _device_busy_ms(prof) -> float:
     return busy / 1e6
 
 
+def run_config(name: str, args, device: torch.device) -> tuple[dict, int, int]:
+    """One configuration in this process: ``baseline``, ``ours`` or a variant's name."""
+    if name == "baseline":
+        result, params = run_baseline(args, device)
+        return result, params, 1
+    return run_ours(args, device, name, **({} if name == "ours" else VARIANTS[name]))
+
+
+def run_isolated(name: str) -> tuple[dict, int, int]:
+    """One configuration in a fresh process (this script with ``--only name``), so that no
+    configuration inherits another's allocator, compile or library state."""
+    cmd = [sys.executable, __file__, *sys.argv[1:], "--only", name]
+    done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    return record["result"], record["params"], record["world"]
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args()
@@ -381,15 +411,21 @@ def main() -> None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     rank = int(os.environ.get("RANK", "0"))
-    baseline = None
-    if not args.skip_baseline:
-        baseline, _ = run_baseline(args, device)
-    ours, params, world = run_ours(args, device)
-    variants = {}
-    for name in filter(None, args.variants.split(",")):
+    names = [n for n in args.variants.split(",") if n]
+    for name in names:
         if name not in VARIANTS:
             raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
-        variants[name], _, _ = run_ours(args, device, name, **VARIANTS[name])
+    if args.only:  # worker of run_isolated: one configuration, one JSON line
+        result, params, world = run_config(args.only, args, device)
+        if rank == 0:
+            print(json.dumps({"result": result, "params": params, "world": world}))
+        return
+    names = ([] if args.skip_baseline else ["baseline"]) + ["ours"] + names
+    isolate = not args.same_process and "WORLD_SIZE" not in os.environ
+    measured = {n: run_isolated(n) if isolate else run_config(n, args, device) for n in names}
+    baseline = measured["baseline"][0] if "baseline" in measured else None
+    ours, params, world = measured["ours"]
+    variants = {n: measured[n][0] for n in names if n not in ("baseline", "ours")}
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -406,6 +442,7 @@ def main() -> None:
         "activation_checkpointing": args.ac,
         "fused_rms_norm": not args.no_fused_norm,
         "shard_layers": args.shard_layers,
+        "isolated": isolate,
         "baseline": baseline,
         "ours": ours,
         "variants": variants,
