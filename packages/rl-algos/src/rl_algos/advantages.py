@@ -24,7 +24,9 @@ _REWARD_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _as_tensor(rewards: Tensor | Sequence[float]) -> Tensor:
-    t = rewards if isinstance(rewards, Tensor) else torch.as_tensor(rewards)
+    # Python floats are float64: keep them so (torch.as_tensor alone would round them to float32
+    # before the caller's own rounding to reward_dtype).
+    t = rewards if isinstance(rewards, Tensor) else torch.as_tensor(rewards, dtype=torch.float64)
     if t.dim() != 1:
         raise ValueError(f"rewards must be 1-D [N], got shape {tuple(t.shape)}")
     return t
