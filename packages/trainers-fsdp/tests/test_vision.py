@@ -3,6 +3,8 @@ gradients as transformers' own forward."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -17,11 +19,8 @@ def _two_images(batch):
 
 def _run(model, pixels, grid, inputs: VisionInputs | None = None, precomputed=None):
     model.zero_grad()
-    if inputs is None:
+    with nullcontext() if inputs is None else inputs.use(precomputed):
         out = model.model.visual(pixels, grid_thw=grid)
-    else:
-        with inputs.use(precomputed):
-            out = model.model.visual(pixels, grid_thw=grid)
     feats = out.pooler_output
     feats = torch.cat(feats) if isinstance(feats, (list, tuple)) else feats
     deep = torch.cat(

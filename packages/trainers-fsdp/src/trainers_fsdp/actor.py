@@ -14,6 +14,7 @@ import math
 import os
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -179,11 +180,9 @@ class FsdpActor:
         if self.config.attn_implementation == PACKED_ATTENTION:
             kwargs["packed_seq_info"] = PackedSeqInfo.from_lengths(mb.lengths, self.device)
         vision = self._vision_inputs.get(id(model))
-        with record_function("fsdp_actor.forward"):
-            if vision is None:
-                return self._scored_forward(model, mb, kwargs, entropy)
-            with vision.use(mb.vision_inputs):
-                return self._scored_forward(model, mb, kwargs, entropy)
+        injected = nullcontext() if vision is None else vision.use(mb.vision_inputs)
+        with record_function("fsdp_actor.forward"), injected:
+            return self._scored_forward(model, mb, kwargs, entropy)
 
     def _scored_forward(
         self, model: nn.Module, mb: MicroBatch, kwargs: dict, entropy: str | None
