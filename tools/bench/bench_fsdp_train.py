@@ -48,6 +48,7 @@ H200_BF16_PEAK = 989e12
 VARIANTS = {
     "again": {},  # ours once more: run-to-run spread (and, with --same-process, order effects)
     "compile": {"compile": True},
+    "eager": {"compile": False},
     "unfused_norm": {"fused_rms_norm": False},
     "hf_vision_attn": {"fused_vision_attention": False},
     "layer_units": {"shard_layers": True},
@@ -77,7 +78,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--loss", default="grpo", choices=["grpo", "sft"])
     p.add_argument("--attn", default="packed", help="ours: packed | sdpa | flash_attention_2")
-    p.add_argument("--compile", action="store_true", help="ours: torch.compile each layer")
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="ours: torch.compile each layer and the log-prob kernels (default: on CUDA)",
+    )
     p.add_argument("--ac", action="store_true", help="ours: activation checkpointing")
     p.add_argument(
         "--no-fused-norm", action="store_true", help="ours: transformers' own RMSNorm forward"
@@ -102,7 +108,14 @@ def parse_args() -> argparse.Namespace:
         "--profile",
         type=Path,
         default=None,
-        help="profile one step of ours and of each variant: profile_<name>.txt in this folder",
+        help="profile one step of each configuration: profile_<name>.txt in this folder",
+    )
+    p.add_argument(
+        "--sync-debug",
+        type=Path,
+        default=None,
+        help="CUDA: run one more step of each configuration of ours with torch's sync debug "
+        "mode and write each host-device sync with its Python stack to syncs_<name>.txt here",
     )
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch default if unset)")
     p.add_argument(
@@ -212,6 +225,8 @@ def run_baseline(args, device: torch.device) -> tuple[dict, int]:
 
     times = time_steps(step, args, device)
     result = summarize("baseline", times, args.batch * args.seq_len, params, device)
+    if args.profile:
+        profile_step(step, args.profile / "profile_baseline.txt", device, model)
     model = optimizer = inputs = None  # free before building ours
     free(device)
     return result, params
@@ -259,6 +274,8 @@ def run_ours(args, device: torch.device, name: str = "ours", **changes) -> tuple
         log.info("%-8s %d aten ops per step", name, result["aten_ops_per_step"])
     if args.profile and actor.rank == 0:
         profile_step(step, args.profile / f"profile_{name}.txt", device, held["actor"].model)
+    if args.sync_debug and actor.rank == 0 and device.type == "cuda":
+        report_syncs(step, args.sync_debug / f"syncs_{name}.txt")
     world = actor.world_size
     del actor, batch
     held.clear()
@@ -290,6 +307,36 @@ def count_ops(step_fn) -> int:
     with Counter():
         step_fn()
     return Counter.n
+
+
+def report_syncs(step_fn, path: Path) -> None:
+    """Each place one step makes the host wait for the GPU (torch.cuda sync debug mode), with
+    the Python stack that led there, counted by place. Syncs from the autograd engine's thread
+    have no Python caller and show only torch's frame."""
+    import traceback
+    import warnings
+
+    seen: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        stack = "".join(traceback.format_stack(limit=12)[:-1])
+        key = f"{message}\n{stack}"
+        seen[key] = seen.get(key, 0) + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step_fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    lines = [f"{len(seen)} sync sites, {sum(seen.values())} syncs in one step", ""]
+    for key, n in sorted(seen.items(), key=lambda kv: -kv[1]):
+        lines += [f"===== {n}x {key}"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+    log.info("sync debug: %s", lines[0])
 
 
 def profile_step(step_fn, path: Path, device: torch.device, model: torch.nn.Module) -> None:
@@ -326,6 +373,12 @@ def profile_step(step_fn, path: Path, device: torch.device, model: torch.nn.Modu
             f"{e.key:<24}{e.count:>6}{e.cpu_time_total / 1e3:>10.1f}"
             f"{e.device_time_total / 1e3:>11.1f}"
         )
+    lines += ["", f"{'kernels by kind':<24}{'calls':>6}{'device ms':>11}"]
+    for kind, (calls, ms) in kernel_kinds(prof).items():
+        lines.append(f"{kind:<24}{calls:>6}{ms:>11.1f}")
+    syncs = sync_sites(prof)
+    lines += ["", f"host waits on the device: {sum(syncs.values())}"]
+    lines += [f"{n:>4}x {chain}" for chain, n in sorted(syncs.items(), key=lambda kv: -kv[1])]
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=90, max_name_column_width=60)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -366,13 +419,64 @@ def _range_hooks(module: torch.nn.Module, label: str) -> list:
     return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
 
 
+# Device kernels sorted into kinds by name (first match wins), so that one profile says how the
+# step splits into matmuls, attention, the optimizer, copies and the elementwise rest.
+KERNEL_KINDS = [
+    ("attention", ("flash", "fmha", "sdpa", "attention")),  # before gemm: FA names say cutlass
+    ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "cublas", "sm90_")),
+    ("optimizer", ("multi_tensor", "adam")),
+    ("compiled (triton)", ("triton_",)),
+    ("norm", ("layer_norm", "rms_norm", "gammabeta")),
+    ("copy / cast / cat", ("memcpy", "copy", "cat", "split_with_sizes", "memset", "fill")),
+    ("reduction", ("reduce",)),
+    ("elementwise", ("elementwise",)),
+]
+
+
+def kernel_kinds(prof) -> dict[str, tuple[int, float]]:
+    """Device kernel time (calls, ms) per kind of :data:`KERNEL_KINDS`, then "other"."""
+    out: dict[str, list] = {kind: [0, 0.0] for kind, _ in KERNEL_KINDS} | {"other": [0, 0.0]}
+    for e in _device_events(prof):
+        name = e.name().lower()
+        kind = next((k for k, keys in KERNEL_KINDS if any(x in name for x in keys)), "other")
+        out[kind][0] += 1
+        out[kind][1] += e.duration_ns() / 1e6
+    return {k: (n, ms) for k, (n, ms) in out.items() if n}
+
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def sync_sites(prof) -> dict[str, int]:
+    """Host calls that wait for the GPU, each named by its chain of enclosing ops (outermost
+    last three), counted. Unlike the sync debug mode this sees the autograd engine's thread."""
+    out: dict[str, int] = {}
+    for e in prof.events():
+        if e.name not in SYNC_CALLS:
+            continue
+        chain, parent = [e.name], e.cpu_parent
+        while parent is not None:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        key = " < ".join(chain[:6])
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+def _device_events(prof) -> list:
+    """Kernels, copies and memsets on the GPU; not the ranges mirrored onto its timeline."""
+    return [
+        e
+        for e in prof.profiler.kineto_results.events()
+        if e.device_type() == torch.autograd.DeviceType.CUDA
+        and e.duration_ns() > 0
+        and not e.is_user_annotation()
+    ]
+
+
 def _device_busy_ms(prof) -> float:
     """Time the GPU spent running kernels or copies (union of their intervals)."""
-    spans = sorted(
-        (e.start_ns(), e.end_ns())
-        for e in prof.profiler.kineto_results.events()
-        if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0
-    )
+    spans = sorted((e.start_ns(), e.end_ns()) for e in _device_events(prof))
     busy, end = 0, None
     for s, e in spans:
         if end is None or s > end:
