@@ -251,8 +251,14 @@ def policy_loss(
 
 
 def _masked_max(values: Tensor, mask: Tensor) -> Tensor:
-    picked = values.detach()[mask != 0]
-    return picked.max() if picked.numel() else values.new_zeros(())
+    """Max of ``values`` where ``mask`` is set, 0 where it is nowhere set. No boolean indexing:
+    its size would be a host read of the device."""
+    zero = values.new_zeros(())
+    if values.numel() == 0:
+        return zero
+    on = mask != 0
+    picked = torch.where(on, values.detach(), values.new_full((), -torch.inf)).amax()
+    return torch.where(on.any(), picked, zero)
 
 
 def grpo_loss(

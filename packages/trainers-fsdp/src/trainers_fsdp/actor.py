@@ -47,7 +47,7 @@ from trainers_fsdp.optim import (
 from trainers_fsdp.parallelize import apply_ac, apply_compile, apply_fsdp, mixed_precision_policy
 from trainers_fsdp.vision import VisionInputs, fuse_vision_attention
 from trainers_fsdp.weights import export_hf_folder, iter_hf_weight_buckets
-from vlm_models import build_model
+from vlm_models import build_model, remove_host_syncs
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,7 @@ class FsdpActor:
             fuse_rms_norms(model)
         if cfg.fused_vision_attention:
             fuse_vision_attention(model)
+        remove_host_syncs(model)  # counts are checked on the host, in build_micro_batch
         self._vision_inputs[id(model)] = VisionInputs.attach(model)
         if trainable and cfg.activation_checkpointing:
             apply_ac(model)
@@ -154,10 +155,12 @@ class FsdpActor:
         need_vision = self.world_size > 1
         vision = self._vision_inputs.get(id(model))
         for indices in plan:
-            mb = build_micro_batch(batch, indices, self.model_config, need_vision=need_vision)
-            if vision is not None and mb.image_grid_thw is not None:
-                mb.vision_inputs = vision.compute(mb.image_grid_thw)
-            yield mb.to(self.device)
+            with record_function("fsdp_actor.micro_batch"):  # host work the GPU may wait on
+                mb = build_micro_batch(batch, indices, self.model_config, need_vision=need_vision)
+                if vision is not None and mb.image_grid_thw is not None:
+                    mb.vision_inputs = vision.compute(mb.image_grid_thw)
+                mb = mb.to(self.device)
+            yield mb
 
     def _forward(
         self, model: nn.Module, mb: MicroBatch, *, entropy: str | None = None
@@ -427,21 +430,21 @@ class FsdpActor:
             keys = sorted(set().union(*gathered))
         mean_keys = [k for k in keys if not (k.endswith("_max") or k.endswith("_min"))]
         ext_keys = [k for k in keys if k not in mean_keys]
-        dev = self.device
-        f64 = torch.float64
+
+        # Host numbers enter as fills (kernels with a scalar argument): torch.tensor(x,
+        # device=...) would be a copy from pageable memory, which waits for the GPU.
+        def fill(value: float) -> Tensor:
+            return torch.full((), value, dtype=torch.float64, device=self.device)
+
+        def on_device(key: str, default: float) -> Tensor:
+            return sums[key].to(self.device, torch.float64) if key in sums else fill(default)
+
         mean_vec = torch.stack(
-            [torch.as_tensor(sums.get(k, 0.0), dtype=f64, device=dev) for k in mean_keys]
-            + [
-                torch.tensor(weights, dtype=f64, device=dev),
-                loss_total.to(dev),
-                torch.tensor(tokens, dtype=f64, device=dev),
-            ]
+            [on_device(k, 0.0) for k in mean_keys]
+            + [fill(weights), loss_total.to(self.device), fill(tokens)]
         )
         all_reduce_(mean_vec)
-        ext_vec = torch.stack(
-            [torch.as_tensor(sums.get(k, -float("inf")), dtype=f64, device=dev) for k in ext_keys]
-            + [torch.zeros((), dtype=f64, device=dev)]
-        )
+        ext_vec = torch.stack([on_device(k, -float("inf")) for k in ext_keys] + [fill(0.0)])
         all_reduce_(ext_vec, dist.ReduceOp.MAX)
         return _Pending(mean_keys, ext_keys, mean_vec, ext_vec)
 

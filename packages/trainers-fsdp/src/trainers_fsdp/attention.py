@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface
 
 logger = logging.getLogger(__name__)
 
@@ -152,13 +151,9 @@ def packed_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _no_mask(*args, **kwargs) -> None:
-    """Mask builder for the packed backend: boundaries come from ``packed_seq_info``."""
-    return None
-
-
 def register_packed_attention() -> str:
     """Register the ``"packed"`` attention backend with transformers (idempotent)."""
+    # No mask function: for a backend without one transformers builds no mask at all. (With
+    # one it first scans position_ids for packed sequences, a host sync per forward.)
     AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
-    AttentionMaskInterface.register(PACKED_ATTENTION, _no_mask)
     return PACKED_ATTENTION

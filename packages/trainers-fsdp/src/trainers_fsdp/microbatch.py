@@ -58,7 +58,10 @@ class MicroBatch:
         return cu
 
     def to(self, device: torch.device) -> MicroBatch:
-        """The same micro-batch on ``device``: asynchronous copies from pinned host memory."""
+        """The same micro-batch on ``device``: asynchronous copies from pinned host memory.
+
+        With precomputed vision inputs ``image_grid_thw`` stays on the host: the model then
+        reads it only as a list (its split sizes), which from a device tensor is a sync."""
         move = lambda t: None if t is None else to_device(t, device)  # noqa: E731
         pixels = self.pixel_values
         if isinstance(pixels, list):  # one host concatenation, straight into pinned memory
@@ -69,7 +72,9 @@ class MicroBatch:
             input_ids=move(self.input_ids),
             position_ids=move(self.position_ids),
             pixel_values=move(pixels),
-            image_grid_thw=move(self.image_grid_thw),
+            image_grid_thw=self.image_grid_thw
+            if self.vision_inputs is not None
+            else move(self.image_grid_thw),
             fields={k: move(v) for k, v in self.fields.items()},
             has_dummy=self.has_dummy,
             loss_units=self.loss_units,
@@ -141,6 +146,23 @@ def dummy_image(config: PretrainedConfig) -> tuple[Tensor, Tensor, Tensor]:
     return ids, pixels, grid
 
 
+def _check_image_tokens(
+    ids: list[Tensor], grids: list[Tensor | None], config: PretrainedConfig, names: list
+) -> None:
+    """Each sample's image placeholders match its images' merged patches. Checked here, on the
+    host, because the model's own device-side check is removed (vlm_models.sync_free)."""
+    image_id = config.image_token_id
+    merge = config.vision_config.spatial_merge_size
+    for name, t, grid in zip(names, ids, grids, strict=False):
+        tokens = int((t == image_id).sum())
+        expected = 0 if grid is None else int(grid.long().prod(-1).sum()) // merge**2
+        if tokens != expected:
+            raise ValueError(
+                f"sample {name}: {tokens} image placeholder tokens but its images give "
+                f"{expected} merged patches (image_grid_thw {None if grid is None else grid.tolist()})"
+            )
+
+
 def build_micro_batch(
     batch: TrainBatch,
     indices: list[int],
@@ -166,6 +188,7 @@ def build_micro_batch(
         if types is not None:
             types = [*types, torch.ones_like(d_ids, dtype=torch.int32)]
     lengths = [int(t.numel()) for t in ids]
+    _check_image_tokens(ids, grids, config, [*indices, "dummy"])
     mrope = packed_position_ids(ids, grids, config, types)
     text = torch.cat([torch.arange(n) for n in lengths])
     present = [(p, g) for p, g in zip(pixels, grids, strict=True) if g is not None and len(g)]

@@ -30,6 +30,7 @@ from vlm_models.packing import (
 )
 from vlm_models.patch_embed import Conv3dPatchEmbed, LinearPatchEmbed, set_fast_patch_embed
 from vlm_models.presets import PRESETS, SHAPE_PRESETS, TINY_PRESETS, preset_config, tiny_config
+from vlm_models.sync_free import remove_host_syncs
 from vlm_models.weights import (
     hf_named_tensors,
     iter_weight_buckets,
@@ -56,6 +57,7 @@ __all__ = [
     "packed_inputs",
     "packed_position_ids",
     "preset_config",
+    "remove_host_syncs",
     "resolve_config",
     "sample_position_ids",
     "set_fast_patch_embed",

@@ -1,0 +1,78 @@
+"""Qwen3-VL's merge of image features into the text stream, without host syncs.
+
+transformers' Qwen3-VL forward makes the host wait for the GPU seven times per forward: the
+image-placeholder check formats a device count into its message and reads a device bool, and
+the DeepStack merge indexes by a boolean mask (a ``nonzero`` whose size the host must read)
+twice in each of the first three decoder layers. Each wait drains the GPU's queue, so whatever
+the host does next (launching kernels, Python) is GPU idle time.
+
+:func:`remove_host_syncs` replaces the two methods on one model instance with equivalents whose
+sizes the host already knows:
+
+- ``_deepstack_process``: ``nonzero_static`` sized by the number of visual embeddings, then
+  ``index_add`` (the same sums, one rounding each, as the masked add it replaces);
+- ``get_placeholder_mask``: the same masks without the device-side count check. The caller
+  must check counts on the host instead (``trainers_fsdp.microbatch`` does, per sample, before
+  anything reaches the GPU).
+"""
+
+from __future__ import annotations
+
+import logging
+from types import MethodType
+
+import torch
+from torch import Tensor, nn
+
+logger = logging.getLogger(__name__)
+
+
+def remove_host_syncs(model: nn.Module) -> list[str]:
+    """Patch ``model`` (a Qwen3-VL-like ``...ForConditionalGeneration``) in place; returns the
+    names of the methods replaced (none on a model without them)."""
+    inner = getattr(model, "model", None)
+    text = getattr(inner, "language_model", None)
+    replaced = []
+    if text is not None and hasattr(text, "_deepstack_process"):
+        text._deepstack_process = MethodType(_deepstack_process, text)
+        replaced.append("_deepstack_process")
+    if inner is not None and hasattr(inner, "get_placeholder_mask"):
+        inner.get_placeholder_mask = MethodType(_placeholder_mask, inner)
+        replaced.append("get_placeholder_mask")
+    if replaced:
+        logger.info("%s: host syncs removed from %s", type(model).__name__, ", ".join(replaced))
+    return replaced
+
+
+def _deepstack_process(
+    self: nn.Module, hidden_states: Tensor, visual_pos_masks: Tensor, visual_embeds: Tensor
+) -> Tensor:
+    """``hidden_states`` plus ``visual_embeds`` at the visual positions, out of place."""
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+    rows = visual_pos_masks.to(flat.device).reshape(-1)
+    index = torch.nonzero_static(rows, size=visual_embeds.shape[0]).reshape(-1)
+    merged = flat.index_add(0, index, visual_embeds.to(flat.device, flat.dtype))
+    return merged.view_as(hidden_states)
+
+
+def _placeholder_mask(
+    self: nn.Module,
+    input_ids: Tensor | None,
+    inputs_embeds: Tensor,
+    image_features: Tensor | None = None,
+    video_features: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Image and video placeholder masks ``[B, L, 1]``; counts are the caller's to check."""
+    if input_ids is None:
+        embed = self.get_input_embeddings()
+
+        def is_token(token_id: int) -> Tensor:
+            probe = torch.full((), token_id, dtype=torch.long, device=inputs_embeds.device)
+            return (inputs_embeds == embed(probe)).all(-1)
+
+        image, video = is_token(self.config.image_token_id), is_token(self.config.video_token_id)
+    else:
+        image = input_ids == self.config.image_token_id
+        video = input_ids == self.config.video_token_id
+    device = inputs_embeds.device
+    return image.unsqueeze(-1).to(device), video.unsqueeze(-1).to(device)
