@@ -102,8 +102,10 @@ class ModelSection:
     param_dtype: str | None = option(None, "compute dtype (default: bfloat16 on GPU, fp32 on CPU)")
     gradient_checkpointing: bool = option(False, "activation checkpointing in the trainer")
     freeze_vision: bool = option(False, "keep the vision tower frozen")
-    compile: bool = option(
-        False, "fsdp backend: torch.compile each decoder layer and vision block (GPU)"
+    compile: bool | None = option(
+        None,
+        "fsdp backend: torch.compile each decoder layer, vision block and the log-prob kernels "
+        "(default: on GPU for dense Qwen3-VL, otherwise off)",
     )
     max_tokens_per_gpu: int = option(16384, "micro-batch token budget per GPU")
     tensor_parallel: int = option(1, "megatron backend: tensor-parallel size")

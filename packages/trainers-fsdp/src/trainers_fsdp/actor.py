@@ -44,7 +44,13 @@ from trainers_fsdp.optim import (
     clip_grad_norm,
     fused_skip_supported,
 )
-from trainers_fsdp.parallelize import apply_ac, apply_compile, apply_fsdp, mixed_precision_policy
+from trainers_fsdp.parallelize import (
+    apply_ac,
+    apply_compile,
+    apply_fsdp,
+    compile_by_default,
+    mixed_precision_policy,
+)
 from trainers_fsdp.vision import VisionInputs, fuse_vision_attention
 from trainers_fsdp.weights import export_hf_folder, iter_hf_weight_buckets
 from vlm_models import build_model, remove_host_syncs
@@ -88,6 +94,7 @@ class FsdpActor:
         self.mesh = build_mesh(self.device)
         default_dtype = "bfloat16" if self.device.type == "cuda" else None
         self.param_dtype = _dtype(config.param_dtype or default_dtype)
+        self.compile = config.compile  # None: decided by the model built (compile_by_default)
         self._vision_inputs: dict[int, VisionInputs | None] = {}  # by id(model)
         self.model = self._build(trainable=True)
         self.ref_model = self._build(trainable=False) if config.reference_model else None
@@ -123,7 +130,9 @@ class FsdpActor:
         self._vision_inputs[id(model)] = VisionInputs.attach(model)
         if trainable and cfg.activation_checkpointing:
             apply_ac(model)
-        if cfg.compile:
+        if self.compile is None:
+            self.compile = compile_by_default(self.device, model.config)
+        if self.compile:
             apply_compile(model)
         mp = mixed_precision_policy(self.param_dtype, _dtype(cfg.reduce_dtype))
         offload = not trainable and cfg.offload_reference and self.device.type == "cuda"
@@ -213,7 +222,7 @@ class FsdpActor:
             zero = logits.sum().float() * 0.0
             return torch.zeros(total, device=logits.device) + zero, None
         logits = model(**kwargs, logits_to_keep=positions - 1).logits[0]  # [R, V]
-        compiled = self.config.compile
+        compiled = self.compile
         rows = logprobs_from_logits(logits, mb.input_ids[positions], temperature, compiled=compiled)
         logprobs = torch.zeros(total, device=rows.device, dtype=rows.dtype)
         logprobs = logprobs.index_copy(0, positions, rows)
