@@ -290,3 +290,40 @@ def test_loss_denominator_counts_tokens_samples_with_tokens_and_samples() -> Non
     assert loss_denominator(masks, "seq-mean-token-sum-norm") == 3.0
     with pytest.raises(ValueError, match="aggregation mode"):
         loss_denominator(masks, "sum")
+
+
+def test_grpo_loss_and_metrics_never_read_the_device():
+    """No op whose output size or value comes from the data (a host sync on CUDA) in the loss,
+    its metrics or its backward; ``ratio_min`` / ``ratio_max`` once indexed by the mask."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads = {torch.ops.aten.nonzero.default, torch.ops.aten._local_scalar_dense.default}
+    found: list[str] = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            by_mask = func is torch.ops.aten.index.Tensor and any(
+                t is not None and t.dtype == torch.bool for t in args[1]
+            )
+            if func in reads or by_mask:
+                found.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(0)
+    logprobs = torch.randn(12, generator=gen, requires_grad=True)
+    old = logprobs.detach() + 0.1 * torch.randn(12, generator=gen)
+    mask = torch.tensor([1.0] * 3 + [0.0] * 2 + [1.0] * 7)
+    with Reads():
+        loss, metrics = grpo_loss(
+            logprobs,
+            old_logprobs=old,
+            advantages=torch.randn(12, generator=gen),
+            loss_mask=mask,
+            cu_seqlens=[0, 5, 12],
+            config=GrpoLossConfig(),
+        )
+        loss.backward()
+    assert found == []
+    ratio = torch.exp(logprobs.detach() - old)[mask > 0]
+    assert metrics["ratio_max"].item() == pytest.approx(ratio.max().item())
+    assert metrics["ratio_min"].item() == pytest.approx(ratio.min().item())

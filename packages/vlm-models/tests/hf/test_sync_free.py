@@ -2,8 +2,36 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from vlm_models import build_model, remove_host_syncs
+from vlm_models.sync_free import _deepstack_process, _placeholder_mask
+
+# Ops whose output size or value the host must read from the device: host syncs on CUDA.
+_SIZE_FROM_DATA = {
+    torch.ops.aten.nonzero.default,
+    torch.ops.aten._local_scalar_dense.default,  # .item(), bool(), int(), tolist() of a scalar
+    torch.ops.aten.masked_select.default,
+    torch.ops.aten.is_nonzero.default,
+}
+
+
+class SizeFromData(TorchDispatchMode):
+    """Records the ops that would make the host wait for a CUDA device (seen on CPU too):
+    :data:`_SIZE_FROM_DATA`, and indexing by a boolean mask (a ``nonzero`` inside)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        masks = [t for t in tree_leaves((args, kwargs)) if getattr(t, "dtype", None) is torch.bool]
+        indexing = func.__name__.startswith(("index.", "index_put"))
+        if func in _SIZE_FROM_DATA or (indexing and masks):
+            self.found.append(str(func))
+        return func(*args, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -46,3 +74,39 @@ def test_text_only_model_is_left_alone():
         pass
 
     assert remove_host_syncs(Plain()) == []
+
+
+def test_replaced_methods_read_nothing_from_the_device(models):
+    """transformers' originals index by a boolean mask and read the placeholder count (host
+    syncs on CUDA); the replacements dispatch no op whose size depends on the data."""
+    ref, _, _ = models
+    text, inner = ref.model.language_model, ref.model
+    dim = ref.config.text_config.hidden_size
+    hidden = torch.randn(1, 10, dim)
+    mask = torch.zeros(1, 10, dtype=torch.bool)
+    mask[0, 2:6] = True
+    visual = torch.randn(4, dim)
+    image = ref.config.image_token_id
+    ids = torch.tensor([[1, image, image, 3]])
+    embeds, features = torch.randn(1, 4, dim), torch.randn(2, dim)
+    calls = {
+        "deepstack": (
+            type(text)._deepstack_process,
+            _deepstack_process,
+            (text, hidden, mask, visual),
+        ),
+        "placeholder": (
+            type(inner).get_placeholder_mask,
+            _placeholder_mask,
+            (inner, ids, embeds, features),
+        ),
+    }
+    for name, (original, ours, args) in calls.items():
+        with SizeFromData() as seen:
+            expected = original(*args)
+        assert seen.found, name  # the check can fail: the originals do read the device
+        with SizeFromData() as seen:
+            got = ours(*args)
+        assert seen.found == [], name
+        for a, b in zip(tree_leaves(got), tree_leaves(expected), strict=True):
+            assert torch.equal(a, b), name
