@@ -31,13 +31,13 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
         run logprobs_compiled 120 python3 tools/bench/bench_logprobs.py --device cuda --compiled --out "$OUT/logprobs_compiled.json" ;;
       patch_embed) run patch_embed 150 python3 tools/bench/bench_patch_embed.py --device cuda --out "$OUT/patch_embed.json" ;;
       megatron_parity) run megatron_parity 180 python3 tools/bench/bench_megatron_parity.py --device cuda --out "$OUT/megatron_parity.json" ;;
-      fsdp_train) run fsdp_train 330 python3 tools/bench/bench_fsdp_train.py --device cuda --variants "${FSDP_VARIANTS:-compile,hf_vision_attn}" --out "$OUT/fsdp_train.json" ;;
+      fsdp_train) run fsdp_train 540 python3 tools/bench/bench_fsdp_train.py --device cuda --variants "${FSDP_VARIANTS:-eager}" --out "$OUT/fsdp_train.json" ;;
       fsdp_variants)
-        run fsdp_compile 240 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --compile --out "$OUT/fsdp_compile.json"
-        run fsdp_profile 180 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --steps 2 --profile "$OUT/fsdp_profile.txt" ;;
+        run fsdp_eager 240 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --no-compile --out "$OUT/fsdp_eager.json"
+        run fsdp_profile 300 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --steps 2 --profile "$OUT/profile" --sync-debug "$OUT/syncs" ;;
       fsdp_scaling)  # ours on 2 and 4 GPUs (same per-GPU batch); compare with fsdp_train's 1 GPU
         for n in 2 4; do
-          [ "$ngpu" -ge "$n" ] && run "fsdp_${n}gpu" 240 torchrun --standalone --nproc-per-node "$n" \
+          [ "$ngpu" -ge "$n" ] && run "fsdp_${n}gpu" 330 torchrun --standalone --nproc-per-node "$n" \
             tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --out "$OUT/fsdp_train_${n}gpu.json"
         done ;;
       hf_profile) run hf_profile 200 python3 tools/bench/bench_hf_engine.py --device cuda --profile "$OUT/hf_profile.txt" ;;
