@@ -130,12 +130,14 @@ class FsdpActor:
         self._vision_inputs[id(model)] = VisionInputs.attach(model)
         if trainable and cfg.activation_checkpointing:
             apply_ac(model)
+        offload = not trainable and cfg.offload_reference and self.device.type == "cuda"
         if self.compile is None:
             self.compile = compile_by_default(self.device, model.config)
-        if self.compile:
+        # An offloaded reference copies each unit's weights in as it runs, so compiling it
+        # gains little, and FSDP's offload hooks inside compiled calls were never measured.
+        if self.compile and not offload:
             apply_compile(model)
         mp = mixed_precision_policy(self.param_dtype, _dtype(cfg.reduce_dtype))
-        offload = not trainable and cfg.offload_reference and self.device.type == "cuda"
         apply_fsdp(
             model,
             self.mesh,

@@ -60,8 +60,9 @@ class FsdpConfig:
     # image after a cu_seqlens read in every block).
     fused_vision_attention: bool = True
     activation_checkpointing: bool = False
-    # torch.compile each decoder layer / vision block, and the log-prob / entropy chunk kernels;
-    # None: on CUDA for dense Qwen3-VL (parallelize.compile_by_default), otherwise off
+    # torch.compile each decoder layer / vision block (not of a CPU-offloaded reference model),
+    # and the log-prob / entropy chunk kernels; None: on CUDA for dense Qwen3-VL
+    # (parallelize.compile_by_default), otherwise off
     compile: bool | None = None
     max_tokens_per_gpu: int = 16384  # micro-batch token budget (dynamic batch size)
     temperature: float = 1.0  # the rollout's sampling temperature, for log-probs

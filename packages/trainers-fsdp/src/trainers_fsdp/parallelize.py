@@ -94,7 +94,7 @@ def apply_ac(model: nn.Module) -> nn.Module:
 
 
 # Model types compiled unless told otherwise: their decoder layers and vision blocks trace
-# without graph breaks, and the H200 step measured 1.3x faster compiled (docs/performance.md).
+# without graph breaks, and the 2B step on an H200 ran 1.44x the eager one (docs/performance.md).
 # MoE layers (data-dependent expert routing) and Qwen3.5's linear attention are compiled only
 # when asked.
 COMPILE_BY_DEFAULT = ("qwen3_vl",)
