@@ -18,6 +18,7 @@ sizes the host already knows:
 
 from __future__ import annotations
 
+import inspect
 import logging
 from types import MethodType
 
@@ -33,15 +34,27 @@ def remove_host_syncs(model: nn.Module) -> list[str]:
     inner = getattr(model, "model", None)
     text = getattr(inner, "language_model", None)
     replaced = []
-    if text is not None and hasattr(text, "_deepstack_process"):
-        text._deepstack_process = MethodType(_deepstack_process, text)
-        replaced.append("_deepstack_process")
-    if inner is not None and hasattr(inner, "get_placeholder_mask"):
-        inner.get_placeholder_mask = MethodType(_placeholder_mask, inner)
-        replaced.append("get_placeholder_mask")
+    for owner, name, ours in (
+        (text, "_deepstack_process", _deepstack_process),
+        (inner, "get_placeholder_mask", _placeholder_mask),
+    ):
+        if _same_parameters(getattr(owner, name, None), ours):
+            setattr(owner, name, MethodType(ours, owner))
+            replaced.append(name)
+        elif hasattr(owner, name):
+            logger.info("%s.%s takes other arguments: left as it is", type(owner).__name__, name)
     if replaced:
         logger.info("%s: host syncs removed from %s", type(model).__name__, ", ".join(replaced))
     return replaced
+
+
+def _same_parameters(method, replacement) -> bool:
+    """Whether a bound ``method`` takes the replacement's parameters (so a transformers version
+    that changed it is left alone)."""
+    if method is None:
+        return False
+    theirs = list(inspect.signature(method).parameters)
+    return theirs == list(inspect.signature(replacement).parameters)[1:]  # without self
 
 
 def _deepstack_process(
