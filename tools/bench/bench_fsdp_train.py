@@ -7,9 +7,10 @@ tokens after the 2 x 2 merge), at random init of a named shape (``--preset``).
 - baseline: the model built in bfloat16 (params, grads and AdamW state), transformers' sdpa
   attention and Conv3d patch embedding, the batch as one padded ``[B, L]`` tensor with an
   attention mask, ``labels`` cross-entropy, ``torch.optim.AdamW`` (foreach);
-- ours: ``trainers_fsdp.FsdpActor.train_step`` (FSDP2 bf16 compute / fp32 master weights and
-  reduction, samples packed without padding to ``--max-tokens-per-gpu``, varlen attention
-  within samples, chunked log-probs, fused AdamW, GRPO or SFT loss).
+- ours: ``trainers_fsdp.FsdpActor.train_step`` with its defaults (FSDP2 bf16 compute / fp32
+  master weights and reduction, samples packed without padding to ``--max-tokens-per-gpu``,
+  varlen attention within samples, layers and log-prob kernels compiled on CUDA, fused AdamW,
+  GRPO or SFT loss); ``--variants eager`` measures it uncompiled.
 
 Each configuration (baseline, ours, each ``--variants`` entry) runs in a fresh process of its own
 (``--same-process`` to run them in this one): in one process the first FSDP actor measured 20-27%
