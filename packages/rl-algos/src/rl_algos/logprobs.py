@@ -10,8 +10,8 @@ Each chunk's arithmetic is one small function per direction, run eagerly by defa
 ``compiled=True`` on CUDA they run ``torch.compile``-d instead: one fused pass over a chunk rather
 than about ten eager float32 passes (this is memory-bound work), on larger chunks since no float32
 copy of a chunk is kept; 1.5x faster than a plain ``log_softmax`` + gather on an H200 where the
-eager chunks are 0.54x (docs/performance.md). Opt-in, because compiling costs start-up time and
-because, in the FSDP actor, a process's first actor measured slower with them (cause not found).
+eager chunks are 0.54x (docs/performance.md). Opt-in, because compiling costs start-up time; the
+FSDP actor turns them on with its compiled layers.
 """
 
 from __future__ import annotations

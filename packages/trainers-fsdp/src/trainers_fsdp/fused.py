@@ -15,6 +15,7 @@ a random input, so a norm with another formula (e.g. ``(1 + weight)`` scaling) i
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from types import MethodType
 
 import torch
@@ -43,8 +44,9 @@ def _is_rms_norm(module: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def _probe(cls: type[nn.Module], module: nn.Module) -> bool:
-    """True when the fused forward matches ``cls.forward`` (float32, random input and weight)."""
+def _probe(module: nn.Module) -> bool:
+    """True when the fused forward matches the class's own (float32, random input and weight)."""
+    cls = type(module)
     dim = module.weight.shape[0]
     probe = cls.__new__(cls)
     nn.Module.__init__(probe)
@@ -66,18 +68,31 @@ def fuse_rms_norms(model: nn.Module) -> int:
     Parameters and names are unchanged (only the instance's ``forward`` is replaced), so
     checkpoints, FSDP and weight export see the same module. Returns how many were fused.
     """
+    return replace_forwards(model, _is_rms_norm, _probe, _fused_rms_norm_forward, "RMSNorm")
+
+
+def replace_forwards(
+    model: nn.Module,
+    select: Callable[[nn.Module], bool],
+    probe: Callable[[nn.Module], bool],
+    forward: Callable,
+    what: str,
+) -> int:
+    """Give every module that ``select`` picks the ``forward`` method, per class only where
+    ``probe`` (run on the first module of that class) confirms it equals the original. Returns
+    how many modules got it; classes that fail the probe keep their own and are logged."""
     verdict: dict[type, bool] = {}
-    fused = 0
+    replaced = 0
     for module in model.modules():
-        if not _is_rms_norm(module):
+        if not select(module):
             continue
         cls = type(module)
         if cls not in verdict:
-            verdict[cls] = _probe(cls, module)
+            verdict[cls] = probe(module)
             if not verdict[cls]:
-                logger.info("%s left unfused: its formula differs from rms_norm", cls.__name__)
+                logger.info("%s left as it is: the probe did not match", cls.__name__)
         if verdict[cls]:
-            module.forward = MethodType(_fused_rms_norm_forward, module)
-            fused += 1
-    logger.info("fused %d RMSNorm modules", fused)
-    return fused
+            module.forward = MethodType(forward, module)
+            replaced += 1
+    logger.info("fused %d %s modules", replaced, what)
+    return replaced

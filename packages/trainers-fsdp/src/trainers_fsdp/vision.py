@@ -21,12 +21,13 @@ import inspect
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import MethodType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from trainers_fsdp.fused import replace_forwards
 
 logger = logging.getLogger(__name__)
 
@@ -189,18 +190,10 @@ def _probe_vision_attention(module: nn.Module) -> bool:
 def fuse_vision_attention(model: nn.Module) -> int:
     """Give each Qwen3-VL vision attention the fused forward, when the probe confirms it matches
     (a transformers version with another layout is left alone). Returns how many."""
-    fused = 0
-    verdict: dict[type, bool] = {}
-    for module in model.modules():
-        cls = type(module)
-        if not (cls.__name__.endswith("VisionAttention") and hasattr(module, "qkv")):
-            continue
-        if cls not in verdict:
-            verdict[cls] = _probe_vision_attention(module)
-            if not verdict[cls]:
-                logger.info("%s left unfused: the probe did not match", cls.__name__)
-        if verdict[cls]:
-            module.forward = MethodType(_vision_attention_forward, module)
-            fused += 1
-    logger.info("fused %d vision attention modules", fused)
-    return fused
+    return replace_forwards(
+        model,
+        lambda m: type(m).__name__.endswith("VisionAttention") and hasattr(m, "qkv"),
+        _probe_vision_attention,
+        _vision_attention_forward,
+        "vision attention",
+    )
