@@ -7,10 +7,11 @@ tokens after the 2 x 2 merge), at random init of a named shape (``--preset``).
 - baseline: the model built in bfloat16 (params, grads and AdamW state), transformers' sdpa
   attention and Conv3d patch embedding, the batch as one padded ``[B, L]`` tensor with an
   attention mask, ``labels`` cross-entropy, ``torch.optim.AdamW`` (foreach);
-- ours: ``trainers_fsdp.FsdpActor.train_step`` with its defaults (FSDP2 bf16 compute / fp32
-  master weights and reduction, samples packed without padding to ``--max-tokens-per-gpu``,
-  varlen attention within samples, layers and log-prob kernels compiled on CUDA, fused AdamW,
-  GRPO or SFT loss); ``--variants eager`` measures it uncompiled.
+- ours: ``trainers_fsdp.FsdpActor.train_step`` with its defaults (bf16 compute over fp32
+  master weights and gradients: FSDP2 on several GPUs, flat master buffers on one; samples
+  packed without padding to ``--max-tokens-per-gpu``, varlen attention within samples, layers
+  and log-prob kernels compiled on CUDA, fused AdamW, GRPO or SFT loss); ``--variants eager``
+  measures it uncompiled, ``--variants fsdp_one_rank`` wrapped in FSDP on one GPU too.
 
 Each configuration (baseline, ours, each ``--variants`` entry) runs in a fresh process of its own
 (``--same-process`` to run them in this one): in one process the first FSDP actor measured 20-27%
@@ -52,8 +53,9 @@ VARIANTS = {
     "eager": {"compile": False},
     "unfused_norm": {"fused_rms_norm": False},
     "hf_vision_attn": {"fused_vision_attention": False},
-    "layer_units": {"shard_layers": True},
-    "root_unit": {"shard_layers": False},
+    "fsdp_one_rank": {"shard_single_rank": True},  # FSDP even on one GPU (root unit)
+    "layer_units": {"shard_layers": True, "shard_single_rank": True},
+    "root_unit": {"shard_layers": False, "shard_single_rank": True},
     "ac": {"activation_checkpointing": True},
     "bf16_reduce": {"reduce_dtype": "bfloat16"},
 }
@@ -377,6 +379,9 @@ def profile_step(step_fn, path: Path, device: torch.device, model: torch.nn.Modu
     lines += ["", f"{'kernels by kind':<24}{'calls':>6}{'device ms':>11}"]
     for kind, (calls, ms) in kernel_kinds(prof).items():
         lines.append(f"{kind:<24}{calls:>6}{ms:>11.1f}")
+    idle = idle_by_launch_range(prof)
+    lines += ["", f"{'device idle before a kernel launched in':<44}{'ms':>8}"]
+    lines += [f"{name:<44}{ms:>8.1f}" for name, ms in sorted(idle.items(), key=lambda kv: -kv[1])]
     syncs = sync_sites(prof)
     lines += ["", f"host waits on the device: {sum(syncs.values())}"]
     lines += [f"{n:>4}x {chain}" for chain, n in sorted(syncs.items(), key=lambda kv: -kv[1])]
@@ -473,6 +478,36 @@ def _device_events(prof) -> list:
         and e.duration_ns() > 0
         and not e.is_user_annotation()
     ]
+
+
+def idle_by_launch_range(prof) -> dict[str, float]:
+    """Device idle time (ms) before each kernel, charged to the innermost profiler range (actor
+    phase or model part) that was open on the host when that kernel was launched: where the GPU
+    waited for the host, and on what. Kernels of the autograd thread fall in the range open on
+    the main thread around ``backward()``."""
+    events = list(prof.profiler.kineto_results.events())
+    cpu = torch.autograd.DeviceType.CPU
+    launched = {
+        e.correlation_id(): e.start_ns()
+        for e in events
+        if e.device_type() == cpu and e.name().startswith(("cuda", "cu"))
+    }
+    ranges = sorted(
+        (e.end_ns() - e.start_ns(), e.start_ns(), e.end_ns(), e.name())
+        for e in events
+        if e.device_type() == cpu and e.name().startswith(("fsdp_actor.", "model."))
+    )
+    out: dict[str, float] = {}
+    end = None
+    for k in sorted(_device_events(prof), key=lambda e: e.start_ns()):
+        if end is not None and k.start_ns() > end:
+            at = launched.get(k.correlation_id())
+            name = "(launch not found)" if at is None else "(no range)"
+            if at is not None:
+                name = next((n for _, s, e, n in ranges if s <= at <= e), name)
+            out[name] = out.get(name, 0.0) + (k.start_ns() - end) / 1e6
+        end = k.end_ns() if end is None else max(end, k.end_ns())
+    return out
 
 
 def _device_busy_ms(prof) -> float:

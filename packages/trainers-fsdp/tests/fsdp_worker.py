@@ -50,13 +50,11 @@ def main() -> None:
         cfg.grpo.loss_agg_mode = agg
         cfg.sft_loss_agg_mode = agg
         metrics = actor.forward_backward(part, loss=loss)
-        grads = {
-            n: p.grad.full_tensor() for n, p in actor.model.named_parameters() if p.grad is not None
-        }
-        actor.optimizer.zero_grad(set_to_none=True)
+        grads = actor.full_gradients()
+        actor.zero_grad()
         results[(loss, agg)] = {"grads": grads, "metrics": metrics}
     metrics = actor.train_step(part, loss="sft")
-    params = {n: p.full_tensor() for n, p in actor.model.named_parameters()}
+    params = actor.full_parameters()
     results["train_step"] = {"grad_norm": metrics["grad_norm"], "params": params}
     if actor.rank == 0:
         torch.save(results, args.out)

@@ -27,14 +27,6 @@ def _hf_sample_logprobs(model, ids, pixels, grid, image_token_id) -> torch.Tenso
     return torch.cat([lp.new_zeros(1), lp])
 
 
-def _full_grads(actor: FsdpActor) -> dict[str, torch.Tensor]:
-    return {
-        n: p.grad.full_tensor().clone()
-        for n, p in actor.model.named_parameters()
-        if p.grad is not None
-    }
-
-
 @pytest.mark.parametrize("scope,fused_vision", [("all", False), ("loss", False), ("loss", True)])
 def test_compute_logprobs_equals_plain_hf_forward(
     make_config, make_plain_model, batch, scope, fused_vision
@@ -90,14 +82,14 @@ def test_gradient_accumulation_equals_one_big_batch(make_config, batch, agg):
     actor.config.grpo.loss_agg_mode = agg
     actor.config.max_tokens_per_gpu = 10_000
     one = actor.forward_backward(batch, loss="grpo")
-    grads_one = _full_grads(actor)
-    actor.optimizer.zero_grad(set_to_none=True)
+    grads_one = actor.full_gradients()
+    actor.zero_grad()
     actor.config.max_tokens_per_gpu = 48  # every sample on its own or in pairs
     many = actor.forward_backward(batch, loss="grpo")
     assert one["num_micro_batches"] == 1 and many["num_micro_batches"] >= 4
     assert many["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
     for name, g in grads_one.items():
-        torch.testing.assert_close(_full_grads(actor)[name], g, atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(actor.full_gradients()[name], g, atol=1e-6, rtol=1e-4)
 
 
 def test_sft_loss_decreases(make_config, batch):
@@ -165,7 +157,7 @@ def test_device_side_clip_and_skip_equal_host_path(make_config, batch):
         optim = OptimConfig(lr=1e-3, max_grad_norm=1e-2, fused=fused)
         actor = FsdpActor(make_config(optim=optim))
         metrics = actor.train_step(batch, loss="sft")
-        params = {n: p.full_tensor().clone() for n, p in actor.model.named_parameters()}
+        params = actor.full_parameters()
         return actor, metrics, params
 
     _, m_host, p_host = run(False)
@@ -180,8 +172,8 @@ def test_device_side_clip_and_skip_equal_host_path(make_config, batch):
     out = actor.train_step(batch, loss="grpo")
     assert out["update_skipped"] == 1.0
     assert actor.scheduler.get_last_lr()[0] == lr_before
-    for name, p in actor.model.named_parameters():
-        torch.testing.assert_close(p.full_tensor(), p_dev[name], atol=0, rtol=0)
+    for name, p in actor.full_parameters().items():
+        torch.testing.assert_close(p, p_dev[name], atol=0, rtol=0)
 
 
 def test_compile_default_is_dense_qwen3_vl_on_cuda(make_config):

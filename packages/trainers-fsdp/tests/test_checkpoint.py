@@ -12,23 +12,27 @@ from transformers import Qwen3VLForConditionalGeneration
 from trainers_fsdp import FsdpActor, OptimConfig
 
 
-def test_resume_reproduces_next_step_exactly(make_config, batch, tmp_path):
+@pytest.mark.parametrize(
+    "mode",
+    [{}, {"param_dtype": "bfloat16"}, {"shard_single_rank": True}],
+    ids=["float32", "bf16-masters", "fsdp"],
+)
+def test_resume_reproduces_next_step_exactly(make_config, batch, tmp_path, mode):
     optim = OptimConfig(lr=1e-2, lr_schedule="cosine", warmup_steps=1, total_steps=5)
-    actor = FsdpActor(make_config(optim=optim))
+    actor = FsdpActor(make_config(optim=optim, **mode))
     actor.train_step(batch, loss="grpo")
     actor.save_checkpoint(tmp_path / "ckpt")
     expected = actor.train_step(batch, loss="grpo")
 
-    resumed = FsdpActor(make_config(optim=optim, seed=123))  # different init, overwritten
+    resumed = FsdpActor(make_config(optim=optim, seed=123, **mode))  # other init, overwritten
     resumed.load_checkpoint(tmp_path / "ckpt")
     assert resumed.step == 1
     got = resumed.train_step(batch, loss="grpo")
     for key in ("loss", "grad_norm", "lr", "clip_frac", "entropy"):
         assert got[key] == expected[key], key
-    for (n, p), (_, q) in zip(
-        actor.model.named_parameters(), resumed.model.named_parameters(), strict=True
-    ):
-        assert torch.equal(p.full_tensor(), q.full_tensor()), n
+    ours = resumed.full_parameters()
+    for name, p in actor.full_parameters().items():
+        assert torch.equal(p, ours[name]), name
 
 
 def test_export_hf_loads_with_from_pretrained(make_config, batch, tmp_path):

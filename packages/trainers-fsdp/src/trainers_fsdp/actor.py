@@ -3,7 +3,9 @@
 It implements the trainer protocol of ``docs/architecture.md``. One actor runs in each rank's
 process; every method is collective (all ranks call it, each with its own part of the batch).
 The model is a plain transformers model (``vlm_models.build_model``) with parallelism applied
-by :mod:`trainers_fsdp.parallelize`.
+by :mod:`trainers_fsdp.parallelize`. In a world of one there is nothing to shard: the model
+trains directly, in bf16 over float32 master weights (:mod:`trainers_fsdp.master`), unless
+``FsdpConfig.shard_single_rank`` asks for FSDP anyway.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from rl_algos import (
@@ -36,6 +39,7 @@ from trainers_fsdp.checkpoint import load_checkpoint, save_checkpoint
 from trainers_fsdp.config import FsdpConfig
 from trainers_fsdp.distributed import all_reduce_, build_mesh, init_distributed, resolve_device
 from trainers_fsdp.fused import fuse_rms_norms
+from trainers_fsdp.master import MasterWeights
 from trainers_fsdp.microbatch import MicroBatch, build_micro_batch, plan_micro_batches
 from trainers_fsdp.optim import (
     build_optimizer,
@@ -75,6 +79,10 @@ def _dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, name)
 
 
+def _full(t: Tensor) -> Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 class FsdpActor:
     """FSDP2 policy (and optional reference) model with the trainer protocol.
 
@@ -96,9 +104,10 @@ class FsdpActor:
         self.param_dtype = _dtype(config.param_dtype or default_dtype)
         self.compile = config.compile  # None: decided by the model built (compile_by_default)
         self._vision_inputs: dict[int, VisionInputs | None] = {}  # by id(model)
+        self._masters: MasterWeights | None = None  # one rank, low-precision compute
         self.model = self._build(trainable=True)
         self.ref_model = self._build(trainable=False) if config.reference_model else None
-        self.optimizer = build_optimizer(self.model, config.optim, self.device)
+        self.optimizer = build_optimizer(self._trained, config.optim, self.device)
         self.scheduler = build_scheduler(self.optimizer, config.optim)
         self.step = 0
         self._offloaded = False
@@ -137,6 +146,8 @@ class FsdpActor:
         # gains little, and FSDP's offload hooks inside compiled calls were never measured.
         if self.compile and not offload:
             apply_compile(model)
+        if self.world_size == 1 and not offload and not cfg.shard_single_rank:
+            return self._place_single_rank(model, trainable=trainable)
         mp = mixed_precision_policy(self.param_dtype, _dtype(cfg.reduce_dtype))
         apply_fsdp(
             model,
@@ -155,6 +166,24 @@ class FsdpActor:
         if not offload:
             model.to(self.device)
         return model
+
+    def _place_single_rank(self, model: nn.Module, *, trainable: bool) -> nn.Module:
+        """A world of one, without FSDP: float32 parameters stay as they are; a lower compute
+        dtype gets float32 masters (trainable) or a plain cast (reference). Buffers (rotary
+        frequencies) keep their dtype, as under FSDP's mixed precision."""
+        compute = self.param_dtype or torch.float32
+        if trainable and compute != torch.float32:
+            self._masters = MasterWeights(model, compute, self.device)
+        else:
+            for p in model.parameters():
+                p.data = p.data.to(self.device, compute)
+        return model.to(self.device)
+
+    @property
+    def _trained(self) -> nn.Module:
+        """The module whose parameters the optimizer steps and checkpoints hold: the float32
+        masters of a one-rank bf16 actor, else the (FSDP) model itself."""
+        return self.model if self._masters is None else self._masters.module
 
     @property
     def model_config(self):
@@ -333,6 +362,7 @@ class FsdpActor:
             logprobs, ent = self._forward(self.model, mb, entropy=entropy_mode)
             if not mb.indices:  # dummy row: run forward/backward for the collectives only
                 (logprobs.sum() * 0.0).backward()
+                self._collect_grads()
                 continue
             with record_function("fsdp_actor.loss"):
                 value, metrics = self._micro_loss(loss, mb, logprobs, ent, grpo_cfg, mode, norm)
@@ -340,6 +370,7 @@ class FsdpActor:
             # FSDP averages gradients over ranks; multiplying by world size makes it a sum.
             with record_function("fsdp_actor.backward"):
                 (value * (scale * self.world_size)).backward()
+            self._collect_grads()
             loss_total += value.detach().double() * scale
             tokens = float(mb.loss_units["token-mean"])
             weights += tokens
@@ -355,6 +386,12 @@ class FsdpActor:
         pending = self._reduce_metrics(sums, weights, loss_total, float(batch.num_tokens))
         pending.num_micro_batches = float(n_micro)
         return pending
+
+    def _collect_grads(self) -> None:
+        """After a micro-batch's backward: its bf16 gradients into the float32 accumulator
+        (one-rank master weights; FSDP's reduce-scatter does this itself)."""
+        if self._masters is not None:
+            self._masters.accumulate_grads()
 
     def _micro_loss(
         self,
@@ -403,15 +440,42 @@ class FsdpActor:
         others read the norm first and skip on the host.
         """
         max_norm = self.config.optim.max_grad_norm
+        params = list(self._trained.parameters())
         with record_function("fsdp_actor.optimizer"):
+            if self._masters is not None:
+                self._masters.ready_grads()
             if fused_skip_supported(self.optimizer):
-                norm = clip_and_step_on_device(self.model.parameters(), self.optimizer, max_norm)
+                norm = clip_and_step_on_device(params, self.optimizer, max_norm)
             else:
-                norm = clip_grad_norm(self.model.parameters(), max_norm)
+                norm = clip_grad_norm(params, max_norm)
                 if math.isfinite(float(norm)):
                     self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            if self._masters is not None:
+                self._masters.copy_to_model()
+            self.zero_grad()
         return norm
+
+    def zero_grad(self) -> None:
+        """Drop the accumulated gradients (:meth:`forward_backward` adds to them)."""
+        if self._masters is not None:
+            self._masters.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def full_parameters(self) -> dict[str, Tensor]:
+        """Every trained parameter, full and float32 where it is kept so (master weights), by
+        name. Collective; for tests and inspection, not for the weight sync."""
+        return {n: _full(p).detach().clone() for n, p in self._trained.named_parameters()}
+
+    def full_gradients(self) -> dict[str, Tensor]:
+        """The accumulated gradients (full, float32 where reduced so), by name. Collective."""
+        if self._masters is not None:
+            self._masters.ready_grads()
+        return {
+            n: _full(p.grad).clone()
+            for n, p in self._trained.named_parameters()
+            if p.grad is not None
+        }
 
     def _after_update(self, grad_norm: float) -> dict[str, float]:
         """Host-side end of an optimizer step: LR schedule, step count, the step's metrics."""
@@ -494,22 +558,40 @@ class FsdpActor:
         """
         self._require_onloaded()
         dtype = _dtype(self.config.export_dtype)
-        yield from iter_hf_weight_buckets(self.model, bucket_bytes, dtype, device="cpu")
+        yield from iter_hf_weight_buckets(
+            self.model, bucket_bytes, dtype, device="cpu", state=self._master_state()
+        )
 
     def export_hf(self, path: str | os.PathLike, *, dtype: str | None = None) -> None:
         """Write an HF folder that ``Qwen3VLForConditionalGeneration.from_pretrained`` loads."""
         self._require_onloaded()
-        export_hf_folder(self.model, path, dtype=_dtype(dtype or self.config.export_dtype))
+        export_hf_folder(
+            self.model,
+            path,
+            dtype=_dtype(dtype or self.config.export_dtype),
+            state=self._master_state(),
+        )
+
+    def _master_state(self) -> dict[str, Tensor] | None:
+        """What weight export reads instead of the model's state dict: the float32 masters."""
+        return None if self._masters is None else self._masters.state_dict()
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Model, optimizer, scheduler, RNG and step with torch.distributed.checkpoint."""
         self._require_onloaded()
-        save_checkpoint(path, self.model, self.optimizer, self.scheduler, self.step)
+        with self._checkpoint_scope():
+            save_checkpoint(path, self._trained, self.optimizer, self.scheduler, self.step)
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Resume exactly from :meth:`save_checkpoint`'s folder."""
         self._require_onloaded()
-        self.step = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        with self._checkpoint_scope():
+            self.step = load_checkpoint(path, self._trained, self.optimizer, self.scheduler)
+        if self._masters is not None:
+            self._masters.copy_to_model()
+
+    def _checkpoint_scope(self):
+        return nullcontext() if self._masters is None else self._masters.grads_detached()
 
     # ----------------------------------------------------------------------------- offload
     def offload(self) -> None:
@@ -525,6 +607,8 @@ class FsdpActor:
     def _move(self, device: torch.device) -> None:
         if self.device.type == "cpu":
             return
+        if self._masters is not None:  # the flat buffers first: model.to then keeps the views
+            self._masters.to(device)
         self.model.to(device)
         for p in self.model.parameters():
             if p.grad is not None:

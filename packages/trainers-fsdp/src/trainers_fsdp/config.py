@@ -45,6 +45,10 @@ class FsdpConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     param_dtype: str | None = None  # compute dtype; None: bfloat16 on CUDA, float32 on CPU
     reduce_dtype: str = "float32"  # gradient reduce-scatter dtype (master weights stay float32)
+    # In a world of one there is nothing to shard: the model trains without FSDP, bf16
+    # compute weights over flat float32 masters (trainers_fsdp.master). True wraps it in FSDP
+    # anyway (the root only, see shard_layers), as a reference.
+    shard_single_rank: bool = False
     # ZeRO-3 (True) or keep params gathered from forward to backward (False); None: True when
     # there is more than one rank (a world of one saves nothing by resharding).
     reshard_after_forward: bool | None = None

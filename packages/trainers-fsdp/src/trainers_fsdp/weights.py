@@ -27,11 +27,15 @@ def _unwrapped_class_name(model: nn.Module) -> str:
 
 
 def iter_full_tensors(
-    model: nn.Module, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+    model: nn.Module,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    state: dict[str, Tensor] | None = None,
 ) -> Iterator[tuple[str, Tensor]]:
     """``(name, full tensor)`` for every parameter (tied ones once, under the checkpoint's name)
-    and persistent buffer, gathered one at a time. Collective: every rank must iterate."""
-    for name, tensor in model.state_dict().items():
+    and persistent buffer, gathered one at a time. Collective: every rank must iterate.
+    ``state`` replaces ``model.state_dict()`` (the master weights of a one-rank actor)."""
+    for name, tensor in (model.state_dict() if state is None else state).items():
         if name in _tied_names(model):
             continue
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
@@ -52,16 +56,25 @@ def _tied_names(model: nn.Module) -> set[str]:
 
 
 def iter_hf_weight_buckets(
-    model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None, device="cpu"
+    model: nn.Module,
+    bucket_bytes: int,
+    dtype: torch.dtype | None = None,
+    device="cpu",
+    state: dict[str, Tensor] | None = None,
 ) -> Iterator[list[tuple[str, Tensor]]]:
     """Size-bounded buckets of full HF-named tensors in the checkpoint layout."""
     yield from iter_weight_buckets(
-        iter_full_tensors(model, dtype, device), bucket_bytes, model=model
+        iter_full_tensors(model, dtype, device, state), bucket_bytes, model=model
     )
 
 
 def export_hf_folder(
-    model: nn.Module, path: str | os.PathLike, *, dtype: torch.dtype, shard_bytes: int = 4 << 30
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype,
+    shard_bytes: int = 4 << 30,
+    state: dict[str, Tensor] | None = None,
 ) -> None:
     """Write an HF folder (``config.json`` + sharded safetensors + index) that
     ``from_pretrained`` loads. Collective; rank 0 writes."""
@@ -72,7 +85,7 @@ def export_hf_folder(
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     files: list[tuple[str, list[str]]] = []
-    for i, bucket in enumerate(iter_hf_weight_buckets(model, shard_bytes, dtype)):
+    for i, bucket in enumerate(iter_hf_weight_buckets(model, shard_bytes, dtype, state=state)):
         if rank != 0:
             continue
         name = f"model-{i + 1:05d}.safetensors"
