@@ -56,6 +56,7 @@ VARIANTS = {
     "fsdp_one_rank": {"shard_single_rank": True},  # FSDP even on one GPU (root unit)
     "layer_units": {"shard_layers": True, "shard_single_rank": True},
     "root_unit": {"shard_layers": False, "shard_single_rank": True},
+    "keep_gathered": {"reshard_after_forward": False},  # several GPUs: no re-gather in backward
     "ac": {"activation_checkpointing": True},
     "bf16_reduce": {"reduce_dtype": "bfloat16"},
 }
