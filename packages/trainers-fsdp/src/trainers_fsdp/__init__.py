@@ -10,6 +10,7 @@ from trainers_fsdp.actor import FsdpActor
 from trainers_fsdp.attention import PACKED_ATTENTION, PackedSeqInfo, register_packed_attention
 from trainers_fsdp.config import FsdpConfig, OptimConfig
 from trainers_fsdp.distributed import build_mesh, init_distributed, resolve_device
+from trainers_fsdp.master import MasterWeights
 from trainers_fsdp.microbatch import MicroBatch, build_micro_batch, plan_micro_batches
 from trainers_fsdp.optim import build_optimizer, build_scheduler, clip_grad_norm, lr_lambda
 from trainers_fsdp.parallelize import (
@@ -26,6 +27,7 @@ __all__ = [
     "TINY_OVERRIDES",
     "FsdpActor",
     "FsdpConfig",
+    "MasterWeights",
     "MicroBatch",
     "OptimConfig",
     "PackedSeqInfo",
