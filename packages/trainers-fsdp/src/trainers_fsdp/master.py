@@ -63,7 +63,6 @@ class MasterWeights:
         self._shapes = [p.shape for p in self._params]
         self._offsets = _offsets(p.numel() for p in self._params)
         trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
-        self._trainable = trainable
         self._grad_offsets = dict(
             zip(trainable, _offsets(self._params[i].numel() for i in trainable)[:-1], strict=True)
         )
@@ -75,13 +74,12 @@ class MasterWeights:
         self.compute = self.master.to(dtype)
         self.grad = torch.zeros(total_grad, dtype=torch.float32, device=device)
         self.compute_grad = torch.zeros(total_grad, dtype=dtype, device=device)
+        self._masters = [
+            nn.Parameter(torch.empty(0), requires_grad=p.requires_grad) for p in self._params
+        ]
         self.module = _named_module_tree(
-            [
-                (name, nn.Parameter(torch.empty(0), requires_grad=p.requires_grad))
-                for name, p in named
-            ]
+            [(name, m) for (name, _), m in zip(named, self._masters, strict=True)]
         )
-        self._masters = list(self.module.parameters())
         self._bind()
         self._grad_empty = True  # self.grad holds nothing yet: the next accumulate copies
         logger.info(
