@@ -120,3 +120,29 @@ def test_float32_compute_needs_no_masters(make_config):
     assert actor._masters is None and next(actor.model.parameters()).dtype == torch.float32
     with pytest.raises(ValueError, match="float32"):
         MasterWeights(actor.model, torch.float32, torch.device("cpu"))
+
+
+def test_move_rebuilds_weights_from_the_masters(make_config, batch):
+    """An offload moves the masters (and an accumulated gradient) only; the onload casts the
+    bf16 weights again and starts a zero bf16 gradient buffer. The CPU stands in for both ends
+    (the actor offloads only from a GPU; the gpu tests run the round trip there)."""
+    actor = FsdpActor(make_config(**BF16))
+    actor.train_step(batch, loss="sft")
+    before = actor.compute_logprobs(batch)
+    masters = actor._masters
+    actor.forward_backward(batch, loss="sft")  # a gradient is pending: it must survive
+    grads = actor.full_gradients()
+    cpu = torch.device("cpu")
+    masters.to(cpu, fill=False)
+    masters.compute.fill_(float("nan"))  # unfilled while offloaded: whatever was there
+    masters.to(cpu)
+    assert torch.equal(masters.compute, masters.master.to(torch.bfloat16))
+    assert not masters.compute_grad.any()
+    for name, g in actor.full_gradients().items():
+        assert torch.equal(g, grads[name]), name
+    actor.zero_grad()
+    for a, b in zip(actor.compute_logprobs(batch), before, strict=True):
+        assert torch.equal(a, b)
+    model_storage = next(actor.model.parameters()).untyped_storage().data_ptr()
+    assert model_storage == masters.compute.untyped_storage().data_ptr()  # views re-pointed
+    assert actor.train_step(batch, loss="sft")["update_skipped"] == 0.0

@@ -608,7 +608,7 @@ class FsdpActor:
         if self.device.type == "cpu":
             return
         if self._masters is not None:  # the flat buffers first: model.to then keeps the views
-            self._masters.to(device)
+            self._masters.to(device, fill=device.type != "cpu")
         self.model.to(device)
         for p in self.model.parameters():
             if p.grad is not None:
