@@ -19,6 +19,7 @@ Megatron's vocab-parallel cross entropy, so full-vocabulary logits are never gat
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -70,8 +71,11 @@ class MicroBatch:
     position_ids: Tensor  # [3, T]
     cu_seqlens: Tensor  # int32 [n (+1) + 1]
     pixel_values: Tensor | None
-    image_grid_thw: Tensor | None
+    image_grid_thw: Tensor | None  # on the host when vision_inputs are given
     fields: dict[str, Tensor]  # packed per-token fields of the real samples
+    max_seqlen: int = 0  # the longest packed sample, known on the host
+    image_positions: Tensor | None = None  # flat indices of the image tokens, from the host
+    vision_inputs: dict | None = None  # the tower's inputs (vlm_models.VisionInputs)
 
     @property
     def num_real(self) -> int:
@@ -97,6 +101,11 @@ def _vocab_parallel_aligned_logprobs(
     first = torch.zeros_like(shifted, dtype=torch.bool)
     first[cu_seqlens[:-1].long()] = True
     return shifted.masked_fill(first, 0.0)
+
+
+def _to(inputs: dict, device: torch.device) -> dict:
+    """The tensors of a dict on ``device``; other values as they are."""
+    return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in inputs.items()}
 
 
 class MegatronActor:
@@ -200,6 +209,11 @@ class MegatronActor:
                 for name in _TOKEN_FIELDS
                 if getattr(batch, name) is not None
             }
+            grid = torch.cat([grids_all[i] for i in with_images]) if with_images else None
+            vision = self.model.vision_inputs if with_images else None
+            image_positions = None
+            if with_images:
+                image_positions = (flat == self.hf_config.image_token_id).nonzero()[:, 0]
             yield MicroBatch(
                 indices=indices,
                 lengths=lengths,
@@ -211,17 +225,20 @@ class MegatronActor:
                     if with_images
                     else None
                 ),
-                image_grid_thw=(
-                    torch.cat([grids_all[i] for i in with_images]).to(self.device)
-                    if with_images
-                    else None
-                ),
+                # with precomputed tower inputs the grid stays on the host, where transformers
+                # reads it as a list
+                image_grid_thw=grid if vision is not None or grid is None else grid.to(self.device),
                 fields=fields,
+                max_seqlen=max(a - b for a, b in itertools.pairwise(cu)),
+                image_positions=None
+                if image_positions is None
+                else image_positions.to(self.device),
+                vision_inputs=None if vision is None else _to(vision.compute(grid), self.device),
             )
 
     def _logprobs(self, mb: MicroBatch) -> Tensor:
         """Aligned log-probs ``[T_real]`` (float32) of a packed micro-batch."""
-        longest = int((mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).max())
+        longest = mb.max_seqlen
         packed = PackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=mb.cu_seqlens,
@@ -235,6 +252,8 @@ class MegatronActor:
             pixel_values=mb.pixel_values,
             image_grid_thw=mb.image_grid_thw,
             packed_seq_params=packed,
+            image_positions=mb.image_positions,
+            vision_inputs=mb.vision_inputs,
         )[0]  # [T, V / tp]: this rank's slice of the vocabulary
         temperature = self.config.temperature
         if self.tp_size == 1:

@@ -31,6 +31,7 @@ from vlm_models.packing import (
 from vlm_models.patch_embed import Conv3dPatchEmbed, LinearPatchEmbed, set_fast_patch_embed
 from vlm_models.presets import PRESETS, SHAPE_PRESETS, TINY_PRESETS, preset_config, tiny_config
 from vlm_models.sync_free import remove_host_syncs
+from vlm_models.vision_inputs import VisionInputs
 from vlm_models.weights import (
     hf_named_tensors,
     iter_weight_buckets,
@@ -44,6 +45,7 @@ __all__ = [
     "TINY_PRESETS",
     "Conv3dPatchEmbed",
     "LinearPatchEmbed",
+    "VisionInputs",
     "build_model",
     "check_attn_implementation",
     "count_parameters",

@@ -24,8 +24,44 @@ from types import MethodType
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 logger = logging.getLogger(__name__)
+
+# Ops whose output size or value the host must read from the device: host syncs on CUDA.
+_SIZE_FROM_DATA = {
+    torch.ops.aten.nonzero.default,
+    torch.ops.aten._local_scalar_dense.default,  # .item(), bool(), int(), tolist() of a scalar
+    torch.ops.aten.masked_select.default,
+    torch.ops.aten.is_nonzero.default,
+}
+
+
+class HostSyncRecorder(TorchDispatchMode):
+    """Records the ops that would make the host wait for a CUDA device, on any device (so a
+    CPU test can show a forward and backward free of them): reads of a device value, ops whose
+    output size depends on the data, and indexing by a boolean mask (a ``nonzero`` inside).
+    Reading a CPU tensor as Python numbers (``tolist()``) dispatches no op and is not seen.
+
+    Example::
+
+        with HostSyncRecorder() as seen:
+            model(**inputs).logits.sum().backward()
+        assert not seen.found, seen.found
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        masks = [t for t in tree_leaves((args, kwargs)) if getattr(t, "dtype", None) is torch.bool]
+        indexing = func.__name__.startswith(("index.", "index_put"))
+        if func in _SIZE_FROM_DATA or (indexing and masks):
+            self.found.append(str(func))
+        return func(*args, **kwargs)
 
 
 def remove_host_syncs(model: nn.Module) -> list[str]:

@@ -2,36 +2,10 @@ import copy
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from vlm_models import build_model, remove_host_syncs
-from vlm_models.sync_free import _deepstack_process, _placeholder_mask
-
-# Ops whose output size or value the host must read from the device: host syncs on CUDA.
-_SIZE_FROM_DATA = {
-    torch.ops.aten.nonzero.default,
-    torch.ops.aten._local_scalar_dense.default,  # .item(), bool(), int(), tolist() of a scalar
-    torch.ops.aten.masked_select.default,
-    torch.ops.aten.is_nonzero.default,
-}
-
-
-class SizeFromData(TorchDispatchMode):
-    """Records the ops that would make the host wait for a CUDA device (seen on CPU too):
-    :data:`_SIZE_FROM_DATA`, and indexing by a boolean mask (a ``nonzero`` inside)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.found: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        masks = [t for t in tree_leaves((args, kwargs)) if getattr(t, "dtype", None) is torch.bool]
-        indexing = func.__name__.startswith(("index.", "index_put"))
-        if func in _SIZE_FROM_DATA or (indexing and masks):
-            self.found.append(str(func))
-        return func(*args, **kwargs)
+from vlm_models.sync_free import HostSyncRecorder, _deepstack_process, _placeholder_mask
 
 
 @pytest.fixture(scope="module", params=["qwen3-vl-tiny", "qwen3-vl-moe-tiny", "qwen3.5-tiny"])
@@ -105,10 +79,10 @@ def test_replaced_methods_read_nothing_from_the_device(models):
             (text, hidden, mask, visual),
         )
     for name, (original, ours, args) in calls.items():
-        with SizeFromData() as seen:
+        with HostSyncRecorder() as seen:
             expected = original(*args)
         assert seen.found, name  # the check can fail: the originals do read the device
-        with SizeFromData() as seen:
+        with HostSyncRecorder() as seen:
             got = ours(*args)
         assert seen.found == [], name
         for a, b in zip(tree_leaves(got), tree_leaves(expected), strict=True):

@@ -173,3 +173,49 @@ def test_packed_thd_gradients_equal_padded_batch(tp1, tiny_setup, to_megatron_in
         grads.append({n: p.grad for n, p in model.named_parameters()})
     for name, grad in grads[0].items():
         assert torch.allclose(grads[1][name], grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_host_side_image_inputs_equal_and_free_the_merge_of_host_syncs(
+    tp1, tiny_setup, to_megatron_inputs
+):
+    """Image-token positions and the tower's inputs computed on the host (the grid kept there)
+    give the same logits and gradients as the device path, and the merge, forward and backward,
+    then dispatches no op that would make the host wait for a GPU. (transformers' sdpa vision
+    attention still reads ``cu_seqlens`` as a list, which on CPU is no op and is not seen.)"""
+    from vlm_models.sync_free import HostSyncRecorder
+
+    config, hf_model, batch = tiny_setup
+    inputs = to_megatron_inputs(config, batch)["sbhd"]
+    model = _megatron(config, hf_model).train()
+    grid = inputs["image_grid_thw"]
+    host = dict(
+        inputs,
+        image_positions=(inputs["input_ids"].reshape(-1) == config.image_token_id).nonzero()[:, 0],
+        vision_inputs=model.vision_inputs.compute(grid),
+    )
+
+    def merged(**kw):
+        embeddings = model.language_model.embedding(input_ids=kw["input_ids"], position_ids=None)
+        return model._merge_vision(
+            embeddings,
+            kw["input_ids"],
+            kw["pixel_values"],
+            kw["image_grid_thw"],
+            image_positions=kw.get("image_positions"),
+            vision_inputs=kw.get("vision_inputs"),
+        )
+
+    ref_emb, ref_ctx = merged(**inputs)
+    with HostSyncRecorder() as seen:
+        emb, ctx = merged(**host)
+        (emb.square().sum() + ctx.square().sum()).backward()
+    assert seen.found == []
+    assert torch.equal(emb, ref_emb) and torch.equal(ctx, ref_ctx)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    (ref_emb.square().sum() + ref_ctx.square().sum()).backward()
+    assert grads and any(n.startswith("visual.") for n in grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, dict(model.named_parameters())[name].grad, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**host), model(**inputs), atol=0, rtol=0)

@@ -17,6 +17,7 @@ needs them while only the first holds the images.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
@@ -33,6 +34,7 @@ from vlm_models.megatron.config import Parallelism, text_arch, transformer_confi
 from vlm_models.megatron.layers import block_spec, param_device
 from vlm_models.megatron.rope import InterleavedMRoPE
 from vlm_models.patch_embed import set_fast_patch_embed
+from vlm_models.vision_inputs import VisionInputs
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +119,8 @@ class Qwen3VLMegatronModel(MegatronModule):
             ).to(device=param_device(config), dtype=config.params_dtype)
             if fast_patch_embed:  # GEMM instead of Conv3d; same parameters and names
                 set_fast_patch_embed(self.visual, True)
+        # the tower's per-patch inputs, when the caller computes them on the host
+        self.vision_inputs = VisionInputs.attach_tower(self.visual)
         self.language_model = MRoPEGPTModel(
             config,
             spec,
@@ -134,35 +138,54 @@ class Qwen3VLMegatronModel(MegatronModule):
         self.language_model.set_input_tensor(input_tensor)
 
     def _merge_vision(
-        self, embeddings: Tensor, input_ids: Tensor, pixel_values: Tensor, image_grid_thw: Tensor
+        self,
+        embeddings: Tensor,
+        input_ids: Tensor,
+        pixel_values: Tensor,
+        image_grid_thw: Tensor,
+        image_positions: Tensor | None = None,
+        vision_inputs: dict | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Put image features at the image tokens; return (embeddings, deepstack context).
 
         ``embeddings`` is ``[S, B, H]``; features fill the image tokens in (batch, position)
-        order, as HF's ``masked_scatter`` on ``[B, S, H]`` does.
+        order, as HF's ``masked_scatter`` on ``[B, S, H]`` does. With ``image_positions`` (the
+        image tokens' flat indices into ``[B * S]``, computed on the host) and ``vision_inputs``
+        (:class:`~vlm_models.vision_inputs.VisionInputs`, ``image_grid_thw`` then on the host)
+        nothing here reads the device: the count check compares shapes and the merge indexes by
+        position, where a boolean mask needs a device count forward and backward.
         """
         assert self.visual is not None
-        out = self.visual(
-            pixel_values.to(self.config.params_dtype), grid_thw=image_grid_thw, return_dict=True
-        )
+        injected = nullcontext()
+        if vision_inputs is not None:
+            if self.vision_inputs is None:
+                raise ValueError(f"{type(self.visual).__name__} takes no precomputed inputs")
+            injected = self.vision_inputs.use(vision_inputs)
+        with injected:
+            out = self.visual(
+                pixel_values.to(self.config.params_dtype), grid_thw=image_grid_thw, return_dict=True
+            )
         image_embeds = out.pooler_output
-        mask = input_ids == self.image_token_id  # [B, S]
-        n_tokens, n_features = int(mask.sum()), image_embeds.shape[0]
+        batch, seq = input_ids.shape
+        if image_positions is None:  # one device read: the count of image tokens
+            image_positions = torch.nonzero(input_ids.reshape(-1) == self.image_token_id)[:, 0]
+        n_tokens, n_features = image_positions.shape[0], image_embeds.shape[0]
         if n_tokens != n_features:
             raise ValueError(
                 f"{n_tokens} image tokens (id {self.image_token_id}) in input_ids but the vision "
                 f"tower produced {n_features} features from image_grid_thw {image_grid_thw.tolist()}"
             )
         dtype = embeddings.dtype
-        merged = embeddings.transpose(0, 1).masked_scatter(mask[..., None], image_embeds.to(dtype))
+        flat = embeddings.transpose(0, 1).reshape(batch * seq, -1)
+        merged = flat.index_copy(0, image_positions, image_embeds.to(dtype))
+        merged = merged.view(batch, seq, -1).transpose(0, 1).contiguous()
         context = None
         if out.deepstack_features:
             features = torch.stack(list(out.deepstack_features), dim=1).to(dtype)  # [N, k, H]
-            batch, seq = mask.shape
-            context = features.new_zeros(batch, seq, *features.shape[1:])
-            context = context.index_put((mask,), features)
-            context = context.transpose(0, 1).contiguous()  # [S, B, k, H]
-        return merged.transpose(0, 1).contiguous(), context
+            context = features.new_zeros(batch * seq, *features.shape[1:])
+            context = context.index_copy(0, image_positions, features)
+            context = context.view(batch, seq, *features.shape[1:]).transpose(0, 1).contiguous()
+        return merged, context  # [S, B, H], [S, B, k, H]
 
     def forward(
         self,
@@ -176,6 +199,8 @@ class Qwen3VLMegatronModel(MegatronModule):
         labels: Tensor | None = None,
         loss_mask: Tensor | None = None,
         runtime_gather_output: bool | None = None,
+        image_positions: Tensor | None = None,
+        vision_inputs: dict | None = None,
     ) -> Tensor:
         """Logits ``[B, S, vocab / tp]`` on the last stage (full vocab with
         ``runtime_gather_output=True``), or per-token losses with ``labels``; the hidden states
@@ -184,6 +209,8 @@ class Qwen3VLMegatronModel(MegatronModule):
         ``input_ids`` ``[B, S]`` (packed THD: ``[1, T]`` with ``packed_seq_params``),
         ``position_ids`` ``[3, B, S]`` from :func:`rope_position_ids`, ``attention_mask`` None
         for causal attention. With sequence parallelism ``S`` must divide by ``tp``.
+        ``image_positions`` and ``vision_inputs`` (see :meth:`_merge_vision`) keep the image
+        merge free of host syncs.
         """
         if position_ids.dim() != 3 or position_ids.shape[0] != 3:
             raise ValueError(f"position_ids must be [3, B, S], got {tuple(position_ids.shape)}")
@@ -194,7 +221,12 @@ class Qwen3VLMegatronModel(MegatronModule):
                 if image_grid_thw is None:
                     raise ValueError("pixel_values given without image_grid_thw")
                 embeddings, context = self._merge_vision(
-                    embeddings, input_ids, pixel_values, image_grid_thw
+                    embeddings,
+                    input_ids,
+                    pixel_values,
+                    image_grid_thw,
+                    image_positions=image_positions,
+                    vision_inputs=vision_inputs,
                 )
             if self.config.sequence_parallel:
                 tp = self.config.tensor_model_parallel_size
