@@ -101,10 +101,6 @@ class MasterWeights:
                 p.grad = self.compute_grad[g : g + n].view(self._shapes[i])
                 m.grad = self.grad[g : g + n].view(self._shapes[i])
 
-    def parameters(self) -> list[nn.Parameter]:
-        """The float32 masters (what the optimizer steps), in the model's order."""
-        return self._masters
-
     @torch.no_grad()
     def accumulate_grads(self) -> None:
         """Add the bf16 gradients of the last backward to the float32 ones and zero them."""

@@ -209,11 +209,16 @@ class MegatronActor:
                 for name in _TOKEN_FIELDS
                 if getattr(batch, name) is not None
             }
-            grid = torch.cat([grids_all[i] for i in with_images]) if with_images else None
-            vision = self.model.vision_inputs if with_images else None
-            image_positions = None
+            grid = image_positions = vision_inputs = None
             if with_images:
+                grid = torch.cat([grids_all[i] for i in with_images])
                 image_positions = (flat == self.hf_config.image_token_id).nonzero()[:, 0]
+                image_positions = image_positions.to(self.device)
+                vision = self.model.vision_inputs
+                if vision is None:  # the tower computes its inputs from a device grid
+                    grid = grid.to(self.device)
+                else:  # computed here; the grid stays on the host, read there as a list
+                    vision_inputs = _to(vision.compute(grid), self.device)
             yield MicroBatch(
                 indices=indices,
                 lengths=lengths,
@@ -225,15 +230,11 @@ class MegatronActor:
                     if with_images
                     else None
                 ),
-                # with precomputed tower inputs the grid stays on the host, where transformers
-                # reads it as a list
-                image_grid_thw=grid if vision is not None or grid is None else grid.to(self.device),
+                image_grid_thw=grid,
                 fields=fields,
-                max_seqlen=max(a - b for a, b in itertools.pairwise(cu)),
-                image_positions=None
-                if image_positions is None
-                else image_positions.to(self.device),
-                vision_inputs=None if vision is None else _to(vision.compute(grid), self.device),
+                max_seqlen=max(b - a for a, b in itertools.pairwise(cu)),
+                image_positions=image_positions,
+                vision_inputs=vision_inputs,
             )
 
     def _logprobs(self, mb: MicroBatch) -> Tensor:
