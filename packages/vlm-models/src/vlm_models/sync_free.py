@@ -1,9 +1,10 @@
 """Qwen3-VL's merge of image features into the text stream, without host syncs.
 
-transformers' Qwen3-VL forward makes the host wait for the GPU seven times per forward: the
-image-placeholder check formats a device count into its message and reads a device bool, and
-the DeepStack merge indexes by a boolean mask (a ``nonzero`` whose size the host must read)
-twice in each of the first three decoder layers. Each wait drains the GPU's queue, so whatever
+transformers' Qwen3-VL forward makes the host wait for the GPU seven times per forward and once
+more in the backward: the image-placeholder check formats a device count into its message and
+reads a device bool, the DeepStack merge indexes by a boolean mask (a ``nonzero`` whose size the
+host must read) twice in each of the first three decoder layers, and the backward of the
+features' ``masked_scatter`` selects by the mask. Each wait drains the GPU's queue, so whatever
 the host does next (launching kernels, Python) is GPU idle time.
 
 :func:`remove_host_syncs` replaces the two methods on one model instance with equivalents whose
@@ -11,9 +12,10 @@ sizes the host already knows:
 
 - ``_deepstack_process``: ``nonzero_static`` sized by the number of visual embeddings, then
   ``index_add`` (the same sums, one rounding each, as the masked add it replaces);
-- ``get_placeholder_mask``: the same masks without the device-side count check. The caller
-  must check counts on the host instead (``trainers_fsdp.microbatch`` does, per sample, before
-  anything reaches the GPU).
+- ``get_placeholder_mask``: the same masks without the device-side count check, as
+  :class:`PlaceholderMask` when the features are given, so that the ``masked_scatter`` merging
+  them is an ``index_copy``. The caller must check counts on the host instead
+  (``trainers_fsdp.microbatch`` does, per sample, before anything reaches the GPU).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ _SIZE_FROM_DATA = {
     torch.ops.aten.nonzero.default,
     torch.ops.aten._local_scalar_dense.default,  # .item(), bool(), int(), tolist() of a scalar
     torch.ops.aten.masked_select.default,
+    torch.ops.aten.masked_scatter_backward.default,  # a masked_select inside
     torch.ops.aten.is_nonzero.default,
 }
 
@@ -124,4 +127,39 @@ def _placeholder_mask(
         image = input_ids == self.config.image_token_id
         video = input_ids == self.config.video_token_id
     device = inputs_embeds.device
-    return image.unsqueeze(-1).to(device), video.unsqueeze(-1).to(device)
+    image, video = image.unsqueeze(-1).to(device), video.unsqueeze(-1).to(device)
+    if image_features is not None:
+        image = PlaceholderMask.of(image, image_features.shape[0])
+    if video_features is not None:
+        video = PlaceholderMask.of(video, video_features.shape[0])
+    return image, video
+
+
+class PlaceholderMask(Tensor):
+    """A boolean placeholder mask ``[B, L, 1]`` that also holds the flat indices of its True
+    rows, found without a host read because their count (the features' length) is known.
+
+    transformers merges features by ``inputs_embeds.masked_scatter(mask, features)``, whose
+    backward selects the features' gradient by the mask: a ``nonzero`` the host must wait for,
+    in the middle of the backward. By this mask the merge is an ``index_copy`` (same values;
+    its backward an ``index_select``). Any other op sees a plain boolean tensor.
+    """
+
+    index: Tensor
+
+    @staticmethod
+    def of(mask: Tensor, rows: int) -> PlaceholderMask:
+        out = Tensor._make_subclass(PlaceholderMask, mask)
+        out.index = torch.nonzero_static(mask.reshape(-1), size=rows).reshape(-1)
+        return out
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is Tensor.masked_scatter and not kwargs and isinstance(args[1], cls):
+            target, mask, source = args
+            flat = target.reshape(-1, target.shape[-1])
+            rows = source.reshape(-1, flat.shape[-1]).to(flat.dtype)
+            return flat.index_copy(0, mask.index, rows).view_as(target)
+        with torch._C.DisableTorchFunctionSubclass():  # plain tensors out
+            return func(*args, **kwargs)

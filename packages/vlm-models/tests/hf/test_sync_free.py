@@ -2,10 +2,16 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from vlm_models import build_model, remove_host_syncs
-from vlm_models.sync_free import HostSyncRecorder, _deepstack_process, _placeholder_mask
+from vlm_models.sync_free import (
+    HostSyncRecorder,
+    PlaceholderMask,
+    _deepstack_process,
+    _placeholder_mask,
+)
 
 
 @pytest.fixture(scope="module", params=["qwen3-vl-tiny", "qwen3-vl-moe-tiny", "qwen3.5-tiny"])
@@ -104,3 +110,47 @@ def test_a_changed_method_is_left_alone():
     model = Model()
     assert remove_host_syncs(model) == []
     assert model.model.get_placeholder_mask(None, None) == "theirs"
+
+
+class _OpNames(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_features_merge_without_masked_scatter(models, samples):
+    """The patched forward merges image features by index: no ``masked_scatter``, whose
+    backward selects by the mask (a ``nonzero`` half-way through the backward on a GPU)."""
+    ref, ours, _ = models
+    inputs = _inputs(samples[2])
+    for model, expected in ((ref, True), (ours, False)):
+        with _OpNames() as seen:
+            model(**inputs).logits.sum().backward()
+        assert any(n.startswith("masked_scatter") for n in seen.names) == expected
+
+
+def test_placeholder_mask_scatters_by_index():
+    """``masked_scatter`` by a PlaceholderMask: the same values and gradients as by the plain
+    mask, no host read; other ops on it give plain tensors."""
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.zeros(2, 6, 1, dtype=torch.bool)
+    mask[0, 1:3] = mask[1, 4] = True
+    results = []
+    for wrap in (False, True):
+        embeds = torch.randn(2, 6, 4, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        features = torch.randn(3, 4, generator=torch.Generator().manual_seed(2)).requires_grad_()
+        m = PlaceholderMask.of(mask, 3) if wrap else mask
+        with HostSyncRecorder() as seen:
+            out = embeds.masked_scatter(m, features)
+            out.backward(torch.randn(out.shape, generator=gen.manual_seed(3)))
+        assert bool(seen.found) != wrap, seen.found  # the plain mask's backward selects
+        assert type(out) is torch.Tensor
+        results.append((out.detach(), embeds.grad, features.grad))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+    wrapped = PlaceholderMask.of(mask, 3)
+    assert type(wrapped[..., 0]) is torch.Tensor and torch.equal(wrapped[..., 0], mask[..., 0])
