@@ -8,6 +8,8 @@ import torch
 from trainers_fsdp import FsdpActor, OptimConfig
 
 BF16 = dict(param_dtype="bfloat16", max_tokens_per_gpu=64)  # several micro-batches per step
+# torch's AdamW per tensor over the masters: the arithmetic FSDP does, to compare bit for bit
+PER_TENSOR = OptimConfig(lr=1e-2, weight_decay=0.0, flat_update=False)
 
 
 def _run(actor: FsdpActor, batch) -> tuple[list, list[dict], dict]:
@@ -20,7 +22,7 @@ def test_masters_equal_fsdp_on_one_rank_exactly(make_config, batch):
     """The flat master weights compute what FSDP's mixed precision does on one rank, bit for
     bit: the same bf16 casts, float32 gradient accumulation over micro-batches and AdamW."""
     fsdp = FsdpActor(make_config(shard_single_rank=True, **BF16))
-    ours = FsdpActor(make_config(**BF16))
+    ours = FsdpActor(make_config(optim=PER_TENSOR, **BF16))
     assert type(fsdp.model).__name__.startswith("FSDP")
     assert not type(ours.model).__name__.startswith("FSDP")
     lp_ref, steps_ref, params_ref = _run(fsdp, batch)
@@ -36,6 +38,82 @@ def test_masters_equal_fsdp_on_one_rank_exactly(make_config, batch):
     for name, p in params_ref.items():
         assert p.dtype == params[name].dtype == torch.float32, name
         assert torch.equal(params[name], p), name
+
+
+@pytest.mark.parametrize("max_tokens", [64, 4096], ids=["micro-batches", "one micro-batch"])
+def test_flat_update_is_torch_adamw(make_config, batch, max_tokens):
+    """FlatAdamW (the CUDA default) takes the step torch's AdamW takes, to float32 rounding: with
+    decay on matrices only, clipping, and over several micro-batches or one (whose bf16
+    gradient it reads directly, never allocating the float32 one)."""
+    optim = dict(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5)
+    kw = dict(param_dtype="bfloat16", max_tokens_per_gpu=max_tokens)
+    ref = FsdpActor(make_config(optim=OptimConfig(flat_update=False, **optim), **kw))
+    ours = FsdpActor(make_config(optim=OptimConfig(flat_update=True, **optim), **kw))
+    assert ours.optimizer.is_flat and not ref.optimizer.is_flat
+    initial = ours.full_parameters()
+    got = ours.train_step(batch, loss="grpo")
+    expected = ref.train_step(batch, loss="grpo")
+    assert got["loss"] == expected["loss"]
+    assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-6)
+    assert got["grad_norm"] > 0.5  # clipped
+    ref_params = ref.full_parameters()
+    for name, p in ours.full_parameters().items():
+        torch.testing.assert_close(p, ref_params[name], rtol=1e-6, atol=1e-7, msg=name)
+        assert not torch.equal(p, initial[name]), name
+    masters = ours._masters
+    assert (masters.grad is None) == (got["num_micro_batches"] == 1)
+    assert torch.equal(masters.compute, masters.master.to(torch.bfloat16))
+    assert not masters.compute_grad.any()
+    state = ours.optimizer.state_dict()["state"]
+    assert {float(s["step"]) for s in state.values()} == {1.0}
+
+
+def test_flat_update_is_the_cuda_default(make_config):
+    """Uncompiled on the CPU the flat pass is slower than torch's foreach AdamW: it is the
+    default on CUDA only (the gpu tests check it there)."""
+    assert not FsdpActor(make_config(**BF16)).optimizer.is_flat
+    flat = OptimConfig(flat_update=True)
+    assert FsdpActor(make_config(optim=flat, **BF16)).optimizer.is_flat
+
+
+def test_flat_update_keeps_torch_state_dict(make_config, batch):
+    """The moments are views of two flat buffers but read, load and move as torch's
+    per-parameter state: a loaded state dict lands in the flat buffers."""
+    flat = OptimConfig(lr=1e-2, weight_decay=0.0, flat_update=True)
+    actor = FsdpActor(make_config(optim=flat, **BF16))
+    actor.train_step(batch, loss="sft")
+    opt = actor.optimizer
+    saved = {k: {n: t.clone() for n, t in s.items()} for k, s in opt.state_dict()["state"].items()}
+    other = FsdpActor(make_config(seed=3, optim=flat, **BF16)).optimizer
+    other.load_state_dict({"state": saved, "param_groups": opt.state_dict()["param_groups"]})
+    flat = other.exp_avg.untyped_storage().data_ptr()
+    for key, state in other.state_dict()["state"].items():
+        assert state["exp_avg"].untyped_storage().data_ptr() == flat
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(state[name], saved[key][name]), (key, name)
+    other.to(torch.device("cpu"))  # the offload path: buffers move, the views follow
+    assert next(iter(other.state.values()))["exp_avg"].untyped_storage().data_ptr() == (
+        other.exp_avg.untyped_storage().data_ptr()
+    )
+
+
+def test_scattered_groups_fall_back_to_torch(make_config, batch):
+    """Groups that are not contiguous runs of the flat buffers step as torch's AdamW does."""
+    from trainers_fsdp import build_scheduler
+    from trainers_fsdp.flat_adamw import FlatAdamW
+
+    actor = FsdpActor(make_config(**BF16))
+    params = list(actor._masters.module.parameters())
+    groups = [{"params": params[0::2]}, {"params": params[1::2], "weight_decay": 0.0}]
+    actor.optimizer = FlatAdamW(groups, actor._masters, lr=1e-2, foreach=True)
+    actor.scheduler = build_scheduler(actor.optimizer, actor.config.optim)
+    assert not actor.optimizer.is_flat
+    before = actor.full_parameters()
+    assert actor.train_step(batch, loss="sft")["update_skipped"] == 0.0
+    after = actor.full_parameters()
+    assert all(not torch.equal(after[n], before[n]) for n in before)
+    masters = actor._masters
+    assert torch.equal(masters.compute, masters.master.to(torch.bfloat16))
 
 
 def test_model_weights_are_views_of_the_flat_buffers(make_config, batch):
@@ -68,24 +146,29 @@ def test_gradients_accumulate_in_float32(make_config, batch):
         torch.testing.assert_close(twice[name], 2 * g, atol=1e-9, rtol=1e-6)
 
 
-def test_checkpoints_move_between_fsdp_and_masters(make_config, batch, tmp_path):
+@pytest.mark.parametrize("flat", [False, True], ids=["per-tensor", "flat"])
+def test_checkpoints_move_between_fsdp_and_masters(make_config, batch, tmp_path, flat):
     """A checkpoint of the FSDP actor resumes in the one-rank master-weight actor (same names,
-    float32 values, optimizer state) and the next step is the one FSDP would take."""
-    optim = OptimConfig(lr=1e-2, lr_schedule="cosine", warmup_steps=1, total_steps=5)
-    fsdp = FsdpActor(make_config(shard_single_rank=True, optim=optim, **BF16))
+    float32 values, optimizer state) and the next step is the one FSDP would take: bit for bit
+    with torch's AdamW over the masters, to float32 rounding with the flat update."""
+    kw = dict(lr=1e-2, lr_schedule="cosine", warmup_steps=1, total_steps=5)
+    fsdp = FsdpActor(make_config(shard_single_rank=True, optim=OptimConfig(**kw), **BF16))
     fsdp.train_step(batch, loss="grpo")
     fsdp.save_checkpoint(tmp_path / "ckpt")
     expected = fsdp.train_step(batch, loss="grpo")
 
+    optim = OptimConfig(flat_update=flat, **kw)
     ours = FsdpActor(make_config(optim=optim, seed=7, **BF16))
     ours.load_checkpoint(tmp_path / "ckpt")
     assert ours.step == 1
     got = ours.train_step(batch, loss="grpo")
-    for key in ("loss", "grad_norm", "lr"):
+    for key in ("loss", "lr"):
         assert got[key] == expected[key], key
+    assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=0 if not flat else 1e-6)
     ref = fsdp.full_parameters()
     for name, p in ours.full_parameters().items():
-        assert torch.equal(p, ref[name]), name
+        tol = dict(rtol=0, atol=0) if not flat else dict(rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(p, ref[name], **tol, msg=name)
 
 
 def test_export_reads_the_float32_masters(make_config, batch):
@@ -123,23 +206,24 @@ def test_float32_compute_needs_no_masters(make_config):
 
 
 def test_move_rebuilds_weights_from_the_masters(make_config, batch):
-    """An offload moves the masters (and an accumulated gradient) only; the onload casts the
-    bf16 weights again and starts a zero bf16 gradient buffer. The CPU stands in for both ends
-    (the actor offloads only from a GPU; the gpu tests run the round trip there)."""
-    actor = FsdpActor(make_config(**BF16))
+    """An offload moves the masters (and an accumulated gradient, a pending bf16 one moved
+    into float32 first) only; the onload casts the bf16 weights again and starts a zero bf16
+    gradient buffer. The CPU stands in for both ends (the actor offloads only from a GPU; the
+    gpu tests run the round trip there)."""
+    actor = FsdpActor(make_config(param_dtype="bfloat16", max_tokens_per_gpu=4096))
     actor.train_step(batch, loss="sft")
     before = actor.compute_logprobs(batch)
     masters = actor._masters
-    actor.forward_backward(batch, loss="sft")  # a gradient is pending: it must survive
-    grads = actor.full_gradients()
+    actor.forward_backward(batch, loss="sft")  # one micro-batch: its gradient is pending in bf16
+    assert masters.single_grad() is not None
+    pending = masters.compute_grad.float()
     cpu = torch.device("cpu")
     masters.to(cpu, fill=False)
     masters.compute.fill_(float("nan"))  # unfilled while offloaded: whatever was there
     masters.to(cpu)
     assert torch.equal(masters.compute, masters.master.to(torch.bfloat16))
     assert not masters.compute_grad.any()
-    for name, g in actor.full_gradients().items():
-        assert torch.equal(g, grads[name]), name
+    assert torch.equal(masters.ready_grads(), pending)
     actor.zero_grad()
     for a, b in zip(actor.compute_logprobs(batch), before, strict=True):
         assert torch.equal(a, b)

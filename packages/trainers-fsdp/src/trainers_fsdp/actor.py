@@ -38,15 +38,16 @@ from trainers_fsdp.attention import PACKED_ATTENTION, PackedSeqInfo, register_pa
 from trainers_fsdp.checkpoint import load_checkpoint, save_checkpoint
 from trainers_fsdp.config import FsdpConfig
 from trainers_fsdp.distributed import all_reduce_, build_mesh, init_distributed, resolve_device
+from trainers_fsdp.flat_adamw import FlatAdamW
 from trainers_fsdp.fused import fuse_rms_norms
 from trainers_fsdp.master import MasterWeights
 from trainers_fsdp.microbatch import MicroBatch, build_micro_batch, plan_micro_batches
 from trainers_fsdp.optim import (
     build_optimizer,
     build_scheduler,
-    clip_and_step_on_device,
-    clip_grad_norm,
-    fused_skip_supported,
+    clip_coefficient,
+    grad_norm,
+    step_with_scaled_grads,
 )
 from trainers_fsdp.parallelize import (
     apply_ac,
@@ -107,7 +108,7 @@ class FsdpActor:
         self._masters: MasterWeights | None = None  # one rank, low-precision compute
         self.model = self._build(trainable=True)
         self.ref_model = self._build(trainable=False) if config.reference_model else None
-        self.optimizer = build_optimizer(self._trained, config.optim, self.device)
+        self.optimizer = build_optimizer(self._trained, config.optim, self.device, self._masters)
         self.scheduler = build_scheduler(self.optimizer, config.optim)
         self.step = 0
         self._offloaded = False
@@ -312,16 +313,16 @@ class FsdpActor:
         """One optimizer step over ``batch`` (this rank's part of the global batch).
 
         :meth:`forward_backward` then :meth:`optimizer_step`; returns their metrics together
-        with ``tokens`` (global), ``step_time_s`` and ``tokens_per_s``. With the fused
-        optimizer (the CUDA default) the host reads the device once, at the end: the metrics
-        and the gradient norm in one transfer, so the GPU never waits for the host mid-step.
+        with ``tokens`` (global), ``step_time_s`` and ``tokens_per_s``. The host reads the
+        device once: the metrics and the gradient norm in one transfer, before the update. The
+        update is then queued without waiting for it, so whatever the host does next (the next
+        batch's packing, the next forward's launches) overlaps the optimizer on the GPU.
         """
         start = time.perf_counter()
         pending = self._accumulate(batch, loss)
-        grad_norm = self._clip_and_update()
-        values = self._read(pending, extra=[grad_norm])
-        grad_norm_value = values.pop("_extra_0")
-        out = {**values, **self._after_update(grad_norm_value)}
+        values = self._read(pending, extra=[self._grad_norm()])
+        grad_norm = values.pop("_extra_0")
+        out = {**values, **self._update(grad_norm)}
         elapsed = time.perf_counter() - start
         out.update(step_time_s=elapsed, tokens_per_s=out["tokens"] / elapsed)
         return out
@@ -361,16 +362,13 @@ class FsdpActor:
             n_micro += 1
             logprobs, ent = self._forward(self.model, mb, entropy=entropy_mode)
             if not mb.indices:  # dummy row: run forward/backward for the collectives only
-                (logprobs.sum() * 0.0).backward()
-                self._collect_grads()
+                self._backward(logprobs.sum() * 0.0)
                 continue
             with record_function("fsdp_actor.loss"):
                 value, metrics = self._micro_loss(loss, mb, logprobs, ent, grpo_cfg, mode, norm)
             scale = mb.loss_units[mode] / global_units if global_units > 0 else 0.0
             # FSDP averages gradients over ranks; multiplying by world size makes it a sum.
-            with record_function("fsdp_actor.backward"):
-                (value * (scale * self.world_size)).backward()
-            self._collect_grads()
+            self._backward(value * (scale * self.world_size))
             loss_total += value.detach().double() * scale
             tokens = float(mb.loss_units["token-mean"])
             weights += tokens
@@ -387,11 +385,13 @@ class FsdpActor:
         pending.num_micro_batches = float(n_micro)
         return pending
 
-    def _collect_grads(self) -> None:
-        """After a micro-batch's backward: its bf16 gradients into the float32 accumulator
-        (one-rank master weights; FSDP's reduce-scatter does this itself)."""
+    def _backward(self, loss: Tensor) -> None:
+        """``loss.backward()``; with one-rank master weights, the bf16 gradient buffer is first
+        emptied into the float32 one, so micro-batches sum in float32."""
         if self._masters is not None:
-            self._masters.accumulate_grads()
+            self._masters.before_backward()
+        with record_function("fsdp_actor.backward"):
+            loss.backward()
 
     def _micro_loss(
         self,
@@ -431,29 +431,38 @@ class FsdpActor:
     def optimizer_step(self) -> dict[str, float]:
         """Clip, step AdamW and the LR schedule, zero the gradients. A non-finite gradient
         norm skips the update (reported as ``update_skipped``)."""
-        return self._after_update(float(self._clip_and_update()))
+        return self._update(float(self._grad_norm()))
 
-    def _clip_and_update(self) -> Tensor:
-        """Clip and step the optimizer, zero the gradients; the gradient norm (a tensor).
-
-        The fused optimizer skips a non-finite step on the device (no host read here); the
-        others read the norm first and skip on the host.
-        """
-        max_norm = self.config.optim.max_grad_norm
-        params = list(self._trained.parameters())
-        with record_function("fsdp_actor.optimizer"):
+    def _grad_norm(self) -> Tensor:
+        """The global norm of the accumulated gradients, on the device."""
+        with record_function("fsdp_actor.grad_norm"):
+            if isinstance(self.optimizer, FlatAdamW) and self.optimizer.is_flat:
+                return self.optimizer.grad_norm()
             if self._masters is not None:
                 self._masters.ready_grads()
-            if fused_skip_supported(self.optimizer):
-                norm = clip_and_step_on_device(params, self.optimizer, max_norm)
-            else:
-                norm = clip_grad_norm(params, max_norm)
-                if math.isfinite(float(norm)):
-                    self.optimizer.step()
-            if self._masters is not None:
-                self._masters.copy_to_model()
+            return grad_norm(self._trained.parameters())
+
+    def _update(self, grad_norm: float) -> dict[str, float]:
+        """Clip and step (skipped for a non-finite norm), zero the gradients, then the LR
+        schedule, step count and the step's metrics. Nothing here waits for the GPU."""
+        skipped = not math.isfinite(grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        with record_function("fsdp_actor.optimizer"):
+            if not skipped:
+                coef = clip_coefficient(grad_norm, self.config.optim.max_grad_norm)
+                step_with_scaled_grads(self.optimizer, coef)
             self.zero_grad()
-        return norm
+        if skipped:
+            logger.warning("step %d: non-finite grad norm %s, update skipped", self.step, grad_norm)
+        else:
+            self.scheduler.step()
+        self.step += 1
+        return {
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "step": float(self.step),
+            "update_skipped": float(skipped),
+        }
 
     def zero_grad(self) -> None:
         """Drop the accumulated gradients (:meth:`forward_backward` adds to them)."""
@@ -475,22 +484,6 @@ class FsdpActor:
             n: _full(p.grad).clone()
             for n, p in self._trained.named_parameters()
             if p.grad is not None
-        }
-
-    def _after_update(self, grad_norm: float) -> dict[str, float]:
-        """Host-side end of an optimizer step: LR schedule, step count, the step's metrics."""
-        skipped = not math.isfinite(grad_norm)
-        lr = self.scheduler.get_last_lr()[0]
-        if skipped:
-            logger.warning("step %d: non-finite grad norm %s, update skipped", self.step, grad_norm)
-        else:
-            self.scheduler.step()
-        self.step += 1
-        return {
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "step": float(self.step),
-            "update_skipped": float(skipped),
         }
 
     def _reduce_metrics(
@@ -613,10 +606,13 @@ class FsdpActor:
         for p in self.model.parameters():
             if p.grad is not None:
                 p.grad = p.grad.to(device)
-        for state in self.optimizer.state.values():
-            for k, v in state.items():
-                if isinstance(v, Tensor):
-                    state[k] = v.to(device, non_blocking=True)
+        if isinstance(self.optimizer, FlatAdamW):
+            self.optimizer.to(device)
+        else:
+            for state in self.optimizer.state.values():
+                for k, v in state.items():
+                    if isinstance(v, Tensor):
+                        state[k] = v.to(device, non_blocking=True)
         if device.type == "cpu":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()

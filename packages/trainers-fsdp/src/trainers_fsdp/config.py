@@ -24,6 +24,10 @@ class OptimConfig:
     total_steps: int | None = None  # cosine: steps to decay over (warmup included)
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
     fused: bool | None = None  # fused AdamW kernel; None: on CUDA
+    # One rank with bf16 master weights: the whole update as one compiled pass per group over
+    # the flat buffers (trainers_fsdp.flat_adamw); off: torch's AdamW per tensor, then a cast
+    # pass. None: on CUDA (on the CPU the uncompiled pass is slower than torch's foreach).
+    flat_update: bool | None = None
 
 
 @dataclass

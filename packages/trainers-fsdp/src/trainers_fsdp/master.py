@@ -8,8 +8,10 @@ tens of milliseconds of host time per step, which the GPU spends waiting (docs/p
 :class:`MasterWeights` keeps the model's parameters as views into one flat bf16 buffer and their
 float32 masters as views into another, as Megatron's mixed-precision optimizer does at
 data-parallel size 1. The bf16 gradients accumulate (in place, by autograd) in a flat buffer
-too, so moving a micro-batch's gradients into the float32 accumulator is one add, and
-refreshing the compute weights after an optimizer step is one copy. The masters live in a
+too. A micro-batch's bf16 gradient moves into the float32 accumulator (one add) only when
+another backward is about to start, so a step of one micro-batch never needs the float32
+gradient: :class:`trainers_fsdp.flat_adamw.FlatAdamW` reads the bf16 one directly and writes
+the masters, AdamW's moments and the bf16 weights in one pass. The masters live in a
 parameter-only module with the model's names (:attr:`MasterWeights.module`), so the optimizer,
 gradient clipping and distributed checkpoints see ordinary float32 parameters under the names
 an FSDP run would use.
@@ -49,45 +51,57 @@ class MasterWeights:
 
     After construction ``model``'s parameters are ``dtype`` views of one buffer and every
     trainable one has a ``.grad`` view of a zeroed ``dtype`` gradient buffer, into which
-    autograd accumulates. Per training step the caller runs, in order: backward, then
-    :meth:`accumulate_grads` after each micro-batch; the optimizer over :attr:`module`'s
-    parameters; :meth:`copy_to_model`; :meth:`zero_grad`.
+    autograd accumulates. The flat layout puts the trainable matrices first, then the trainable
+    vectors, then frozen parameters, so each of the optimizer's groups (decay on matrices only,
+    :func:`trainers_fsdp.optim.build_optimizer`) is one contiguous run of every buffer.
+
+    Per training step the caller runs :meth:`before_backward` before each micro-batch's
+    backward, then either :class:`~trainers_fsdp.flat_adamw.FlatAdamW` (which does the rest)
+    or :meth:`ready_grads`, an optimizer over :attr:`module`'s parameters,
+    :meth:`copy_to_model` and :meth:`zero_grad`.
     """
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
         if dtype == torch.float32:
             raise ValueError("float32 compute needs no master weights: train the model directly")
         self.model = model
+        self.dtype = dtype
         named = list(model.named_parameters())  # a tied parameter once, under its first name
-        self._params = [p for _, p in named]
+        layout = sorted(named, key=lambda item: (not item[1].requires_grad, item[1].dim() < 2))
+        self._params = [p for _, p in layout]
         self._shapes = [p.shape for p in self._params]
         self._offsets = _offsets(p.numel() for p in self._params)
-        trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
-        self._grad_offsets = dict(
-            zip(trainable, _offsets(self._params[i].numel() for i in trainable)[:-1], strict=True)
-        )
+        self.num_trainable = sum(p.numel() for p in self._params if p.requires_grad)
         total = self._offsets[-1]
-        total_grad = sum(self._params[i].numel() for i in trainable)
         self.master = torch.empty(total, dtype=torch.float32, device=device)
         for p, (start, end) in zip(self._params, itertools.pairwise(self._offsets), strict=True):
             self.master[start:end].copy_(p.detach().reshape(-1))
         self.compute = self.master.to(dtype)
-        self.grad = torch.zeros(total_grad, dtype=torch.float32, device=device)
-        self.compute_grad = torch.zeros(total_grad, dtype=dtype, device=device)
+        self.compute_grad = torch.zeros(self.num_trainable, dtype=dtype, device=device)
+        # float32 accumulator, allocated by the first move into it: a step of one micro-batch
+        # (FlatAdamW) never needs it
+        self.grad: Tensor | None = None
         self._masters = [
             nn.Parameter(torch.empty(0), requires_grad=p.requires_grad) for p in self._params
         ]
-        self.module = _named_module_tree(
-            [(name, m) for (name, _), m in zip(named, self._masters, strict=True)]
-        )
+        by_id = {id(p): m for p, m in zip(self._params, self._masters, strict=True)}
+        self.module = _named_module_tree([(name, by_id[id(p)]) for name, p in named])
+        self._spans = {
+            id(m): (self._offsets[i], self._offsets[i + 1]) for i, m in enumerate(self._masters)
+        }
         self._bind()
-        self._grad_empty = True  # self.grad holds nothing yet: the next accumulate copies
+        self._pending = False  # compute_grad may hold a backward's gradient not yet in grad
+        self._grad_empty = True  # grad holds nothing yet: the next move copies
         logger.info(
             "master weights: %.1fM params (%.1fM trainable), %s compute, float32 masters",
             total / 1e6,
-            total_grad / 1e6,
+            self.num_trainable / 1e6,
             str(dtype).removeprefix("torch."),
         )
+
+    def span(self, master: nn.Parameter) -> tuple[int, int]:
+        """Where a master parameter of :attr:`module` lies in the flat buffers."""
+        return self._spans[id(master)]
 
     def _bind(self) -> None:
         """Point the model's and the masters' ``.data`` and ``.grad`` at the flat buffers."""
@@ -95,34 +109,68 @@ class MasterWeights:
             start, end = self._offsets[i], self._offsets[i + 1]
             p.data = self.compute[start:end].view(self._shapes[i])
             m.data = self.master[start:end].view(self._shapes[i])
-            if i in self._grad_offsets:
-                g = self._grad_offsets[i]
-                n = end - start
-                p.grad = self.compute_grad[g : g + n].view(self._shapes[i])
-                m.grad = self.grad[g : g + n].view(self._shapes[i])
+            if p.requires_grad:  # trainable parameters come first: the same offsets
+                p.grad = self.compute_grad[start:end].view(self._shapes[i])
+        self._bind_master_grads()
+
+    def _bind_master_grads(self) -> None:
+        for i, (p, m) in enumerate(zip(self._params, self._masters, strict=True)):
+            if p.requires_grad:
+                start, end = self._offsets[i], self._offsets[i + 1]
+                m.grad = None if self.grad is None else self.grad[start:end].view(self._shapes[i])
 
     @torch.no_grad()
-    def accumulate_grads(self) -> None:
-        """Add the bf16 gradients of the last backward to the float32 ones and zero them."""
-        _on(self.grad.device, _move_grads)(self.grad, self.compute_grad, self._grad_empty)
-        self._grad_empty = False
+    def before_backward(self) -> None:
+        """A backward is about to add into the bf16 gradients: move what they hold first, so
+        micro-batches sum in float32."""
+        self._flush()
+        self._pending = True
 
     @torch.no_grad()
-    def zero_grad(self) -> None:
-        """Forget the accumulated gradients (lazily: the next accumulate overwrites them)."""
-        self._grad_empty = True
+    def _flush(self) -> None:
+        """Move a pending bf16 gradient into the float32 accumulator and zero it."""
+        if not self._pending:
+            return
+        if self.grad is None:
+            self.grad = torch.empty(self.num_trainable, dtype=torch.float32, device=self.device)
+            self._bind_master_grads()
+        compiled_on(self.device, _move_grads)(self.grad, self.compute_grad, self._grad_empty)
+        self._pending, self._grad_empty = False, False
+
+    @property
+    def device(self) -> torch.device:
+        return self.master.device
+
+    def single_grad(self) -> Tensor | None:
+        """The accumulated gradient when it is one backward's, still in ``dtype`` (read it
+        directly instead of moving it), else None."""
+        return self.compute_grad if self._pending and self._grad_empty else None
 
     @torch.no_grad()
-    def ready_grads(self) -> None:
-        """Before reading the float32 gradients: zeros if nothing was accumulated."""
+    def ready_grads(self) -> Tensor:
+        """The float32 gradient, everything accumulated moved into it (zeros if nothing)."""
+        self._flush()
         if self._grad_empty:
-            self.grad.zero_()
+            if self.grad is None:
+                self.grad = torch.zeros(self.num_trainable, dtype=torch.float32, device=self.device)
+                self._bind()
+            else:
+                self.grad.zero_()
             self._grad_empty = False
+        return self.grad
+
+    @torch.no_grad()
+    def zero_grad(self, *, compute_grad_zeroed: bool = False) -> None:
+        """Forget the accumulated gradients (the float32 ones lazily: the next move overwrites
+        them). ``compute_grad_zeroed``: the caller already zeroed the bf16 buffer."""
+        if self._pending and not compute_grad_zeroed:
+            self.compute_grad.zero_()
+        self._pending, self._grad_empty = False, True
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
         """Cast the masters into the compute weights (after an optimizer step or a load)."""
-        _on(self.compute.device, _cast_into)(self.compute, self.master)
+        compiled_on(self.device, _cast_into)(self.compute, self.master)
 
     @contextlib.contextmanager
     def grads_detached(self) -> Iterator[None]:
@@ -133,22 +181,24 @@ class MasterWeights:
         try:
             yield
         finally:
-            self._bind()
+            self._bind_master_grads()
 
     def to(self, device: torch.device, *, fill: bool = True) -> None:
         """Move to ``device`` (offload, onload) and re-point every view at the new buffers.
 
         Only the float32 masters travel, and the float32 gradients while they hold an
-        accumulated gradient. The bf16 weights are a cast of the masters and the bf16 gradient
-        buffer is zero between micro-batches, so both are made afresh where they land: for
-        the 2B model 8.5 GB cross each way instead of 25.5. ``fill=False`` leaves them
-        unfilled (an offload: nothing runs until they come back)."""
+        accumulated gradient (a pending bf16 one is moved into them first). The bf16 weights
+        are a cast of the masters and the bf16 gradient buffer is then zero, so both are made
+        afresh where they land: for the 2B model 8.5 GB cross each way instead of 25.5.
+        ``fill=False`` leaves them unfilled (an offload: nothing runs until they come back)."""
+        self._flush()
         non_blocking = device.type != "cpu"
         self.master = self.master.to(device, non_blocking=non_blocking)
-        if self._grad_empty:
-            self.grad = torch.empty_like(self.grad, device=device)
-        else:
-            self.grad = self.grad.to(device, non_blocking=non_blocking)
+        if self.grad is not None:
+            if self._grad_empty:
+                self.grad = torch.empty_like(self.grad, device=device)
+            else:
+                self.grad = self.grad.to(device, non_blocking=non_blocking)
         self.compute = torch.empty_like(self.compute, device=device)
         new_grad = torch.zeros_like if fill else torch.empty_like
         self.compute_grad = new_grad(self.compute_grad, device=device)
@@ -182,7 +232,7 @@ def _cast_into(dst: Tensor, src: Tensor) -> None:
 _compiled: dict = {}
 
 
-def _on(device: torch.device, fn):
+def compiled_on(device: torch.device, fn):
     """``fn`` as one compiled kernel on CUDA, eager elsewhere. aten's copy between dtypes runs
     an unvectorized kernel at about half the memory bandwidth; these passes touch every
     parameter, about 13 GB for the 2B model each."""

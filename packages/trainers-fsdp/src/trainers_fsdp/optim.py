@@ -11,13 +11,23 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainers_fsdp.config import OptimConfig
+from trainers_fsdp.flat_adamw import FlatAdamW
+from trainers_fsdp.master import MasterWeights
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(
+    model: nn.Module,
+    cfg: OptimConfig,
+    device: torch.device,
+    masters: MasterWeights | None = None,
+) -> torch.optim.AdamW:
     """AdamW over the trainable parameters; weight decay on matrices only.
 
-    Norm weights and biases (1-D) are not decayed, the usual practice. On CUDA the fused kernel
-    is used (it takes DTensor parameters); on CPU the foreach implementation.
+    Norm weights and biases (1-D) are not decayed, the usual practice. With ``masters`` (one
+    rank, bf16 compute; ``model`` is then ``masters.module``) it is a
+    :class:`~trainers_fsdp.flat_adamw.FlatAdamW` (one pass per group over the flat buffers
+    on CUDA, or as ``cfg.flat_update`` says). Otherwise, on CUDA the fused kernel (it takes
+    DTensor parameters); on CPU the foreach implementation.
     """
     decay, no_decay = [], []
     for p in model.parameters():
@@ -28,14 +38,19 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]],
-        lr=cfg.lr,
-        betas=tuple(cfg.betas),
-        eps=cfg.eps,
-        fused=fused,
-        foreach=None if fused else True,
-    )
+    groups = [g for g in groups if g["params"]]
+    kw = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    if masters is not None:
+        flat = cfg.flat_update if cfg.flat_update is not None else device.type == "cuda"
+        return FlatAdamW(
+            groups,
+            masters,
+            flat=flat,
+            fused=fused,
+            foreach=None if fused else True,
+            **kw,
+        )
+    return torch.optim.AdamW(groups, fused=fused, foreach=None if fused else True, **kw)
 
 
 def lr_lambda(cfg: OptimConfig):
@@ -102,43 +117,46 @@ def _sharded_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         return (norm.full_tensor() if isinstance(norm, DTensor) else norm).float()
     local = [g.to_local() for g in grads]
     norms = torch._foreach_norm(local, 2.0, dtype=torch.float32)
-    squared = torch.stack(norms).square().sum()
+    local_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)  # as get_total_norm
     mesh = meshes.pop()
-    if mesh.size() > 1:
-        torch.distributed.all_reduce(squared, group=mesh.get_group())
+    if mesh.size() == 1:
+        return local_norm
+    squared = local_norm.square()
+    torch.distributed.all_reduce(squared, group=mesh.get_group())
     return squared.sqrt()
 
 
-def fused_skip_supported(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` can skip a step on the device (fused Adam/AdamW ``found_inf``)."""
-    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and bool(
-        optimizer.defaults.get("fused")
-    )
-
-
-@torch.no_grad()
-def clip_and_step_on_device(
-    params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer, max_norm: float
-) -> torch.Tensor:
-    """Clip the gradients and step a fused AdamW without reading anything on the host.
-
-    The clip factor stays a device tensor and reaches the fused kernel as ``grad_scale``, by
-    which it divides each gradient as it reads it (so clipping costs no pass of its own over the
-    gradients), and a non-finite norm reaches it as ``found_inf``, which leaves parameters,
-    moments and step counts unchanged: the two hooks AMP's grad scaler uses. Returns the global
-    gradient norm as a device tensor; the caller reads it with the step's other metrics in one
-    transfer.
-    """
+def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm (float32, on the device) of the parameters' gradients over all ranks."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    norm = _sharded_grad_norm(grads)
-    finite = torch.isfinite(norm)
-    if max_norm > 0:
-        optimizer.grad_scale = torch.where(finite, ((norm + 1e-6) / max_norm).clamp(min=1.0), 1.0)
-    optimizer.found_inf = (~finite).float()
+    return _sharded_grad_norm(grads)
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """What clipping multiplies the gradients by: ``max_norm / norm`` above ``max_norm``."""
+    return max_norm / (norm + 1e-6) if max_norm > 0 and norm > max_norm else 1.0
+
+
+@torch.no_grad()
+def step_with_scaled_grads(optimizer: torch.optim.Optimizer, coef: float) -> None:
+    """``optimizer.step()`` as if every gradient were multiplied by ``coef`` first.
+
+    Fused AdamW (torch's and a flat :class:`~trainers_fsdp.flat_adamw.FlatAdamW`) takes the
+    factor as ``grad_scale``, by which it divides each gradient as it reads it, the hook AMP's
+    grad scaler uses: clipping then costs no pass of its own over the gradients. Other
+    optimizers get the gradients scaled in place.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if coef != 1.0:
+        flat = isinstance(optimizer, FlatAdamW) and optimizer.is_flat
+        if flat or optimizer.defaults.get("fused"):
+            device = params[0].device
+            optimizer.grad_scale = torch.full((), 1.0 / coef, device=device)
+        else:
+            torch._foreach_mul_([p.grad for p in params if p.grad is not None], coef)
     try:
         optimizer.step()
     finally:
-        optimizer.found_inf = optimizer.grad_scale = None
-    return norm
+        optimizer.grad_scale = None
