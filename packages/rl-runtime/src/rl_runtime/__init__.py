@@ -6,6 +6,7 @@ from rl_runtime.checkpoint import CheckpointManager
 from rl_runtime.config import ConfigError, option, parse_config, to_dict, to_json
 from rl_runtime.data import PromptSampler
 from rl_runtime.evaluation import eval_prompts, evaluate
+from rl_runtime.gc_policy import PeriodicGC
 from rl_runtime.loop import GrpoLoopConfig, GrpoParts, run_grpo
 from rl_runtime.metrics import RunLogger, plot_metrics, read_metrics
 from rl_runtime.placement import Placement, create_placement, init_ray
@@ -21,6 +22,7 @@ __all__ = [
     "EngineWorker",
     "GrpoLoopConfig",
     "GrpoParts",
+    "PeriodicGC",
     "Placement",
     "PreflightError",
     "PromptSampler",

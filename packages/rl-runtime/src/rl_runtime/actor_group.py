@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 
+from rl_runtime.gc_policy import PeriodicGC
 from rl_runtime.placement import Placement
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class TrainWorker:
         master_port: int | None,
         factory: Callable[[], Any],
         log_level: str = "WARNING",
+        gc_every: int = 50,
     ) -> None:
         _configure_worker_logging(log_level)
         self.rank = rank
@@ -56,6 +58,7 @@ class TrainWorker:
                 MASTER_PORT=str(master_port),
             )
         self.actor = factory()
+        self._gc = PeriodicGC(gc_every)  # no collector pauses inside a step
 
     def address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), _free_port()
@@ -64,7 +67,9 @@ class TrainWorker:
         return self.actor.compute_logprobs(batch, reference=reference)
 
     def train_step(self, batch: Any, loss: str = "grpo") -> dict[str, float]:
-        return self.actor.train_step(batch, loss=loss)
+        metrics = self.actor.train_step(batch, loss=loss)
+        self._gc.step()
+        return metrics
 
     def save_checkpoint(self, path: str) -> None:
         self.actor.save_checkpoint(path)
@@ -214,7 +219,10 @@ class TrainGroup:
         num_cpus: float = 0.25,
         tp_size: int = 1,
         log_level: str = "WARNING",
+        gc_every: int = 50,
     ) -> None:
+        """``gc_every``: each rank collects Python's garbage every that many train steps, with
+        automatic collection off (:class:`rl_runtime.gc_policy.PeriodicGC`); 0 leaves it on."""
         if world_size % tp_size:
             raise ValueError(f"world size {world_size} is not a multiple of TP size {tp_size}")
         remote_cls = ray.remote(TrainWorker)
@@ -235,7 +243,9 @@ class TrainGroup:
                 master = ray.get(probe.remote())
             addr, port = master if master else (None, None)
             self.workers.append(
-                remote_cls.options(**opts).remote(rank, world_size, addr, port, factory, log_level)
+                remote_cls.options(**opts).remote(
+                    rank, world_size, addr, port, factory, log_level, gc_every
+                )
             )
         ray.get([w.address.remote() for w in self.workers])  # surface construction errors now
         log.info("trainer group: %d rank(s) ready", world_size)
