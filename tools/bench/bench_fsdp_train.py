@@ -17,7 +17,10 @@ Each configuration (baseline, ours, each ``--variants`` entry) runs in a fresh p
 (``--same-process`` to run them in this one): in one process the first FSDP actor measured 20-27%
 slower than the same configuration built after it, so a shared process makes the order matter.
 
-MFU = 6 * params * tokens / time / 989e12 (H200 dense bf16 peak), per GPU. World size comes from
+Steps run back to back, as in a training loop (no device sync between them: the host may
+prepare the next step while the GPU finishes this one), with Python's garbage collection
+between steps as the trainer does it (``--python-gc``); the step time is the run's wall time
+over its steps. MFU = 6 * params * tokens / time / 989e12 (H200 dense bf16 peak), per GPU. World size comes from
 the environment, so ``torchrun --nproc-per-node N`` measures N GPUs (the baseline then runs on
 every GPU independently with the same per-GPU batch; ours shards one global batch of
 ``N * --batch`` samples). Prints both and the ratio; rank 0 writes ``--out`` JSON.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import logging
 import os
@@ -78,7 +82,7 @@ def parse_args() -> argparse.Namespace:
         "--image-size", type=int, default=None, help="image side in pixels (512 CUDA, 128 CPU)"
     )
     p.add_argument("--max-tokens-per-gpu", type=int, default=None, help="default: batch * seq-len")
-    p.add_argument("--steps", type=int, default=None, help="timed steps (default 5 CUDA, 2 CPU)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 10 CUDA, 2 CPU)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--loss", default="grpo", choices=["grpo", "sft"])
     p.add_argument("--attn", default="packed", help="ours: packed | sdpa | flash_attention_2")
@@ -121,6 +125,19 @@ def parse_args() -> argparse.Namespace:
         help="CUDA: run one more step of each configuration of ours with torch's sync debug "
         "mode and write each host-device sync with its Python stack to syncs_<name>.txt here",
     )
+    p.add_argument(
+        "--python-gc",
+        default="periodic",
+        choices=["periodic", "automatic"],
+        help="periodic (default): no automatic collection during the timed steps, as the "
+        "trainer runs (rl_runtime.PeriodicGC); automatic: Python's own, pauses mid-step",
+    )
+    p.add_argument(
+        "--host-phases",
+        action="store_true",
+        help="ours: log each timed step's host time by phase (packing, forward/backward "
+        "launch, waiting for the metrics, the update launch): finds host stalls",
+    )
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch default if unset)")
     p.add_argument(
         "--same-process",
@@ -136,7 +153,7 @@ def parse_args() -> argparse.Namespace:
     args.batch = args.batch or (8 if cuda else 4)
     args.seq_len = args.seq_len or (1024 if cuda else 256)
     args.image_size = args.image_size or (512 if cuda else 128)
-    args.steps = args.steps or (5 if cuda else 2)
+    args.steps = args.steps or (10 if cuda else 2)
     args.max_tokens_per_gpu = args.max_tokens_per_gpu or args.batch * args.seq_len
     return args
 
@@ -168,19 +185,33 @@ def sync(device: torch.device) -> None:
 
 
 def time_steps(step_fn, args, device) -> list[float]:
-    times = []
-    for i in range(args.warmup + args.steps):
-        sync(device)
-        start = time.perf_counter()
+    """Seconds of each timed step, back to back as a training loop runs them: the device is
+    synchronised only before the first and after the last, so the host may pack and launch
+    step i+1 while the GPU finishes step i (each step's own host reads still wait). Each
+    interval is host time between step starts; the last one runs to the final sync, so the
+    intervals sum to the wall time of the whole run."""
+    for _ in range(args.warmup):
         step_fn()
-        sync(device)
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
-    return times
+    periodic = args.python_gc == "periodic"
+    if periodic:  # as rl_runtime.PeriodicGC runs the trainer: collect between steps only
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+    sync(device)
+    marks = [time.perf_counter()]
+    for _ in range(args.steps):
+        step_fn()
+        marks.append(time.perf_counter())
+    sync(device)
+    marks[-1] = time.perf_counter()
+    if periodic:
+        gc.unfreeze()
+        gc.enable()
+    return [b - a for a, b in itertools.pairwise(marks)]
 
 
 def summarize(name: str, times: list[float], tokens_per_gpu: int, params: int, device) -> dict:
-    step = statistics.median(times)
+    step = statistics.fmean(times)  # wall time of the run over its steps
     tps = tokens_per_gpu / step
     out = {
         "step_time_s": step,
@@ -268,8 +299,13 @@ def run_ours(args, device: torch.device, name: str = "ours", **changes) -> tuple
     def step():
         metrics.update(held["actor"].train_step(held["batch"], loss=args.loss))
 
+    phases = watch_host_phases(actor) if args.host_phases else None
     times = time_steps(step, args, device)
     result = summarize(name, times, args.batch * args.seq_len, params, device)
+    if phases is not None:
+        result["host_phases_ms"] = phases[-args.steps :]
+        for i, row in enumerate(result["host_phases_ms"]):
+            log.info("step %d host ms: %s", i, "  ".join(f"{k} {v:.1f}" for k, v in row.items()))
     result["last_metrics"] = metrics
     if changes:
         result["config_changes"] = changes
@@ -278,6 +314,8 @@ def run_ours(args, device: torch.device, name: str = "ours", **changes) -> tuple
         log.info("%-8s %d aten ops per step", name, result["aten_ops_per_step"])
     if args.profile and actor.rank == 0:
         profile_step(step, args.profile / f"profile_{name}.txt", device, held["actor"].model)
+        if device.type == "cuda":
+            timeline_steps(step, args.profile / f"timeline_{name}.txt")
     if args.sync_debug and actor.rank == 0 and device.type == "cuda":
         report_syncs(step, args.sync_debug / f"syncs_{name}.txt")
     world = actor.world_size
@@ -285,6 +323,56 @@ def run_ours(args, device: torch.device, name: str = "ours", **changes) -> tuple
     held.clear()
     free(device)
     return result, params, world
+
+
+def watch_host_phases(actor) -> list[dict[str, float]]:
+    """Wrap the actor's step phases to record their host time, one dict per train_step: from
+    the step's start to its first packed micro-batch (``pack``), to the metrics read
+    (``launch``: forward and backward), the read itself (``wait``: the host waiting for the
+    GPU), the update launch (``update``), and the time since the previous step ended
+    (``between``)."""
+    rows: list[dict[str, float]] = []
+    marks: dict[str, float] = {}
+    plain = {n: getattr(actor, n) for n in ("train_step", "_micro_batches", "_read", "_update")}
+
+    def train_step(*a, **k):
+        marks["start"] = time.perf_counter()
+        row = {"between": 1e3 * (marks["start"] - marks.get("end", marks["start"]))}
+        out = plain["train_step"](*a, **k)
+        marks["end"] = time.perf_counter()
+        rows.append({**row, **{k: 1e3 * v for k, v in marks.pop("phases").items()}})
+        return out
+
+    def micro_batches(*a, **k):
+        for i, mb in enumerate(plain["_micro_batches"](*a, **k)):
+            if i == 0:
+                marks["packed"] = time.perf_counter()
+            yield mb
+
+    def read(*a, **k):
+        t = time.perf_counter()
+        out = plain["_read"](*a, **k)
+        marks["read"], marks["read_start"] = time.perf_counter(), t
+        return out
+
+    def update(*a, **k):
+        t = time.perf_counter()
+        out = plain["_update"](*a, **k)
+        marks["phases"] = {
+            "pack": marks["packed"] - marks["start"],
+            "launch": marks["read_start"] - marks["packed"],
+            "wait": marks["read"] - marks["read_start"],
+            "update": time.perf_counter() - t,
+        }
+        return out
+
+    actor.train_step, actor._micro_batches, actor._read, actor._update = (
+        train_step,
+        micro_batches,
+        read,
+        update,
+    )
+    return rows
 
 
 def free(device: torch.device) -> None:
@@ -509,6 +597,43 @@ def idle_by_launch_range(prof) -> dict[str, float]:
             out[name] = out.get(name, 0.0) + (k.start_ns() - end) / 1e6
         end = k.end_ns() if end is None else max(end, k.end_ns())
     return out
+
+
+def timeline_steps(step_fn, path: Path, steps: int = 3) -> None:
+    """``steps`` back-to-back steps with only the GPU's activity recorded (no host-side op
+    events, so the host runs near its unprofiled speed), written to ``path``: busy and idle
+    time, then the longest stretches of GPU idle with their offset and the kernels around
+    them. This is where the GPU waits on the host when nothing slows the host down."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(torch.device("cuda"))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step_fn()
+        sync(torch.device("cuda"))
+        wall_ms = (time.perf_counter() - start) * 1e3
+    events = sorted(_device_events(prof), key=lambda e: e.start_ns())
+    t0 = events[0].start_ns()
+    gaps, end, prev = [], events[0].end_ns(), events[0]
+    for e in events[1:]:
+        if e.start_ns() > end:
+            gaps.append((e.start_ns() - end, end - t0, prev.name(), e.name()))
+        if e.end_ns() > end:
+            end, prev = e.end_ns(), e
+    idle_ms = sum(g[0] for g in gaps) / 1e6
+    span_ms = (end - t0) / 1e6
+    lines = [
+        f"{steps} steps: wall {wall_ms:.1f} ms, first to last kernel {span_ms:.1f} ms, "
+        f"GPU idle {idle_ms:.1f} ms in {len(gaps)} gaps",
+        "",
+        f"{'idle us':>9}{'at ms':>9}  after -> before",
+    ]
+    for gap, at, before, after in sorted(gaps, reverse=True)[:40]:
+        lines.append(f"{gap / 1e3:>9.0f}{at / 1e6:>9.1f}  {before[:50]} -> {after[:50]}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    log.info("timeline: %s", lines[0])
 
 
 def _device_busy_ms(prof) -> float:

@@ -1,0 +1,146 @@
+"""The one-rank optimizer step: torch's AdamW over the master weights vs FlatAdamW.
+
+Both run the FSDP actor's sequence after a backward of one micro-batch, in the same process on
+parameters of a named shape (random values): the gradient norm, its host read, the clipped AdamW
+step and the cast into the bf16 weights, and zeroing the gradients.
+
+- baseline (``OptimConfig(flat_update=False)``): the bf16 gradient moved into float32, the
+  norm per tensor, torch's fused AdamW (foreach on CPU) over the float32 masters, one cast pass;
+- ours (the CUDA default): :class:`trainers_fsdp.flat_adamw.FlatAdamW`, the norm and one
+  compiled pass per group that reads the bf16 gradient and writes masters, moments and bf16
+  weights. On the CPU that pass runs uncompiled and is slower than torch's foreach AdamW, which
+  is why the actor uses it on CUDA only.
+
+CPU (small):  uv run python tools/bench/bench_flat_adamw.py --device cpu
+H200:         PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python tools/bench/bench_flat_adamw.py \\
+                  --device cuda --out flat_adamw.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("bench_flat_adamw")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--preset", default=None, help="model shape (qwen3-vl-2b on CUDA, tiny on CPU)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    args.preset = args.preset or ("qwen3-vl-2b" if args.device == "cuda" else "qwen3-vl-tiny")
+    return args
+
+
+def build_masters(preset: str, device: torch.device):
+    """MasterWeights over a model of ``preset``'s shapes, materialised on ``device`` with
+    random values (no checkpoint: only the shapes matter here)."""
+    from trainers_fsdp import MasterWeights
+    from vlm_models import build_model
+
+    with torch.device("meta"):
+        model = build_model(preset, dtype=torch.float32)
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty materialises a tied weight twice
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    return MasterWeights(model, torch.bfloat16, device)
+
+
+def time_config(args, device: torch.device, flat: bool) -> dict:
+    from trainers_fsdp import OptimConfig, build_optimizer
+    from trainers_fsdp.flat_adamw import FlatAdamW
+    from trainers_fsdp.optim import clip_coefficient, grad_norm, step_with_scaled_grads
+
+    masters = build_masters(args.preset, device)
+    cfg = OptimConfig(lr=1e-6, weight_decay=0.01, max_grad_norm=1.0, flat_update=flat)
+    optimizer = build_optimizer(masters.module, cfg, device, masters)
+    assert isinstance(optimizer, FlatAdamW) and optimizer.is_flat == flat
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def backward() -> None:  # stands in for one micro-batch's backward (the same for both)
+        masters.before_backward()
+        masters.compute_grad.normal_(0.0, 1e-3, generator=gen)
+
+    def step() -> None:  # FsdpActor.train_step after its backward
+        if flat:
+            norm = optimizer.grad_norm()
+        else:
+            masters.ready_grads()
+            norm = grad_norm(masters.module.parameters())
+        step_with_scaled_grads(optimizer, clip_coefficient(float(norm), cfg.max_grad_norm))
+        masters.zero_grad()
+
+    times = []
+    for i in range(args.warmup + args.steps):
+        backward()
+        sync(device)
+        start = time.perf_counter()
+        step()
+        sync(device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    name = "ours" if flat else "baseline"
+    ms = 1e3 * statistics.median(times)
+    log.info(
+        "%-8s %.2f ms per optimizer step (%.1fM params)", name, ms, masters.num_trainable / 1e6
+    )
+    out = {"step_ms": ms, "step_times_ms": [1e3 * t for t in times]}
+    return out
+
+
+def free(device: torch.device) -> dict:
+    """Peak memory of the configuration just timed, then its memory released."""
+    out = {}
+    gc.collect()
+    if device.type == "cuda":
+        out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    return out
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args = parse_args()
+    device = torch.device(args.device)
+    baseline = time_config(args, device, flat=False)
+    baseline.update(free(device))
+    ours = time_config(args, device, flat=True)
+    ours.update(free(device))
+    ratio = baseline["step_ms"] / ours["step_ms"]
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "preset": args.preset,
+        "baseline": baseline,
+        "ours": ours,
+        "speedup": ratio,
+    }
+    print(
+        f"baseline {baseline['step_ms']:.2f} ms | ours {ours['step_ms']:.2f} ms | "
+        f"speedup {ratio:.2f}x"
+    )
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
