@@ -6,7 +6,9 @@ parameters: move the micro-batch's bf16 gradient into the float32 one, its norm,
 2B model that is about 98 GB of memory traffic. On the flat buffers the whole step is one
 elementwise kernel per group that reads the gradient as it is (bf16 when the step had one
 micro-batch), updates masters and moments and writes the bf16 weights and a zeroed gradient:
-about 64 GB, plus 4 GB for the norm (docs/performance.md measures 31 ms against 18 ms).
+about 64 GB, plus 4 GB for the norm: 18.7 ms instead of 31.9 on an H200
+(tools/bench/bench_flat_adamw.py, docs/performance.md). Uncompiled, on the CPU, the pass is
+slower than torch's foreach AdamW, so the actor uses it on CUDA only.
 
 The optimizer stays a ``torch.optim.AdamW``: its param groups, LR schedule and ``state_dict``
 (per-parameter ``exp_avg``, ``exp_avg_sq``, ``step``, under the model's names) are torch's, so
