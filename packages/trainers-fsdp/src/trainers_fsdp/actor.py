@@ -38,7 +38,7 @@ from trainers_fsdp.attention import PACKED_ATTENTION, PackedSeqInfo, register_pa
 from trainers_fsdp.checkpoint import load_checkpoint, save_checkpoint
 from trainers_fsdp.config import FsdpConfig
 from trainers_fsdp.distributed import all_reduce_, build_mesh, init_distributed, resolve_device
-from trainers_fsdp.flat_adamw import FlatAdamW
+from trainers_fsdp.flat_adamw import FlatAdamW, move_optimizer_state
 from trainers_fsdp.fused import fuse_rms_norms
 from trainers_fsdp.master import MasterWeights
 from trainers_fsdp.microbatch import MicroBatch, build_micro_batch, plan_micro_batches
@@ -436,10 +436,8 @@ class FsdpActor:
     def _grad_norm(self) -> Tensor:
         """The global norm of the accumulated gradients, on the device."""
         with record_function("fsdp_actor.grad_norm"):
-            if isinstance(self.optimizer, FlatAdamW) and self.optimizer.is_flat:
+            if isinstance(self.optimizer, FlatAdamW):  # the master weights' own buffers
                 return self.optimizer.grad_norm()
-            if self._masters is not None:
-                self._masters.ready_grads()
             return grad_norm(self._trained.parameters())
 
     def _update(self, grad_norm: float) -> dict[str, float]:
@@ -606,13 +604,7 @@ class FsdpActor:
         for p in self.model.parameters():
             if p.grad is not None:
                 p.grad = p.grad.to(device)
-        if isinstance(self.optimizer, FlatAdamW):
-            self.optimizer.to(device)
-        else:
-            for state in self.optimizer.state.values():
-                for k, v in state.items():
-                    if isinstance(v, Tensor):
-                        state[k] = v.to(device, non_blocking=True)
+        move_optimizer_state(self.optimizer, device)
         if device.type == "cpu":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()

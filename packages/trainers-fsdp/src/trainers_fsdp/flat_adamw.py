@@ -99,10 +99,7 @@ class FlatAdamW(torch.optim.AdamW):
     def to(self, device: torch.device) -> None:
         """Move the state (offload, onload) and re-point the per-parameter views."""
         if self._runs is None:
-            for state in self.state.values():
-                for k, v in state.items():
-                    if isinstance(v, Tensor):
-                        state[k] = v.to(device, non_blocking=True)
+            _move_state_tensors(self, device)
             return
         self.exp_avg = self.exp_avg.to(device, non_blocking=True)
         self.exp_avg_sq = self.exp_avg_sq.to(device, non_blocking=True)
@@ -118,8 +115,9 @@ class FlatAdamW(torch.optim.AdamW):
 
         Per parameter and then over the parameters, as ``torch.nn.utils.get_total_norm``
         does (one multi-tensor kernel): a single float32 reduction over the flat buffer is
-        off by several float32 roundings on the CPU, which sums it sequentially."""
-        grad = self.masters.single_grad()
+        off by several float32 roundings on the CPU, which sums it sequentially. Per tensor
+        (not flat), torch's step reads the float32 gradients, so they are made ready here."""
+        grad = self.masters.single_grad() if self.is_flat else None
         if grad is None:
             grad = self.masters.ready_grads()
         key = (grad.data_ptr(), grad.dtype)
@@ -175,6 +173,22 @@ class FlatAdamW(torch.optim.AdamW):
                 single,
             )
         masters.zero_grad(compute_grad_zeroed=single)
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Move an optimizer's state to ``device`` (offload, onload); a FlatAdamW keeps its
+    per-parameter state views of its flat buffers."""
+    if isinstance(optimizer, FlatAdamW):
+        optimizer.to(device)
+    else:
+        _move_state_tensors(optimizer, device)
+
+
+def _move_state_tensors(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in optimizer.state.values():
+        for k, v in state.items():
+            if isinstance(v, Tensor):
+                state[k] = v.to(device, non_blocking=True)
 
 
 def _adamw_update(

@@ -65,7 +65,6 @@ class MasterWeights:
         if dtype == torch.float32:
             raise ValueError("float32 compute needs no master weights: train the model directly")
         self.model = model
-        self.dtype = dtype
         named = list(model.named_parameters())  # a tied parameter once, under its first name
         layout = sorted(named, key=lambda item: (not item[1].requires_grad, item[1].dim() < 2))
         self._params = [p for _, p in layout]
@@ -131,10 +130,8 @@ class MasterWeights:
         """Move a pending bf16 gradient into the float32 accumulator and zero it."""
         if not self._pending:
             return
-        if self.grad is None:
-            self.grad = torch.empty(self.num_trainable, dtype=torch.float32, device=self.device)
-            self._bind_master_grads()
-        compiled_on(self.device, _move_grads)(self.grad, self.compute_grad, self._grad_empty)
+        grad = self._float32_grad()
+        compiled_on(self.device, _move_grads)(grad, self.compute_grad, self._grad_empty)
         self._pending, self._grad_empty = False, False
 
     @property
@@ -151,12 +148,15 @@ class MasterWeights:
         """The float32 gradient, everything accumulated moved into it (zeros if nothing)."""
         self._flush()
         if self._grad_empty:
-            if self.grad is None:
-                self.grad = torch.zeros(self.num_trainable, dtype=torch.float32, device=self.device)
-                self._bind()
-            else:
-                self.grad.zero_()
+            self._float32_grad().zero_()
             self._grad_empty = False
+        return self.grad
+
+    def _float32_grad(self) -> Tensor:
+        """The float32 accumulator (unfilled when new), bound as the masters' ``.grad``."""
+        if self.grad is None:
+            self.grad = torch.empty(self.num_trainable, dtype=torch.float32, device=self.device)
+            self._bind_master_grads()
         return self.grad
 
     @torch.no_grad()
