@@ -52,6 +52,33 @@ def test_precomputed_inputs_equal_the_towers_own(make_plain_model, batch):
     _assert_same(_run(hooked, pixels, grid), ref)
 
 
+def test_repeated_images_are_computed_once_and_equal_transformers(make_plain_model):
+    """A micro-batch repeats a group's image: per-image parts, concatenated, equal what
+    transformers' helpers compute for the whole grid (which would redo every repeat)."""
+    from transformers import vision_utils
+
+    model = make_plain_model()
+    inputs = VisionInputs.attach(model)
+    visual = model.model.visual
+    merge = visual.spatial_merge_size
+    assert merge == 2
+    grid = torch.tensor([[1, 4, 6], [1, 4, 6], [1, 2, 2], [1, 4, 6], [2, 6, 4]])
+    got = inputs.compute(grid)
+    indices, weights = vision_utils.get_vision_interpolation_indices_and_weights(
+        grid,
+        num_grid_per_side=visual.num_grid_per_side,
+        mode=visual.interpolation_mode,
+        align_corners=visual.interpolation_align_corners,
+        spatial_merge_size=merge,
+    )
+    torch.testing.assert_close(got["interp_indices"], indices, rtol=0, atol=0)
+    torch.testing.assert_close(got["interp_weights"], weights, rtol=0, atol=0)
+    expected_pos = vision_utils.get_vision_position_ids(grid, merge)
+    torch.testing.assert_close(got["position_ids"], expected_pos, rtol=0, atol=0)
+    torch.testing.assert_close(got["cu_seqlens"], vision_utils.get_vision_cu_seqlens(grid))
+    assert got["max_seqlen"] == 24  # one frame of the largest image
+
+
 def test_precomputed_inputs_are_really_used(make_plain_model, batch):
     """Wrong precomputed position ids change the output, so the hook's values reach the tower."""
     model = make_plain_model()

@@ -89,16 +89,27 @@ def sample_position_ids(
     image_grid_thw: Tensor | None,
     config_or_model: PretrainedConfig | nn.Module,
     mm_token_type_ids: Tensor | None = None,
+    *,
+    memo: dict | None = None,
 ) -> Tensor:
-    """M-RoPE ids ``[3, L]`` of one unpadded sample, computed by the model's ``get_rope_index``."""
+    """M-RoPE ids ``[3, L]`` of one unpadded sample, computed by the model's ``get_rope_index``.
+
+    ``memo`` (a dict shared over calls) reuses the ids of a sample's head, everything up to the
+    first text token after its last image, for later samples with the same token types and
+    images there: the ids of the text after the last image only count on from that token (the
+    rule of every Qwen-VL ``get_rope_index``; tested against the whole-sample computation). In
+    GRPO the samples of a group share the prompt and its image and differ in the response, so
+    one packed row computes each prompt's head once.
+    """
     owner, cls = _rope_owner(config_or_model)
     config = owner.config
     fn, wants_types = _rope_index_fn(cls)
     ids = input_ids.reshape(1, -1)
     kwargs: dict[str, Any] = {"image_grid_thw": image_grid_thw}
+    types_ = mm_token_type_ids if mm_token_type_ids is not None else mm_token_types(ids, config)
+    types_ = types_.reshape(1, -1)
     if wants_types:
-        types_ = mm_token_type_ids if mm_token_type_ids is not None else mm_token_types(ids, config)
-        kwargs["mm_token_type_ids"] = types_.reshape(1, -1)
+        kwargs["mm_token_type_ids"] = types_
     n_image_tokens = int((ids == config.image_token_id).sum())
     if image_grid_thw is None or len(image_grid_thw) == 0:
         if n_image_tokens:
@@ -111,8 +122,26 @@ def sample_position_ids(
             f"sample has {n_image_tokens} image tokens but image_grid_thw {image_grid_thw.tolist()} "
             f"needs {expected}"
         )
-    position_ids, _ = fn(owner, ids, **kwargs)
-    return position_ids[:, 0]
+    if memo is None:
+        position_ids, _ = fn(owner, ids, **kwargs)
+        return position_ids[:, 0]
+    # the head: through the first token after the last image (or the whole sample)
+    length = ids.shape[1]
+    head = min(int((types_[0] != 0).nonzero()[-1]) + 2, length)
+    key = (
+        types_[0, :head].to(torch.int8).cpu().numpy().tobytes(),
+        image_grid_thw.long().cpu().numpy().tobytes(),
+    )
+    head_ids = memo.get(key)
+    if head_ids is None:
+        if wants_types:
+            kwargs["mm_token_type_ids"] = types_[:, :head]
+        position_ids, _ = fn(owner, ids[:, :head], **kwargs)
+        head_ids = memo[key] = position_ids[:, 0]
+    if head == length:
+        return head_ids.clone()  # the memo's tensor stays the caller's to keep
+    steps = torch.arange(1, length - head + 1, dtype=head_ids.dtype, device=head_ids.device)
+    return torch.cat([head_ids, head_ids[:, -1:] + steps], dim=1)
 
 
 def packed_position_ids(
@@ -131,8 +160,9 @@ def packed_position_ids(
             f"{len(input_ids)} samples but {len(image_grid_thw)} image_grid_thw entries"
         )
     types_list = mm_token_type_ids or [None] * len(input_ids)
+    memo: dict = {}  # one prompt's head once per row (sample_position_ids)
     parts = [
-        sample_position_ids(ids, grid, config, types_)
+        sample_position_ids(ids, grid, config, types_, memo=memo)
         for ids, grid, types_ in zip(input_ids, image_grid_thw, types_list, strict=True)
     ]
     return torch.cat(parts, dim=1)

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 logger = logging.getLogger(__name__)
@@ -71,11 +72,36 @@ class VisionInputs:
 
     def compute(self, grid_thw: Tensor) -> dict[str, Any]:
         """The tower's inputs for images ``grid_thw`` (``[n, 3]``, CPU), as its forward would
-        compute them, plus ``max_seqlen`` as a Python int."""
+        compute them, plus ``max_seqlen`` as a Python int.
+
+        Every per-patch input depends only on its own image's grid, so each distinct grid is
+        computed once and the images' parts are concatenated: in GRPO the samples of a group
+        repeat one image, and a micro-batch holds whole groups."""
+        from transformers import vision_utils
+
+        grid = grid_thw.long().cpu()
+        parts: dict[tuple[int, ...], tuple[Tensor, Tensor, Tensor]] = {}
+        rows = [tuple(row) for row in grid.tolist()]
+        for i, row in enumerate(rows):
+            if row not in parts:
+                parts[row] = self._per_patch(grid[i : i + 1])
+        indices, weights, position_ids = (
+            torch.cat([parts[row][k] for row in rows]) for k in range(3)
+        )
+        cu_seqlens = vision_utils.get_vision_cu_seqlens(grid)
+        return {
+            "interp_indices": indices,
+            "interp_weights": weights,
+            "position_ids": position_ids,
+            "cu_seqlens": cu_seqlens,
+            "max_seqlen": int((cu_seqlens[1:] - cu_seqlens[:-1]).max()),
+        }
+
+    def _per_patch(self, grid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Interpolation taps, their weights and rotary position ids of the images ``grid``."""
         from transformers import vision_utils
 
         visual = self.visual
-        grid = grid_thw.long().cpu()
         indices, weights = vision_utils.get_vision_interpolation_indices_and_weights(
             grid,
             num_grid_per_side=visual.num_grid_per_side,
@@ -83,14 +109,8 @@ class VisionInputs:
             align_corners=visual.interpolation_align_corners,
             spatial_merge_size=visual.config.spatial_merge_size,
         )
-        cu_seqlens = vision_utils.get_vision_cu_seqlens(grid)
-        return {
-            "interp_indices": indices,
-            "interp_weights": weights,
-            "position_ids": vision_utils.get_vision_position_ids(grid, visual.spatial_merge_size),
-            "cu_seqlens": cu_seqlens,
-            "max_seqlen": int((cu_seqlens[1:] - cu_seqlens[:-1]).max()),
-        }
+        position_ids = vision_utils.get_vision_position_ids(grid, visual.spatial_merge_size)
+        return indices, weights, position_ids
 
     @contextmanager
     def use(self, inputs: dict[str, Any] | None) -> Iterator[None]:

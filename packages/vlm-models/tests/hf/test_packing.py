@@ -130,3 +130,40 @@ def test_qwen3_5_positions_match_but_packing_is_refused(samples, qwen3_vl_ids):
     assert not supports_packed_forward(cfg) and supports_packed_forward(tiny_config())
     with pytest.raises(NotImplementedError, match="linear-attention"):
         packed_inputs(_ids(samples), config=cfg)
+
+
+@pytest.mark.parametrize("preset", ["qwen3-vl-tiny", "qwen3-vl-moe-tiny", "qwen3.5-tiny"])
+def test_a_groups_shared_head_gives_each_samples_own_ids(samples, preset, qwen3_vl_ids):
+    """GRPO groups: one prompt, responses of several lengths (and one cut right after its
+    last image). The memo computes each prompt's head once; every sample's ids equal the
+    model's own computation on that sample alone."""
+    from vlm_models.presets import PRESETS
+
+    if preset not in PRESETS:
+        pytest.skip(f"{preset} needs a newer transformers")
+    cfg = tiny_config(preset, **(qwen3_vl_ids if preset.startswith("qwen3.5") else {}))
+    model = build_model(cfg).eval()
+    gen = torch.Generator().manual_seed(0)
+    ids, grids, types = [], [], []
+    for s in (samples[0], samples[2]):  # one image, then two images
+        prompt = s["input_ids"][0]
+        last_image = int((s["mm_token_type_ids"][0] != 0).nonzero()[-1])
+        group = [prompt[: last_image + 1], prompt]  # ends on the image; the whole prompt
+        group += [torch.cat([prompt, torch.randint(0, 1000, (n,), generator=gen)]) for n in (1, 7)]
+        for sample in group:
+            ids.append(sample)
+            grids.append(s["image_grid_thw"])
+            types.append((sample == cfg.image_token_id).int())
+    memo: dict = {}
+    ours = [
+        sample_position_ids(i, g, cfg, t, memo=memo)
+        for i, g, t in zip(ids, grids, types, strict=True)
+    ]
+    assert len(memo) == 4  # per prompt: the sample that ends on its image, and the others
+    for sample, grid, t, got in zip(ids, grids, types, ours, strict=True):
+        ref, _ = model.model.get_rope_index(
+            sample[None], mm_token_type_ids=t[None], image_grid_thw=grid
+        )
+        assert torch.equal(got, ref[:, 0])
+    packed = packed_position_ids(ids, grids, cfg, types)
+    assert torch.equal(packed, torch.cat(ours, dim=1))
