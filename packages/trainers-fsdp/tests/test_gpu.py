@@ -54,3 +54,21 @@ def test_master_weights_on_gpu_match_fsdp(make_config, batch, max_tokens):
     # one float32 rounding apart, so compare the loss only.
     got, ref = ours.train_step(batch, loss="sft"), fsdp.train_step(batch, loss="sft")
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4)
+
+
+def test_pinned_staging_on_gpu():
+    """Pinned buffers in turn: every micro-batch's pixels reach the GPU whole, although the
+    buffers are rewritten while earlier copies may still be queued."""
+    from trainers_fsdp.microbatch import PinnedStaging
+
+    staging = PinnedStaging()
+    device = torch.device("cuda")
+    torch.cuda._sleep(50_000_000)  # keep the stream busy so the copies queue behind it
+    gen = torch.Generator().manual_seed(0)
+    sent, got = [], []
+    for rows in (4096, 2048, 8192, 4096, 1024):
+        parts = [torch.randn(rows, 1536, generator=gen) for _ in range(2)]
+        sent.append(torch.cat(parts))
+        got.append(staging.copy_to(parts, device))
+    for expected, out in zip(sent, got, strict=True):
+        assert torch.equal(out.cpu(), expected)

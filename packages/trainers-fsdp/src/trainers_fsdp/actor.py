@@ -41,7 +41,12 @@ from trainers_fsdp.distributed import all_reduce_, build_mesh, init_distributed,
 from trainers_fsdp.flat_adamw import FlatAdamW, move_optimizer_state
 from trainers_fsdp.fused import fuse_rms_norms
 from trainers_fsdp.master import MasterWeights
-from trainers_fsdp.microbatch import MicroBatch, build_micro_batch, plan_micro_batches
+from trainers_fsdp.microbatch import (
+    MicroBatch,
+    PinnedStaging,
+    build_micro_batch,
+    plan_micro_batches,
+)
 from trainers_fsdp.optim import (
     build_optimizer,
     build_scheduler,
@@ -106,6 +111,8 @@ class FsdpActor:
         self.compile = config.compile  # None: decided by the model built (compile_by_default)
         self._vision_inputs: dict[int, VisionInputs | None] = {}  # by id(model)
         self._masters: MasterWeights | None = None  # one rank, low-precision compute
+        # pinned host buffers for the micro-batches' pixels, reused (microbatch.PinnedStaging)
+        self._staging = PinnedStaging() if self.device.type == "cuda" else None
         self.model = self._build(trainable=True)
         self.ref_model = self._build(trainable=False) if config.reference_model else None
         self.optimizer = build_optimizer(self._trained, config.optim, self.device, self._masters)
@@ -200,7 +207,7 @@ class FsdpActor:
                 mb = build_micro_batch(batch, indices, self.model_config, need_vision=need_vision)
                 if vision is not None and mb.image_grid_thw is not None:
                     mb.vision_inputs = vision.compute(mb.image_grid_thw)
-                mb = mb.to(self.device)
+                mb = mb.to(self.device, self._staging)
             yield mb
 
     def _forward(

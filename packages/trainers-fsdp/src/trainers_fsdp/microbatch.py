@@ -11,6 +11,7 @@ appends a one-image dummy sample (never in the loss) where a micro-batch has no 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, get_args
 
@@ -57,14 +58,18 @@ class MicroBatch:
             cu.append(cu[-1] + n)
         return cu
 
-    def to(self, device: torch.device) -> MicroBatch:
+    def to(self, device: torch.device, staging: PinnedStaging | None = None) -> MicroBatch:
         """The same micro-batch on ``device``: asynchronous copies from pinned host memory.
 
-        With precomputed vision inputs ``image_grid_thw`` stays on the host: the model then
-        reads it only as a list (its split sizes), which from a device tensor is a sync."""
+        The pixels are concatenated on the host straight into pinned memory: into ``staging``'s
+        reused buffers when given, else a fresh pinned tensor. With precomputed vision inputs
+        ``image_grid_thw`` stays on the host: the model then reads it only as a list (its split
+        sizes), which from a device tensor is a sync."""
         move = lambda t: None if t is None else to_device(t, device)  # noqa: E731
         pixels = self.pixel_values
-        if isinstance(pixels, list):  # one host concatenation, straight into pinned memory
+        if isinstance(pixels, list) and device.type == "cuda" and staging is not None:
+            pixels = staging.copy_to(pixels, device)
+        elif isinstance(pixels, list):  # one host concatenation, straight into pinned memory
             pixels = _pinned_cat(pixels) if device.type == "cuda" else torch.cat(pixels)
         return MicroBatch(
             indices=self.indices,
@@ -107,6 +112,59 @@ def _pinned_cat(parts: list[Tensor]) -> Tensor:
     rows = sum(p.shape[0] for p in parts)
     out = torch.empty((rows, *parts[0].shape[1:]), dtype=parts[0].dtype, pin_memory=True)
     return torch.cat(parts, out=out)
+
+
+class PinnedStaging:
+    """Reused pinned host buffers for the micro-batches' pixels, taken in turn.
+
+    A fresh pinned tensor per micro-batch goes through torch's caching host allocator, which
+    page-locks a new block (``cudaHostAlloc``, tens of milliseconds for the 2B benchmark's
+    50 MB of pixels) whenever none of its size is free yet: the H200 benchmark's steps stalled
+    15-49 ms in that allocation, on and off for the first steps of a run, and images of varying
+    sizes keep asking for new sizes. These buffers grow to the largest micro-batch and stay.
+    A buffer is written again only after the copy out of it has run on the device (an event
+    recorded behind the copy); with ``slots`` buffers in turn that copy is ``slots - 1``
+    micro-batches old, so the host practically never waits. ``pin=False`` (tests on the CPU)
+    keeps the same logic over plain memory.
+    """
+
+    def __init__(self, slots: int = 2, *, pin: bool = True) -> None:
+        self.pin = pin
+        self._buffers: list[Tensor | None] = [None] * slots
+        self._copied: list[Any] = [None] * slots  # torch.cuda.Event behind each buffer's copy
+        self._next = 0
+
+    def stage(self, parts: list[Tensor]) -> tuple[Tensor, int]:
+        """``torch.cat(parts)`` written into the next buffer; returns it and its slot."""
+        slot, self._next = self._next, (self._next + 1) % len(self._buffers)
+        if self._copied[slot] is not None:
+            self._copied[slot].synchronize()  # the copy out of it has run
+            self._copied[slot] = None
+        rows = sum(p.shape[0] for p in parts)
+        shape, dtype = (rows, *parts[0].shape[1:]), parts[0].dtype
+        nbytes = math.prod(shape) * dtype.itemsize
+        buffer = self._buffers[slot]
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            self._buffers[slot] = buffer
+        out = buffer[:nbytes].view(dtype).view(shape)
+        return torch.cat(parts, out=out), slot
+
+    def copy_to(self, parts: list[Tensor], device: torch.device) -> Tensor:
+        """``torch.cat(parts)`` on ``device``: staged in a buffer, then copied without
+        blocking (always a copy: the buffer is written again later)."""
+        staged, slot = self.stage(parts)
+        moved = staged.to(device, non_blocking=True, copy=True)
+        if device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self._copied[slot] = event
+        return moved
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory held."""
+        return sum(b.numel() for b in self._buffers if b is not None)
 
 
 def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
