@@ -70,6 +70,18 @@ def test_tiny_preset_and_overrides():
     assert cfg.warmup.warmup_sft_steps > 0 and cfg.data.dataset.startswith("synthetic")
 
 
+def test_fsdp_options_reach_the_actor_config():
+    from geo3k_sft.common import actor_config
+
+    def actor(argv: list[str]):
+        cfg = parse_grpo(["--preset", "tiny", *argv], env={})
+        return actor_config(cfg.model, cfg.run, cfg.model.model_name, cfg.optim)
+
+    assert actor(["--fsdp-replicate", "--no-compile"]).replicate
+    assert actor(["--fsdp-replicate", "--no-compile"]).compile is False
+    assert not actor([]).replicate  # FSDP sharding unless asked
+
+
 def test_print_config_and_help_as_processes():
     out = subprocess.run(
         [sys.executable, "apps/geo3k_grpo", "--preset", "tiny", "--print-config"],

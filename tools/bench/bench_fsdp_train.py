@@ -61,6 +61,7 @@ VARIANTS = {
     "layer_units": {"shard_layers": True, "shard_single_rank": True},
     "root_unit": {"shard_layers": False, "shard_single_rank": True},
     "keep_gathered": {"reshard_after_forward": False},  # several GPUs: no re-gather in backward
+    "replicate": {"replicate": True},  # several GPUs: whole model each, one gradient all-reduce
     "ac": {"activation_checkpointing": True},
     "bf16_reduce": {"reduce_dtype": "bfloat16"},
 }

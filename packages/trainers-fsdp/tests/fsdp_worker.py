@@ -34,11 +34,21 @@ CASES = [
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--replicate", action="store_true", help="FsdpConfig.replicate")
+    parser.add_argument("--bf16", action="store_true", help="bf16 compute (float32 masters)")
+    parser.add_argument("--reduce-dtype", default="float32", help="FsdpConfig.reduce_dtype")
+    parser.add_argument("--checkpoint", default=None, help="save here, then resume a fresh actor")
     args = parser.parse_args()
     # fused AdamW: the optimizer step below takes the no-host-sync path (sharded grad norm,
     # device-side clip), which must agree across world sizes too
     optim = OptimConfig(lr=1e-2, weight_decay=0.0, fused=True)
-    cfg: FsdpConfig = tiny_actor_config(max_tokens_per_gpu=64, optim=optim)
+    cfg: FsdpConfig = tiny_actor_config(
+        max_tokens_per_gpu=64,
+        optim=optim,
+        replicate=args.replicate,
+        param_dtype="bfloat16" if args.bf16 else None,
+        reduce_dtype=args.reduce_dtype,
+    )
     actor = FsdpActor(cfg)
     batch = mixed_batch()
     part = batch.select(shard(len(batch), actor.rank, actor.world_size))
@@ -56,6 +66,14 @@ def main() -> None:
     metrics = actor.train_step(part, loss="sft")
     params = actor.full_parameters()
     results["train_step"] = {"grad_norm": metrics["grad_norm"], "params": params}
+    if args.checkpoint:  # the step after a save, by this actor and by a fresh one resumed
+        actor.save_checkpoint(args.checkpoint)
+        expected = actor.train_step(part, loss="sft")["loss"]
+        fresh = FsdpActor(cfg)
+        fresh.load_checkpoint(args.checkpoint)
+        resumed = fresh.train_step(part, loss="sft")["loss"]
+        after = (actor.full_parameters(), fresh.full_parameters())
+        results["resume"] = {"losses": (expected, resumed), "params": after}
     if actor.rank == 0:
         torch.save(results, args.out)
     actor.close()

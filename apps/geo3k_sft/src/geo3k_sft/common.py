@@ -108,6 +108,12 @@ class ModelSection:
         "(default: on GPU for dense Qwen3-VL, otherwise off)",
     )
     max_tokens_per_gpu: int = option(16384, "micro-batch token budget per GPU")
+    fsdp_replicate: bool = option(
+        False,
+        "fsdp backend on several GPUs: each holds the whole model (bf16 over float32 masters) "
+        "and one all-reduce averages the gradients, instead of FSDP sharding; for models that "
+        "fit on one GPU",
+    )
     tensor_parallel: int = option(1, "megatron backend: tensor-parallel size")
     sequence_parallel: bool = option(False, "megatron backend: sequence parallel (needs TP > 1)")
 
@@ -339,6 +345,7 @@ def fsdp_config(
         activation_checkpointing=model.gradient_checkpointing,
         compile=model.compile,
         max_tokens_per_gpu=model.max_tokens_per_gpu,
+        replicate=model.fsdp_replicate,
         temperature=temperature,
         optim=optim,
         reference_model=reference_model,

@@ -5,7 +5,9 @@ process; every method is collective (all ranks call it, each with its own part o
 The model is a plain transformers model (``vlm_models.build_model``) with parallelism applied
 by :mod:`trainers_fsdp.parallelize`. In a world of one there is nothing to shard: the model
 trains directly, in bf16 over float32 master weights (:mod:`trainers_fsdp.master`), unless
-``FsdpConfig.shard_single_rank`` asks for FSDP anyway.
+``FsdpConfig.shard_single_rank`` asks for FSDP anyway. ``FsdpConfig.replicate`` trains that way
+on several ranks too, averaging the gradients with one all-reduce (data parallel without
+sharding, for models that fit on one GPU).
 """
 
 from __future__ import annotations
@@ -37,7 +39,13 @@ from rl_algos import (
 from trainers_fsdp.attention import PACKED_ATTENTION, PackedSeqInfo, register_packed_attention
 from trainers_fsdp.checkpoint import load_checkpoint, save_checkpoint
 from trainers_fsdp.config import FsdpConfig
-from trainers_fsdp.distributed import all_reduce_, build_mesh, init_distributed, resolve_device
+from trainers_fsdp.distributed import (
+    all_reduce_,
+    all_reduce_mean_,
+    build_mesh,
+    init_distributed,
+    resolve_device,
+)
 from trainers_fsdp.flat_adamw import FlatAdamW, move_optimizer_state
 from trainers_fsdp.fused import fuse_rms_norms
 from trainers_fsdp.master import MasterWeights
@@ -119,6 +127,7 @@ class FsdpActor:
         self.scheduler = build_scheduler(self.optimizer, config.optim)
         self.step = 0
         self._offloaded = False
+        self._grads_averaged = True  # replicate: nothing accumulated since the last average
         torch.manual_seed(config.seed + self.rank)
 
     # ----------------------------------------------------------------------------- building
@@ -154,7 +163,8 @@ class FsdpActor:
         # gains little, and FSDP's offload hooks inside compiled calls were never measured.
         if self.compile and not offload:
             apply_compile(model)
-        if self.world_size == 1 and not offload and not cfg.shard_single_rank:
+        whole = self.world_size == 1 or cfg.replicate  # every rank holds the whole model
+        if whole and not offload and not cfg.shard_single_rank:
             return self._place_single_rank(model, trainable=trainable)
         mp = mixed_precision_policy(self.param_dtype, _dtype(cfg.reduce_dtype))
         apply_fsdp(
@@ -399,6 +409,7 @@ class FsdpActor:
             self._masters.before_backward()
         with record_function("fsdp_actor.backward"):
             loss.backward()
+        self._grads_averaged = False
 
     def _micro_loss(
         self,
@@ -440,8 +451,27 @@ class FsdpActor:
         norm skips the update (reported as ``update_skipped``)."""
         return self._update(float(self._grad_norm()))
 
+    def _average_grads(self) -> None:
+        """Replicated ranks (``FsdpConfig.replicate``): average the accumulated gradients over
+        ranks before anything reads them (FSDP reduces inside its backward instead). Averaging
+        again after more backwards is still right: the averaged part is the same everywhere."""
+        if self._grads_averaged or not self.config.replicate or self.world_size == 1:
+            return
+        with record_function("fsdp_actor.all_reduce"):
+            if self._masters is not None:
+                self._masters.all_reduce_grads(_dtype(self.config.reduce_dtype))
+            else:  # float32 compute: one all-reduce over the gradients laid end to end
+                params = [p for p in self.model.parameters() if p.requires_grad]
+                grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+                flat = all_reduce_mean_(torch.cat([g.reshape(-1) for g in grads]))
+                parts = flat.split([g.numel() for g in grads])
+                for p, g, part in zip(params, grads, parts, strict=True):
+                    p.grad = g.copy_(part.view_as(g))
+        self._grads_averaged = True
+
     def _grad_norm(self) -> Tensor:
         """The global norm of the accumulated gradients, on the device."""
+        self._average_grads()
         with record_function("fsdp_actor.grad_norm"):
             if isinstance(self.optimizer, FlatAdamW):  # the master weights' own buffers
                 return self.optimizer.grad_norm()
@@ -471,6 +501,7 @@ class FsdpActor:
 
     def zero_grad(self) -> None:
         """Drop the accumulated gradients (:meth:`forward_backward` adds to them)."""
+        self._grads_averaged = True
         if self._masters is not None:
             self._masters.zero_grad()
         else:
@@ -483,6 +514,7 @@ class FsdpActor:
 
     def full_gradients(self) -> dict[str, Tensor]:
         """The accumulated gradients (full, float32 where reduced so), by name. Collective."""
+        self._average_grads()
         if self._masters is not None:
             self._masters.ready_grads()
         return {
@@ -622,6 +654,9 @@ class FsdpActor:
             raise RuntimeError("the actor is offloaded: call onload() first")
 
     def close(self) -> None:
-        """Destroy the process group if this actor created it."""
+        """Destroy the process group if this actor created it, once every rank is done with it
+        (a rank tearing gloo down while a peer still talks to it can abort the process)."""
         if self._owns_process_group and dist.is_initialized():
+            if self.world_size > 1:
+                dist.barrier()
             dist.destroy_process_group()

@@ -53,6 +53,11 @@ class FsdpConfig:
     # compute weights over flat float32 masters (trainers_fsdp.master). True wraps it in FSDP
     # anyway (the root only, see shard_layers), as a reference.
     shard_single_rank: bool = False
+    # Several ranks without FSDP: each holds the whole model as a world of one does (flat bf16
+    # weights over float32 masters) and the gradients are averaged by one all-reduce before
+    # they are read (norm, update). For models whose weights, gradients and AdamW state fit on
+    # one GPU (the 2B model peaks at ~58 GiB): no per-layer gathers, no DTensor optimizer.
+    replicate: bool = False
     # ZeRO-3 (True) or keep params gathered from forward to backward (False); None: True when
     # there is more than one rank (a world of one saves nothing by resharding).
     reshard_after_forward: bool | None = None

@@ -61,6 +61,20 @@ def build_mesh(device: torch.device) -> DeviceMesh:
     return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
 
 
+def all_reduce_mean_(tensor: torch.Tensor) -> torch.Tensor:
+    """In-place mean over all ranks: NCCL averages inside the collective, gloo (which has no
+    average) sums and divides."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
+        return tensor
+    if dist.get_backend() == "nccl":
+        dist.all_reduce(tensor, op=dist.ReduceOp.AVG)
+    else:
+        dist.all_reduce(tensor)
+        tensor.div_(world)
+    return tensor
+
+
 def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce, a no-op in a world of one. CPU tensors go through the GPU under
     NCCL (which reduces device tensors only)."""

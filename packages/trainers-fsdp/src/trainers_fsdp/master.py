@@ -27,6 +27,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import Tensor, nn
 
+from trainers_fsdp.distributed import all_reduce_mean_
+
 logger = logging.getLogger(__name__)
 
 
@@ -151,6 +153,14 @@ class MasterWeights:
             self._float32_grad().zero_()
             self._grad_empty = False
         return self.grad
+
+    @torch.no_grad()
+    def all_reduce_grads(self, reduce_dtype: torch.dtype) -> None:
+        """Average the accumulated gradient over all ranks (replicated data parallel): the
+        compute-dtype buffer itself when it holds one backward and ``reduce_dtype`` is its
+        dtype, else the float32 accumulator (everything moved into it first)."""
+        grad = self.single_grad() if reduce_dtype == self.compute_grad.dtype else None
+        all_reduce_mean_(self.ready_grads() if grad is None else grad)
 
     def _float32_grad(self) -> Tensor:
         """The float32 accumulator (unfilled when new), bound as the masters' ``.grad``."""
