@@ -35,10 +35,12 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
       fsdp_variants)
         run fsdp_eager 240 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --no-compile --out "$OUT/fsdp_eager.json"
         run fsdp_profile 300 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --steps 2 --profile "$OUT/profile" --sync-debug "$OUT/syncs" ;;
-      fsdp_scaling)  # ours on 2 and 4 GPUs (same per-GPU batch); compare with fsdp_train's 1 GPU
+      fsdp_scaling)  # ours on 2 and 4 GPUs (same per-GPU batch), FSDP and replicated; compare
+        # with fsdp_train's 1 GPU
         for n in 2 4; do
-          [ "$ngpu" -ge "$n" ] && run "fsdp_${n}gpu" 330 torchrun --standalone --nproc-per-node "$n" \
-            tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --out "$OUT/fsdp_train_${n}gpu.json"
+          [ "$ngpu" -ge "$n" ] && run "fsdp_${n}gpu" 420 torchrun --standalone --nproc-per-node "$n" \
+            tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --variants "${SCALING_VARIANTS:-replicate}" \
+            --out "$OUT/fsdp_train_${n}gpu.json"
         done ;;
       hf_profile) run hf_profile 200 python3 tools/bench/bench_hf_engine.py --device cuda --profile "$OUT/hf_profile.txt" ;;
       hf_engine) run hf_engine 300 python3 tools/bench/bench_hf_engine.py --device cuda --out "$OUT/hf_engine.json" ;;
