@@ -158,7 +158,9 @@ class MasterWeights:
     def all_reduce_grads(self, reduce_dtype: torch.dtype) -> None:
         """Average the accumulated gradient over all ranks (replicated data parallel): the
         compute-dtype buffer itself when it holds one backward and ``reduce_dtype`` is its
-        dtype, else the float32 accumulator (everything moved into it first)."""
+        dtype, else the float32 accumulator (everything moved into it first). Every rank must
+        take the same branch: the actor runs as many backwards on each (``plan_micro_batches``
+        gives every rank the same count)."""
         grad = self.single_grad() if reduce_dtype == self.compute_grad.dtype else None
         all_reduce_mean_(self.ready_grads() if grad is None else grad)
 
