@@ -331,17 +331,42 @@ def watch_host_phases(actor) -> list[dict[str, float]]:
     the step's start to its first packed micro-batch (``pack``), to the metrics read
     (``launch``: forward and backward), the read itself (``wait``: the host waiting for the
     GPU), the update launch (``update``), and the time since the previous step ended
-    (``between``)."""
+    (``between``). The packing's parts, summed over the step's micro-batches, follow:
+    ``build`` (token ids, M-RoPE positions, loss fields), ``vision`` (the tower's inputs) and
+    ``copy`` (pixels into pinned memory and every host-to-device copy); the pinned-memory
+    stalls of the sixth round (docs/performance.md) showed in ``copy``."""
+    import trainers_fsdp.actor as actor_module
+    from trainers_fsdp.microbatch import MicroBatch
+
     rows: list[dict[str, float]] = []
     marks: dict[str, float] = {}
+    parts = dict.fromkeys(("build", "vision", "copy"), 0.0)
     plain = {n: getattr(actor, n) for n in ("train_step", "_micro_batches", "_read", "_update")}
+
+    def timed(fn, key):
+        def run(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                parts[key] += time.perf_counter() - t
+
+        return run
+
+    actor_module.build_micro_batch = timed(actor_module.build_micro_batch, "build")
+    MicroBatch.to = timed(MicroBatch.to, "copy")
+    for vision in actor._vision_inputs.values():
+        if vision is not None:
+            vision.compute = timed(vision.compute, "vision")
 
     def train_step(*a, **k):
         marks["start"] = time.perf_counter()
         row = {"between": 1e3 * (marks["start"] - marks.get("end", marks["start"]))}
+        parts.update(dict.fromkeys(parts, 0.0))
         out = plain["train_step"](*a, **k)
         marks["end"] = time.perf_counter()
-        rows.append({**row, **{k: 1e3 * v for k, v in marks.pop("phases").items()}})
+        phases = {**marks.pop("phases"), **parts}
+        rows.append({**row, **{k: 1e3 * v for k, v in phases.items()}})
         return out
 
     def micro_batches(*a, **k):
