@@ -62,15 +62,15 @@ class MicroBatch:
         """The same micro-batch on ``device``: asynchronous copies from pinned host memory.
 
         The pixels are concatenated on the host straight into pinned memory: into ``staging``'s
-        reused buffers when given, else a fresh pinned tensor. With precomputed vision inputs
+        reused buffers when given, else a one-off pinned buffer. With precomputed vision inputs
         ``image_grid_thw`` stays on the host: the model then reads it only as a list (its split
         sizes), which from a device tensor is a sync."""
         move = lambda t: None if t is None else to_device(t, device)  # noqa: E731
         pixels = self.pixel_values
-        if isinstance(pixels, list) and device.type == "cuda" and staging is not None:
-            pixels = staging.copy_to(pixels, device)
-        elif isinstance(pixels, list):  # one host concatenation, straight into pinned memory
-            pixels = _pinned_cat(pixels) if device.type == "cuda" else torch.cat(pixels)
+        if isinstance(pixels, list) and device.type == "cuda":
+            pixels = (staging or PinnedStaging(slots=1)).copy_to(pixels, device)
+        elif isinstance(pixels, list):
+            pixels = torch.cat(pixels)
         return MicroBatch(
             indices=self.indices,
             lengths=self.lengths,
@@ -105,13 +105,6 @@ def to_device(t: Tensor, device: torch.device) -> Tensor:
     if not t.is_pinned():
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
-
-
-def _pinned_cat(parts: list[Tensor]) -> Tensor:
-    """``torch.cat(parts)`` written directly into pinned host memory (one host copy)."""
-    rows = sum(p.shape[0] for p in parts)
-    out = torch.empty((rows, *parts[0].shape[1:]), dtype=parts[0].dtype, pin_memory=True)
-    return torch.cat(parts, out=out)
 
 
 class PinnedStaging:
