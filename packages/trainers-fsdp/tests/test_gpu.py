@@ -57,7 +57,7 @@ def test_master_weights_on_gpu_match_fsdp(make_config, batch, max_tokens):
 
 
 def test_pinned_staging_on_gpu():
-    """Pinned buffers in turn: every micro-batch's pixels reach the GPU whole, although the
+    """Pinned buffers in turn: every micro-batch's tensors reach the GPU whole, although the
     buffers are rewritten while earlier copies may still be queued."""
     from trainers_fsdp.microbatch import PinnedStaging
 
@@ -68,7 +68,9 @@ def test_pinned_staging_on_gpu():
     sent, got = [], []
     for rows in (4096, 2048, 8192, 4096, 1024):
         parts = [torch.randn(rows, 1536, generator=gen) for _ in range(2)]
-        sent.append(torch.cat(parts))
-        got.append(staging.copy_to(parts, device))
+        ids = torch.randint(0, 150_000, (rows,), generator=gen)
+        sent.append([torch.cat(parts), ids, ids > 75_000])
+        got.append(staging.copy_to([parts, ids, ids > 75_000], device))
     for expected, out in zip(sent, got, strict=True):
-        assert torch.equal(out.cpu(), expected)
+        for e, o in zip(expected, out, strict=True):
+            assert o.is_cuda and torch.equal(o.cpu(), e)

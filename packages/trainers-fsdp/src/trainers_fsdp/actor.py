@@ -239,7 +239,9 @@ class FsdpActor:
             kwargs["pixel_values"] = mb.pixel_values
             kwargs["image_grid_thw"] = mb.image_grid_thw
         if self.config.attn_implementation == PACKED_ATTENTION:
-            kwargs["packed_seq_info"] = PackedSeqInfo.from_lengths(mb.lengths, self.device)
+            kwargs["packed_seq_info"] = PackedSeqInfo(
+                mb.cu_seqlens, tuple(mb.lengths), max(mb.lengths)
+            )
         vision = self._vision_inputs.get(id(model))
         injected = nullcontext() if vision is None else vision.use(mb.vision_inputs)
         with record_function("fsdp_actor.forward"), injected:

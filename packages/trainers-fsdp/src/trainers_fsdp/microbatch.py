@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, get_args
 
@@ -36,8 +37,8 @@ class MicroBatch:
     lengths: list[int]  # token count of each packed sample, dummy included
     input_ids: Tensor  # LongTensor[T]
     position_ids: Tensor  # LongTensor[4, T]: text positions, then M-RoPE (t, h, w)
-    # FloatTensor[P, D], all images of the row; per-sample parts until moved (the concatenation
-    # then happens on the device, not as a large host copy)
+    # FloatTensor[P, D], all images of the row; per-sample parts until moved (then
+    # concatenated straight into the pinned staging buffer, not into a host tensor of its own)
     pixel_values: Tensor | list[Tensor] | None
     image_grid_thw: Tensor | None  # LongTensor[n_img, 3]
     fields: dict[str, Tensor]  # per-token training fields over the real tokens, [T_real]
@@ -46,6 +47,8 @@ class MicroBatch:
     loss_positions: Tensor  # LongTensor[R]: loss tokens that have a predecessor in their sample
     # the vision tower's precomputed inputs (trainers_fsdp.vision.VisionInputs), or None
     vision_inputs: dict[str, Any] | None = None
+    # int32 [n + 1]: sample boundaries (packed attention), set when moved to the device by .to
+    cu_seqlens: Tensor | None = None
 
     @property
     def num_real_tokens(self) -> int:
@@ -59,67 +62,71 @@ class MicroBatch:
         return cu
 
     def to(self, device: torch.device, staging: PinnedStaging | None = None) -> MicroBatch:
-        """The same micro-batch on ``device``: asynchronous copies from pinned host memory.
+        """The same micro-batch on ``device``, with :attr:`cu_seqlens` added.
 
-        The pixels are concatenated on the host straight into pinned memory: into ``staging``'s
-        reused buffers when given, else a one-off pinned buffer. With precomputed vision inputs
-        ``image_grid_thw`` stays on the host: the model then reads it only as a list (its split
-        sizes), which from a device tensor is a sync."""
-        move = lambda t: None if t is None else to_device(t, device)  # noqa: E731
-        pixels = self.pixel_values
-        if isinstance(pixels, list) and device.type == "cuda":
-            pixels = (staging or PinnedStaging(slots=1)).copy_to(pixels, device)
-        elif isinstance(pixels, list):
-            pixels = torch.cat(pixels)
+        Every host tensor goes through ``staging`` (on CUDA a one-off :class:`PinnedStaging`
+        when None) in one asynchronous copy from pinned memory, so the host goes on launching
+        kernels. With precomputed vision inputs ``image_grid_thw`` stays on the host: the model
+        then reads it only as a list (its split sizes), which from a device tensor is a sync."""
+        cu = torch.zeros(len(self.lengths) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(self.lengths), 0)
+        host_grid = self.vision_inputs is not None
+        named: dict[str, Any] = {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            "loss_positions": self.loss_positions,
+            "cu_seqlens": cu,
+            **{f"fields.{k}": v for k, v in self.fields.items()},
+        }
+        if self.pixel_values is not None:
+            named["pixel_values"] = self.pixel_values
+        if self.image_grid_thw is not None and not host_grid:
+            named["image_grid_thw"] = self.image_grid_thw
+        for k, v in (self.vision_inputs or {}).items():
+            if isinstance(v, Tensor):
+                named[f"vision_inputs.{k}"] = v
+        if staging is not None or device.type == "cuda":
+            moved = (staging or PinnedStaging(slots=1)).copy_to(list(named.values()), device)
+            out = dict(zip(named, moved, strict=True))
+        else:
+            out = {
+                k: (torch.cat(v) if isinstance(v, list) else v).to(device) for k, v in named.items()
+            }
         return MicroBatch(
             indices=self.indices,
             lengths=self.lengths,
-            input_ids=move(self.input_ids),
-            position_ids=move(self.position_ids),
-            pixel_values=move(pixels),
-            image_grid_thw=self.image_grid_thw
-            if self.vision_inputs is not None
-            else move(self.image_grid_thw),
-            fields={k: move(v) for k, v in self.fields.items()},
+            input_ids=out["input_ids"],
+            position_ids=out["position_ids"],
+            pixel_values=out.get("pixel_values"),
+            image_grid_thw=self.image_grid_thw if host_grid else out.get("image_grid_thw"),
+            fields={k: out[f"fields.{k}"] for k in self.fields},
             has_dummy=self.has_dummy,
             loss_units=self.loss_units,
-            loss_positions=move(self.loss_positions),
+            loss_positions=out["loss_positions"],
             vision_inputs=None
             if self.vision_inputs is None
-            else {
-                k: move(v) if isinstance(v, Tensor) else v for k, v in self.vision_inputs.items()
-            },
+            else {k: out.get(f"vision_inputs.{k}", v) for k, v in self.vision_inputs.items()},
+            cu_seqlens=out["cu_seqlens"],
         )
 
 
-def to_device(t: Tensor, device: torch.device) -> Tensor:
-    """Copy a host tensor to ``device`` without blocking the host.
-
-    A pageable source makes the CUDA copy synchronous (the driver stages it through its own
-    pinned buffer while the host waits); from pinned memory the copy is queued and the host
-    goes on launching kernels. torch's caching host allocator keeps the pinned block alive
-    until the copy has run.
-    """
-    if device.type != "cuda" or t.device.type != "cpu":
-        return t.to(device, non_blocking=True)
-    if not t.is_pinned():
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
-
-
 class PinnedStaging:
-    """Reused pinned host buffers for the micro-batches' pixels, taken in turn.
+    """Reused pinned host buffers through which each micro-batch reaches the device in one copy.
 
-    A fresh pinned tensor per micro-batch goes through torch's caching host allocator, which
-    page-locks a new block (``cudaHostAlloc``, tens of milliseconds for the 2B benchmark's
-    50 MB of pixels) whenever none of its size is free yet: the H200 benchmark's steps stalled
-    15-49 ms in that allocation, on and off for the first steps of a run, and images of varying
-    sizes keep asking for new sizes. These buffers grow to the largest micro-batch and stay.
-    A buffer is written again only after the copy out of it has run on the device (an event
-    recorded behind the copy); with ``slots`` buffers in turn that copy is ``slots - 1``
-    micro-batches old, so the host practically never waits. ``pin=False`` (tests on the CPU)
-    keeps the same logic over plain memory.
+    Every host tensor of a micro-batch (the pixels, the ids and positions, the per-token fields,
+    the vision inputs, the sample boundaries) is written into one pinned buffer at an aligned
+    offset and moved with one asynchronous copy; on the device each tensor is a view of that
+    copy. Pinning each tensor on its own costs a dozen trips through torch's caching host
+    allocator per micro-batch, and one that finds no free block of the size page-locks new
+    memory (``cudaHostAlloc``: 15-49 ms for the 2B benchmark's 50 MB of pixels, measured on the
+    H200 machine). These buffers grow to the largest micro-batch and stay. A buffer is written
+    again only after the copy out of it has run on the device (an event recorded behind the
+    copy); with ``slots`` buffers in turn that copy is ``slots - 1`` micro-batches old, so the
+    host practically never waits. ``pin=False`` (tests on the CPU) keeps the same logic over
+    plain memory.
     """
+
+    ALIGN = 64  # bytes: every staged tensor starts at a multiple of this
 
     def __init__(self, slots: int = 2, *, pin: bool = True) -> None:
         self.pin = pin
@@ -127,37 +134,61 @@ class PinnedStaging:
         self._copied: list[Any] = [None] * slots  # torch.cuda.Event behind each buffer's copy
         self._next = 0
 
-    def stage(self, parts: list[Tensor]) -> tuple[Tensor, int]:
-        """``torch.cat(parts)`` written into the next buffer; returns it and its slot."""
-        slot, self._next = self._next, (self._next + 1) % len(self._buffers)
-        if self._copied[slot] is not None:
-            self._copied[slot].synchronize()  # the copy out of it has run
-            self._copied[slot] = None
-        rows = sum(p.shape[0] for p in parts)
-        shape, dtype = (rows, *parts[0].shape[1:]), parts[0].dtype
-        nbytes = math.prod(shape) * dtype.itemsize
-        buffer = self._buffers[slot]
-        if buffer is None or buffer.numel() < nbytes:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
-            self._buffers[slot] = buffer
-        out = buffer[:nbytes].view(dtype).view(shape)
-        return torch.cat(parts, out=out), slot
-
-    def copy_to(self, parts: list[Tensor], device: torch.device) -> Tensor:
-        """``torch.cat(parts)`` on ``device``: staged in a buffer, then copied without
-        blocking (always a copy: the buffer is written again later)."""
-        staged, slot = self.stage(parts)
-        moved = staged.to(device, non_blocking=True, copy=True)
+    def copy_to(
+        self, items: Sequence[Tensor | Sequence[Tensor]], device: torch.device
+    ) -> list[Tensor]:
+        """Each item on ``device``, in one copy: a tensor as it is, a list of tensors
+        concatenated along the first dimension. Always copies (the buffer is written again
+        later)."""
+        layout: list[tuple[list[Tensor], int, torch.dtype, tuple[int, ...]]] = []
+        size = 0
+        for item in items:
+            parts = [item] if isinstance(item, Tensor) else list(item)
+            first = parts[0]
+            shape = (
+                tuple(first.shape)
+                if len(parts) == 1
+                else (sum(p.shape[0] for p in parts), *first.shape[1:])
+            )
+            layout.append((parts, size, first.dtype, shape))
+            size += -(-math.prod(shape) * first.dtype.itemsize // self.ALIGN) * self.ALIGN
+        staged, slot = self._take(size)
+        views = []
+        for parts, offset, dtype, shape in layout:
+            views.append(view := _typed(staged, offset, dtype, shape))
+            if len(parts) == 1:
+                view.copy_(parts[0])
+            else:
+                torch.cat(parts, out=view)
+        moved = staged[:size].to(device, non_blocking=True, copy=True)
         if device.type == "cuda":
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
             self._copied[slot] = event
-        return moved
+        return [_typed(moved, offset, dtype, shape) for _, offset, dtype, shape in layout]
+
+    def _take(self, nbytes: int) -> tuple[Tensor, int]:
+        """The next buffer, at least ``nbytes`` long, once the copy out of it has run."""
+        slot, self._next = self._next, (self._next + 1) % len(self._buffers)
+        if self._copied[slot] is not None:
+            self._copied[slot].synchronize()
+            self._copied[slot] = None
+        buffer = self._buffers[slot]
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            self._buffers[slot] = buffer
+        return buffer, slot
 
     @property
     def nbytes(self) -> int:
         """Host memory held."""
         return sum(b.numel() for b in self._buffers if b is not None)
+
+
+def _typed(buffer: Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
+    """The bytes of ``buffer`` from ``offset`` viewed as a ``dtype`` tensor of ``shape``."""
+    n = math.prod(shape) * dtype.itemsize
+    return buffer[offset : offset + n].view(dtype).view(shape)
 
 
 def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
