@@ -111,11 +111,10 @@ def test_replicated_bf16_masters_match_fsdp(tmp_path, reduce_dtype):
     step_f, step_r = fsdp.pop("train_step"), replicated.pop("train_step")
     rel = 1e-5 if reduce_dtype == "float32" else 1e-2
     assert step_r["grad_norm"] == pytest.approx(step_f["grad_norm"], rel=rel)
-    if reduce_dtype == "float32":
-        for name, p in step_f["params"].items():
-            torch.testing.assert_close(step_r["params"][name], p, atol=1e-6, rtol=1e-5, msg=name)
-    else:  # bf16 gradients summed in another order: updates differ by bf16 noise
-        _assert_same_update(step_f["params"], step_r["params"], close=2e-4)
+    # gradients equal to float32 rounding (or bf16 noise, summed in another order), so Adam's
+    # update may flip where a gradient is ~0 (see _assert_same_update)
+    close = 1e-5 if reduce_dtype == "float32" else 2e-4
+    _assert_same_update(step_f["params"], step_r["params"], close=close)
     for case in [k for k in fsdp if k != "logprobs"]:
         g_f, g_r = fsdp[case]["grads"], replicated[case]["grads"]
         assert g_f.keys() == g_r.keys() and g_f
