@@ -19,7 +19,8 @@ slower than the same configuration built after it, so a shared process makes the
 
 Steps run back to back, as in a training loop (no device sync between them: the host may
 prepare the next step while the GPU finishes this one), with Python's garbage collection
-between steps as the trainer does it (``--python-gc``); the step time is the run's wall time
+between steps as the trainer does it (``--python-gc``) and with torch's CPU threads as the
+launchers give the trainer (``--threads``); the step time is the run's wall time
 over its steps. MFU = 6 * params * tokens / time / 989e12 (H200 dense bf16 peak), per GPU. World size comes from
 the environment, so ``torchrun --nproc-per-node N`` measures N GPUs (the baseline then runs on
 every GPU independently with the same per-GPU batch; ours shards one global batch of
@@ -139,7 +140,13 @@ def parse_args() -> argparse.Namespace:
         help="ours: log each timed step's host time by phase (packing, forward/backward "
         "launch, waiting for the metrics, the update launch): finds host stalls",
     )
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (torch default if unset)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch's CPU threads (default: 1 on CUDA, as the launchers' trainer actors run: Ray "
+        "sets OMP_NUM_THREADS to an actor's whole CPUs, 1 when colocated; torch's own on CPU)",
+    )
     p.add_argument(
         "--same-process",
         action="store_true",
@@ -696,9 +703,11 @@ def run_isolated(name: str) -> tuple[dict, int, int]:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args()
+    device = torch.device(args.device)
+    if args.threads is None and device.type == "cuda":
+        args.threads = 1
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -735,6 +744,7 @@ def main() -> None:
         "fused_rms_norm": not args.no_fused_norm,
         "shard_layers": args.shard_layers,
         "isolated": isolate,
+        "threads": torch.get_num_threads(),
         "baseline": baseline,
         "ours": ours,
         "variants": variants,
