@@ -84,6 +84,13 @@ def parse_args() -> argparse.Namespace:
         "--image-size", type=int, default=None, help="image side in pixels (512 CUDA, 128 CPU)"
     )
     p.add_argument("--max-tokens-per-gpu", type=int, default=None, help="default: batch * seq-len")
+    p.add_argument(
+        "--accum",
+        type=int,
+        default=1,
+        help="micro-batches of --batch samples per optimizer step (gradient accumulation, as "
+        "a GRPO step over a global batch runs): both paths step once per --accum micro-batches",
+    )
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 10 CUDA, 2 CPU)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--loss", default="grpo", choices=["grpo", "sft"])
@@ -218,6 +225,11 @@ def time_steps(step_fn, args, device) -> list[float]:
     return [b - a for a, b in itertools.pairwise(marks)]
 
 
+def tokens_per_step(args) -> int:
+    """Tokens one GPU trains per optimizer step."""
+    return args.accum * args.batch * args.seq_len
+
+
 def summarize(name: str, times: list[float], tokens_per_gpu: int, params: int, device) -> dict:
     step = statistics.fmean(times)  # wall time of the run over its steps
     tps = tokens_per_gpu / step
@@ -246,31 +258,36 @@ def run_baseline(args, device: torch.device) -> tuple[dict, int]:
     model.to(device).train()
     model.config.use_cache = False
     params = sum(p.numel() for p in model.parameters())
-    batch = make_batch(args, model.config, args.batch, seed=1)
-    ids = torch.stack(batch.input_ids).to(device)
-    inputs = dict(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        pixel_values=torch.cat(batch.pixel_values).to(device, dtype),
-        image_grid_thw=torch.cat(batch.image_grid_thw).to(device),
-        mm_token_type_ids=(ids == model.config.image_token_id).int(),
-        labels=ids,
-        use_cache=False,
-    )
+    batch = make_batch(args, model.config, args.batch * args.accum, seed=1)
+
+    def padded(start: int) -> dict:
+        rows = slice(start, start + args.batch)
+        ids = torch.stack(batch.input_ids[rows]).to(device)
+        return dict(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            pixel_values=torch.cat(batch.pixel_values[rows]).to(device, dtype),
+            image_grid_thw=torch.cat(batch.image_grid_thw[rows]).to(device),
+            mm_token_type_ids=(ids == model.config.image_token_id).int(),
+            labels=ids,
+            use_cache=False,
+        )
+
+    micro = [padded(i * args.batch) for i in range(args.accum)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
 
     def step():
-        loss = model(**inputs).loss
-        loss.backward()
+        for inputs in micro:
+            (model(**inputs).loss / len(micro)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     times = time_steps(step, args, device)
-    result = summarize("baseline", times, args.batch * args.seq_len, params, device)
+    result = summarize("baseline", times, tokens_per_step(args), params, device)
     if args.profile:
         profile_step(step, args.profile / "profile_baseline.txt", device, model)
-    model = optimizer = inputs = None  # free before building ours
+    model = optimizer = micro = None  # free before building ours
     free(device)
     return result, params
 
@@ -300,7 +317,7 @@ def run_ours(args, device: torch.device, name: str = "ours", **changes) -> tuple
 
     actor = FsdpActor(ours_config(args, device, **changes))
     params = sum(p.numel() for p in actor.model.parameters())
-    batch = make_batch(args, actor.model.config, args.batch, seed=1 + actor.rank)
+    batch = make_batch(args, actor.model.config, args.batch * args.accum, seed=1 + actor.rank)
     metrics = {}
     held = {"actor": actor, "batch": batch}  # cleared below so the next variant has the memory
 
@@ -309,7 +326,7 @@ def run_ours(args, device: torch.device, name: str = "ours", **changes) -> tuple
 
     phases = watch_host_phases(actor) if args.host_phases else None
     times = time_steps(step, args, device)
-    result = summarize(name, times, args.batch * args.seq_len, params, device)
+    result = summarize(name, times, tokens_per_step(args), params, device)
     if phases is not None:
         result["host_phases_ms"] = phases[-args.steps :]
         for i, row in enumerate(result["host_phases_ms"]):
@@ -734,6 +751,7 @@ def main() -> None:
         "preset": args.preset,
         "params": params,
         "batch_per_gpu": args.batch,
+        "accum": args.accum,
         "seq_len": args.seq_len,
         "image_size": args.image_size,
         "max_tokens_per_gpu": args.max_tokens_per_gpu,
