@@ -3,7 +3,7 @@
 # Python 3.12, torch 2.11, transformers 5.17, offline). Wheels for what it lacks come from .whl/
 # (fill it with ../shared/tools/device-wheels). Each benchmark's JSON and one log go to $OUT.
 #
-#   bash tools/bench/gpu_suite.sh [logprobs] [patch_embed] [hf_engine] [fsdp_train] [megatron_parity] ...
+#   bash tools/bench/gpu_suite.sh [logprobs] [patch_embed] [hf_engine] [fsdp_train] [fsdp_accum] [megatron_parity] ...
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -32,6 +32,8 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
       patch_embed) run patch_embed 150 python3 tools/bench/bench_patch_embed.py --device cuda --out "$OUT/patch_embed.json" ;;
       megatron_parity) run megatron_parity 180 python3 tools/bench/bench_megatron_parity.py --device cuda --out "$OUT/megatron_parity.json" ;;
       fsdp_train) run fsdp_train 540 python3 tools/bench/bench_fsdp_train.py --device cuda --variants "${FSDP_VARIANTS:-fsdp_one_rank}" --out "$OUT/fsdp_train.json" ;;
+      fsdp_accum)  # four micro-batches per optimizer step, as a GRPO step over a global batch
+        run fsdp_accum 540 python3 tools/bench/bench_fsdp_train.py --device cuda --accum 4 --host-phases --out "$OUT/fsdp_accum.json" ;;
       fsdp_variants)
         run fsdp_eager 240 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --no-compile --out "$OUT/fsdp_eager.json"
         run fsdp_profile 300 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --steps 2 --profile "$OUT/profile" --sync-debug "$OUT/syncs" ;;
