@@ -22,7 +22,7 @@ from transformers import PretrainedConfig
 
 from rl_algos import LossAggMode, TrainBatch, loss_denominator, pack_by_token_budget
 from trainers_fsdp.distributed import all_reduce_
-from vlm_models import packed_position_ids
+from vlm_models import cu_seqlens_from_lengths, packed_position_ids
 
 logger = logging.getLogger(__name__)
 
@@ -68,14 +68,12 @@ class MicroBatch:
         when None) in one asynchronous copy from pinned memory, so the host goes on launching
         kernels. With precomputed vision inputs ``image_grid_thw`` stays on the host: the model
         then reads it only as a list (its split sizes), which from a device tensor is a sync."""
-        cu = torch.zeros(len(self.lengths) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(torch.tensor(self.lengths), 0)
         host_grid = self.vision_inputs is not None
         named: dict[str, Any] = {
             "input_ids": self.input_ids,
             "position_ids": self.position_ids,
             "loss_positions": self.loss_positions,
-            "cu_seqlens": cu,
+            "cu_seqlens": cu_seqlens_from_lengths(self.lengths),
             **{f"fields.{k}": v for k, v in self.fields.items()},
         }
         if self.pixel_values is not None:
@@ -153,9 +151,8 @@ class PinnedStaging:
             layout.append((parts, size, first.dtype, shape))
             size += -(-math.prod(shape) * first.dtype.itemsize // self.ALIGN) * self.ALIGN
         staged, slot = self._take(size)
-        views = []
         for parts, offset, dtype, shape in layout:
-            views.append(view := _typed(staged, offset, dtype, shape))
+            view = _typed(staged, offset, dtype, shape)
             if len(parts) == 1:
                 view.copy_(parts[0])
             else:
