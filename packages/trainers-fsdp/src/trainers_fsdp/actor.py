@@ -119,7 +119,7 @@ class FsdpActor:
         self.compile = config.compile  # None: decided by the model built (compile_by_default)
         self._vision_inputs: dict[int, VisionInputs | None] = {}  # by id(model)
         self._masters: MasterWeights | None = None  # one rank, low-precision compute
-        # pinned host buffers for the micro-batches' pixels, reused (microbatch.PinnedStaging)
+        # reused pinned host buffers: each micro-batch reaches the GPU in one copy (PinnedStaging)
         self._staging = PinnedStaging() if self.device.type == "cuda" else None
         self.model = self._build(trainable=True)
         self.ref_model = self._build(trainable=False) if config.reference_model else None
