@@ -54,8 +54,33 @@ def test_packed_attention_matches_per_sample_and_ignores_other_samples():
 
 @pytest.mark.gpu
 def test_varlen_kernel_matches_per_sample_on_gpu():
+    """FlashAttention's varlen op (GQA, causal within samples), forward and gradients."""
     lengths = [300, 1024, 77]
-    q, k, v = _inputs("cuda", torch.bfloat16, lengths)
+    q, k, v = (t.requires_grad_() for t in _inputs("cuda", torch.bfloat16, lengths))
     info = PackedSeqInfo.from_lengths(lengths, torch.device("cuda"))
     out, _ = packed_attention_forward(_Causal(), q, k, v, None, packed_seq_info=info)
-    torch.testing.assert_close(out, _per_sample_reference(q, k, v, lengths), atol=2e-2, rtol=2e-2)
+    ref = _per_sample_reference(q, k, v, lengths)
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_non_causal_varlen_matches_per_image_on_gpu():
+    """The vision blocks' call: every image attends within itself, in both directions."""
+    from trainers_fsdp.attention import flash_varlen
+
+    lengths = [64, 256, 16]
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in _inputs("cuda", torch.bfloat16, lengths))
+    k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    cu = torch.tensor([0, 64, 320, 336], dtype=torch.int32, device="cuda")
+    out = flash_varlen(q, k, v, cu, max(lengths), causal=False, scale=None)
+    start = 0
+    for n in lengths:
+        sl = slice(start, start + n)
+        ref = F.scaled_dot_product_attention(*(t[sl].transpose(0, 1) for t in (q, k, v)))
+        torch.testing.assert_close(out[sl], ref.transpose(0, 1), atol=2e-2, rtol=2e-2)
+        start += n

@@ -5,8 +5,8 @@ that by building a dense block-causal ``[T, T]`` mask, which rules out the flash
 spends the full ``T^2`` attention cost. This backend takes the sample boundaries
 (:class:`PackedSeqInfo`, passed as the ``packed_seq_info`` forward keyword) and runs
 
-- on CUDA with bf16/fp16, ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention / cuDNN
-  varlen kernels, torch >= 2.10) when present;
+- on CUDA with bf16/fp16, FlashAttention's varlen kernel (:func:`flash_varlen`, the aten op
+  that ``torch.nn.attention.varlen`` wraps);
 - otherwise one causal ``scaled_dot_product_attention`` per sample (flash / efficient kernels on
   GPU, the math kernel on CPU).
 
@@ -17,11 +17,8 @@ Non-causal modules (the vision blocks, which already split by image) and calls w
 
 from __future__ import annotations
 
-import inspect
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -51,37 +48,38 @@ class PackedSeqInfo:
         return cls(cu.to(device), tuple(int(x) for x in lengths), max(lengths))
 
 
-class _Varlen(NamedTuple):
-    fn: Callable
-    causal: dict  # keyword arguments that make varlen_attn causal
-    has_gqa: bool
-    has_scale: bool
+def _has_flash_varlen() -> bool:
+    """Whether this torch has FlashAttention's varlen kernel as an aten op (with autograd)."""
+    return hasattr(torch.ops.aten, "_flash_attention_forward")
 
 
-def _resolve_varlen() -> _Varlen | None:
-    """torch's ``varlen_attn`` and how to call it causally, or None when absent."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    params = inspect.signature(varlen_attn).parameters
-    if "window_size" in params:  # torch >= 2.11
-        causal = {"window_size": (-1, 0)}
-    elif "is_causal" in params:  # torch 2.10
-        causal = {"is_causal": True}
-    else:
-        return None
-    return _Varlen(varlen_attn, causal, "enable_gqa" in params, "scale" in params)
+# Read as a plain global in the forward (a cached-function call there made dynamo warn and trace
+# the resolver inside every compiled layer). Set to False when the kernel fails once (then
+# per-sample sdpa is used for the rest of the process).
+_FLASH_VARLEN: bool = _has_flash_varlen()
 
 
-# Resolved once at import, read as a plain global in the forward: a cached-function call there
-# made dynamo warn and trace the resolver inside every compiled layer. Set to None when
-# varlen_attn fails once (then per-sample sdpa is used for the rest of the process).
-_VARLEN: _Varlen | None = _resolve_varlen()
+def flash_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    """FlashAttention over the samples ``cu_seqlens`` (int32) of ``q``, ``k``, ``v``
+    (``[T, H, D]``; ``k`` and ``v`` may have fewer heads, GQA), as ``[T, H, D]``.
 
-
-def _repeat_kv(x: torch.Tensor, n_rep: int, dim: int) -> torch.Tensor:
-    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=dim)
+    The aten op itself rather than ``torch.nn.attention.varlen.varlen_attn``, which wraps it in
+    a Python custom op: that adds host work and a kernel per call in every layer, and its
+    list-typed argument keeps inductor's C++ wrapper from compiling the layer.
+    """
+    out = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, causal, False, scale=scale
+    )
+    return out[0]
 
 
 def packed_attention_forward(
@@ -102,40 +100,22 @@ def packed_attention_forward(
         )
     if dropout:
         raise ValueError("packed attention does not implement dropout")
+    global _FLASH_VARLEN
+    if _FLASH_VARLEN and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
+        q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [T, H, D]
+        cu, m = packed_seq_info.cu_seqlens, packed_seq_info.max_seqlen
+        if torch.compiler.is_compiling():  # no try/except in the traced graph
+            return flash_varlen(q, k, v, cu, m, causal=True, scale=scaling).unsqueeze(0), None
+        try:
+            return flash_varlen(q, k, v, cu, m, causal=True, scale=scaling).unsqueeze(0), None
+        except (RuntimeError, NotImplementedError) as err:
+            # An unsupported shape / build: use per-sample sdpa from now on, say so once.
+            logger.warning("flash varlen attention failed (%s); using per-sample sdpa", err)
+            _FLASH_VARLEN = False
     n_rep = query.shape[1] // key.shape[1]
     # a real bool: under torch.compile(dynamic=True) the head counts are symbolic, and sdpa's
     # enable_gqa does not take a SymBool (it broke the graph); branching specializes it.
     gqa = True if n_rep > 1 else False  # noqa: SIM210
-    global _VARLEN
-    varlen = _VARLEN
-    default_scale = query.shape[-1] ** -0.5
-    if (
-        varlen is not None
-        and query.is_cuda
-        and query.dtype in (torch.bfloat16, torch.float16)
-        and (varlen.has_scale or scaling is None or abs(scaling - default_scale) < 1e-12)
-    ):
-        fn, causal, has_gqa, has_scale = varlen
-        q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
-        k = key[0].transpose(0, 1).contiguous()
-        v = value[0].transpose(0, 1).contiguous()
-        extra = dict(causal)
-        if has_scale:
-            extra["scale"] = scaling
-        if has_gqa and gqa:
-            extra["enable_gqa"] = True
-        else:
-            k, v = _repeat_kv(k, n_rep, 1), _repeat_kv(v, n_rep, 1)
-        cu, m = packed_seq_info.cu_seqlens, packed_seq_info.max_seqlen
-        if torch.compiler.is_compiling():  # no try/except in the traced graph
-            return fn(q, k, v, cu, cu, m, m, **extra).unsqueeze(0), None
-        try:
-            out = fn(q, k, v, cu, cu, m, m, **extra)  # [T, H, D]
-            return out.unsqueeze(0), None
-        except (RuntimeError, NotImplementedError, TypeError) as err:
-            # An unsupported shape / build: use per-sample sdpa from now on, say so once.
-            logger.warning("varlen_attn failed (%s); using per-sample sdpa instead", err)
-            _VARLEN = None
     # split (not slicing): its backward concatenates the gradients once instead of
     # materialising a zero-filled full-size gradient per sample.
     # Indexing, not zip(): dynamo could not trace zip over the split tuples.

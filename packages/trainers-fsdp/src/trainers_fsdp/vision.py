@@ -63,12 +63,11 @@ def _vision_attention_forward(
     cos, sin = position_embeddings
     cos, sin = cos.unsqueeze(-2).to(q.dtype), sin.unsqueeze(-2).to(q.dtype)
     q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
-    varlen = attention._VARLEN
-    if varlen is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+    if attention._FLASH_VARLEN and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         cu = cu_seqlens.to(torch.int32)
         if max_seqlen is None:  # not precomputed: one device read
             max_seqlen = int((cu[1:] - cu[:-1]).max())
-        out = varlen.fn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=self.scaling)
+        out = attention.flash_varlen(q, k, v, cu, max_seqlen, causal=False, scale=self.scaling)
     else:
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
         outs = [
