@@ -48,15 +48,10 @@ class PackedSeqInfo:
         return cls(cu.to(device), tuple(int(x) for x in lengths), max(lengths))
 
 
-def _has_flash_varlen() -> bool:
-    """Whether this torch has FlashAttention's varlen kernel as an aten op (with autograd)."""
-    return hasattr(torch.ops.aten, "_flash_attention_forward")
-
-
-# Read as a plain global in the forward (a cached-function call there made dynamo warn and trace
-# the resolver inside every compiled layer). Set to False when the kernel fails once (then
-# per-sample sdpa is used for the rest of the process).
-_FLASH_VARLEN: bool = _has_flash_varlen()
+# Read as a plain global in the forward (dynamo traced a resolver called there into every
+# compiled layer). Set to False when the kernel fails once (then per-sample sdpa is used for the
+# rest of the process).
+_FLASH_VARLEN: bool = hasattr(torch.ops.aten, "_flash_attention_forward")
 
 
 def flash_varlen(
