@@ -76,7 +76,7 @@ def test_non_causal_varlen_matches_per_image_on_gpu():
     lengths = [64, 256, 16]
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in _inputs("cuda", torch.bfloat16, lengths))
     k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
-    cu = torch.tensor([0, 64, 320, 336], dtype=torch.int32, device="cuda")
+    cu = PackedSeqInfo.from_lengths(lengths, torch.device("cuda")).cu_seqlens
     out = flash_varlen(q, k, v, cu, max(lengths), causal=False, scale=None)
     start = 0
     for n in lengths:
