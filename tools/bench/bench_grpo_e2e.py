@@ -1,0 +1,222 @@
+"""The whole GRPO step, as a user runs it: the launcher itself, phase by phase, per backend.
+
+Builds an HF folder from a shape preset (random weights, the real Qwen3-VL tokenizer and
+processor), then runs ``apps/geo3k_grpo`` on it for ``--steps`` GRPO steps on Geometry3K rows,
+colocated, once per backend, in fresh processes. While each run goes, a thread samples the
+GPU's used memory (``nvidia-smi``, every process together: trainer, engine, Ray). Prints each
+backend's per-phase times (median over the steps after the first) and peak memory, and writes
+them as JSON.
+
+Data and tokenizer come from ``GLIMPSE_SHARED`` (default ``../shared``): ``models/Qwen3-VL-4B-
+Instruct`` (every Qwen3-VL size shares its tokenizer and processor) and ``data/geo3k``.
+
+    # H200: the 2B shape, 16 prompts x 8 samples, 384-token responses, 5 steps, both backends
+    python3 tools/bench/bench_grpo_e2e.py --out e2e.json
+    # CPU smoke run: a tiny model, 2 steps
+    uv run python tools/bench/bench_grpo_e2e.py --shape qwen3-vl-tiny --num-gpus 0 --steps 2 \
+        --rollout-batch-size 2 --n-samples 2 --max-response-len 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+PHASES = ("rollout", "reward", "logprobs", "train", "sync")
+
+
+def shared_dir() -> Path:
+    return Path(os.environ.get("GLIMPSE_SHARED", ROOT.parent / "shared")).resolve()
+
+
+def build_hf_folder(shape: str, tokenizer: Path, out: Path, seed: int) -> Path:
+    """A loadable HF folder: the preset's config with random weights, and the real processor."""
+    import torch
+
+    from vlm_data import build_processor
+    from vlm_models import build_model, preset_config
+
+    if (out / "config.json").is_file():
+        return out
+    torch.manual_seed(seed)
+    processor = build_processor(str(tokenizer))
+    config = preset_config(shape)
+    model = build_model(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    return out
+
+
+class GpuMemorySampler:
+    """Peak GPU memory in use, in total and per process (trainer, engine), from ``nvidia-smi``
+    every ``period`` s: the per-process peaks show which side of a colocated step holds what."""
+
+    def __init__(self, period: float = 0.5) -> None:
+        self.period = period
+        self.peak_mib = 0
+        self.peak_by_pid: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.available = shutil.which("nvidia-smi") is not None
+
+    def _query(self, what: str) -> list[list[str]]:
+        cmd = ["nvidia-smi", f"--query-{what}", "--format=csv,noheader,nounits"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout
+        return [[x.strip() for x in line.split(",")] for line in out.splitlines() if line.strip()]
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                used = self._query("gpu=memory.used")
+                self.peak_mib = max([self.peak_mib, *(int(row[0]) for row in used)])
+                for pid, mib in self._query("compute-apps=pid,used_memory"):
+                    self.peak_by_pid[pid] = max(self.peak_by_pid.get(pid, 0), int(mib))
+            except (subprocess.SubprocessError, ValueError):
+                pass
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> GpuMemorySampler:
+        if self.available:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self.available:
+            self._thread.join()
+
+
+def launcher_command(args: argparse.Namespace, backend: str, model: Path, run_dir: Path) -> list:
+    data = shared_dir() / "data" / "geo3k"
+    return [
+        sys.executable,
+        str(ROOT / "apps" / "geo3k_grpo"),
+        "--backend", backend,
+        "--model-name", str(model),
+        "--dataset", str(data),
+        "--train-split", args.train_split,
+        "--num-gpus", str(args.num_gpus),
+        "--num-rollout", str(args.steps),
+        "--rollout-batch-size", str(args.rollout_batch_size),
+        "--n-samples-per-prompt", str(args.n_samples),
+        "--global-batch-size", str(args.rollout_batch_size * args.n_samples),
+        "--rollout-max-response-len", str(args.max_response_len),
+        "--rollout-engine", "hf",
+        "--eval-interval", "0",
+        "--save-interval", "0",
+        "--warmup-sft-steps", "0",
+        "--output-dir", str(run_dir),
+        *args.extra,
+    ]  # fmt: skip
+
+
+def run_backend(args: argparse.Namespace, backend: str, model: Path) -> dict[str, Any]:
+    run_dir = Path(args.work_dir) / f"run_{backend}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = launcher_command(args, backend, model, run_dir)
+    print("+", " ".join(cmd), flush=True)
+    log_path = Path(args.work_dir) / f"{backend}.log"
+    start = time.perf_counter()
+    timed_out = False
+    with GpuMemorySampler() as mem, open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:  # keep what the finished steps logged
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    wall = time.perf_counter() - start
+    rows = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    result: dict[str, Any] = {
+        "backend": backend,
+        "returncode": proc.returncode,
+        "wall_s": round(wall, 1),
+        "steps_done": len(rows),
+        "timed_out": timed_out,
+        "peak_gpu_mib": mem.peak_mib if mem.available else None,
+        "peak_gpu_mib_by_pid": mem.peak_by_pid,
+        "log": str(log_path),
+    }
+    if proc.returncode != 0:
+        result["log_tail"] = log_path.read_text()[-4000:]
+    steady = rows[1:] or rows  # the first step includes compilation and allocator warm-up
+    for key in (*(f"time_{p}_s" for p in PHASES), "time_step_s"):
+        values = [r[key] for r in steady if key in r]
+        if values:
+            result[key] = round(statistics.median(values), 3)
+    for key in ("train_tokens_per_s", "rollout_tokens_per_s", "response_length_mean"):
+        values = [r[key] for r in steady if key in r]
+        if values:
+            result[key] = round(statistics.median(values), 1)
+    result["first_step_s"] = round(rows[0]["time_step_s"], 2) if rows else None
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", default="qwen3-vl-2b", help="vlm_models shape or tiny preset")
+    p.add_argument("--backends", default="fsdp,megatron")
+    p.add_argument("--num-gpus", type=int, default=1)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rollout-batch-size", type=int, default=16)
+    p.add_argument("--n-samples", type=int, default=8)
+    p.add_argument("--max-response-len", type=int, default=384)
+    p.add_argument("--train-split", default="validation", help="geo3k split to sample from")
+    p.add_argument("--work-dir", default="/tmp/bench_grpo_e2e")
+    p.add_argument("--timeout", type=float, default=1200, help="seconds per backend")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("extra", nargs="*", help="more launcher flags, after --")
+    args = p.parse_args(argv)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    tokenizer = shared_dir() / "models" / "Qwen3-VL-4B-Instruct"
+    t0 = time.perf_counter()
+    model = build_hf_folder(args.shape, tokenizer, work / f"model_{args.shape}", args.seed)
+    print(f"model folder {model} ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    results = [run_backend(args, b, model) for b in args.backends.split(",") if b]
+    header = f"{'backend':<9} {'rc':>3} {'steps':>5} {'step_s':>7} " + " ".join(
+        f"{ph:>9}" for ph in PHASES
+    )
+    print(header + f" {'train tok/s':>11} {'peak GiB':>8}")
+    for r in results:
+        phases = " ".join(f"{r.get(f'time_{ph}_s', float('nan')):9.2f}" for ph in PHASES)
+        peak = r["peak_gpu_mib"] / 1024 if r["peak_gpu_mib"] else float("nan")
+        print(
+            f"{r['backend']:<9} {r['returncode']:>3} {r['steps_done']:>5} "
+            f"{r.get('time_step_s', float('nan')):7.2f} {phases} "
+            f"{r.get('train_tokens_per_s', float('nan')):11.0f} {peak:8.1f}"
+        )
+        if r["returncode"]:
+            print(f"--- {r['backend']} failed; log tail:\n{r['log_tail']}")
+    if args.out:
+        meta = {"shape": args.shape, "python": platform.python_version(), "argv": sys.argv}
+        try:
+            import torch
+
+            meta["torch"] = torch.__version__
+            if torch.cuda.is_available():
+                meta["gpu"] = torch.cuda.get_device_name()
+        except ImportError:
+            pass
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
