@@ -86,6 +86,9 @@ class TrainWorker:
     def onload(self) -> None:
         self.actor.onload()
 
+    def release_cache(self) -> None:
+        self.actor.release_cache()
+
     def push_weights_distributed(
         self,
         engines: Sequence[Any],
@@ -290,6 +293,9 @@ class TrainGroup:
 
     def onload(self) -> None:
         ray.get([w.onload.remote() for w in self.workers])
+
+    def release_cache(self) -> None:
+        ray.get([w.release_cache.remote() for w in self.workers])
 
     def push_weights(self, rollout: RolloutGroup, bucket_bytes: int = 256 << 20) -> int:
         """Send the current weights to every engine, by the rollout group's transport:

@@ -163,6 +163,9 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
                 # 5. Weight sync: the engines sample from the updated policy next step.
                 with timer("sync"):
                     if p.offload_between_phases:
+                        # The trainer's allocator still caches the step's activations (over
+                        # 100 GiB for Megatron on a 2B model); the engine needs that memory.
+                        p.train.release_cache()
                         p.rollout.resume_memory()
                     p.train.push_weights(p.rollout, cfg.weight_bucket_mb << 20)
                     if p.offload_between_phases:

@@ -30,6 +30,11 @@ class TrainActor(Protocol):
 
     def onload(self) -> None: ...
 
+    def release_cache(self) -> None:
+        """Return the accelerator's cached, unused memory (the last phase's activations) to the
+        device, so that a colocated engine can take it while the weights stay in place."""
+        ...
+
 
 class PromptSource(Protocol):
     """Indexable prompts. `get(i)` returns a prompt (a `vlm_data.PromptSample`-like object with

@@ -636,6 +636,13 @@ class FsdpActor:
         self._move(self.device)
         self._offloaded = False
 
+    def release_cache(self) -> None:
+        """Give the allocator's cached, unused blocks back to the device (a colocated engine
+        resumes next); the model and optimizer state stay where they are."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
     def _move(self, device: torch.device) -> None:
         if self.device.type == "cpu":
             return

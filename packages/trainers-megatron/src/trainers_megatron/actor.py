@@ -480,19 +480,65 @@ class MegatronActor:
         self._move(self.device)
         self._offloaded = False
 
+    def release_cache(self) -> None:
+        """Give the allocator's cached, unused blocks back to the device (a colocated engine
+        resumes next); the model and optimizer state stay where they are."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_reserved()
+            torch.cuda.empty_cache()
+            logger.info(
+                "released %.1f GiB of cached GPU memory (%.1f GiB stays allocated)",
+                (before - torch.cuda.memory_reserved()) / 2**30,
+                torch.cuda.memory_allocated() / 2**30,
+            )
+
     def _move(self, device: torch.device) -> None:
         if self.device.type == "cpu":
             return
         with torch.no_grad():
+            self.model.to(device)  # parameters and buffers (rotary tables, vision embeddings)
             for t in {id(x): x for x in [*self.params, *self.masters]}.values():
                 t.data = t.data.to(device)
+                if t.grad is not None:
+                    t.grad = t.grad.to(device)
         for state in self.optimizer.state.values():
             for k, v in state.items():
                 if isinstance(v, Tensor):
                     state[k] = v.to(device)
         if device.type == "cpu":
+            torch.cuda.synchronize()
             torch.cuda.empty_cache()
+            _report_leftovers()
 
     def _require_onloaded(self) -> None:
         if self._offloaded:
             raise RuntimeError("the actor is offloaded: call onload() first")
+
+
+def _report_leftovers(threshold: int = 1 << 30) -> None:
+    """Warn, naming the largest live CUDA tensors, when an offload leaves memory behind: a
+    colocated engine needs it back, and the tensors' shapes say which reference still holds it."""
+    allocated = torch.cuda.memory_allocated()
+    if allocated < threshold:
+        return
+    import gc
+
+    live = {}
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, Tensor) and obj.is_cuda:
+                live[obj.untyped_storage().data_ptr()] = obj
+        except Exception:  # gc holds objects that refuse inspection
+            continue
+    largest = sorted(live.values(), key=lambda t: t.untyped_storage().nbytes(), reverse=True)
+    described = ", ".join(
+        f"{tuple(t.shape)} {t.dtype} {t.untyped_storage().nbytes() / 2**20:.0f} MiB"
+        for t in largest[:8]
+    )
+    logger.warning(
+        "offload left %.1f GiB allocated on the GPU (reserved %.1f GiB); largest live tensors: %s",
+        allocated / 2**30,
+        torch.cuda.memory_reserved() / 2**30,
+        described or "none reachable from Python",
+    )
