@@ -39,6 +39,7 @@ from rl_algos import (
     TrainBatch,
     aligned_logprobs,
     grpo_loss,
+    logprobs_from_logits,
     loss_denominator,
     pack_by_token_budget,
     sft_loss,
@@ -76,6 +77,7 @@ class MicroBatch:
     max_seqlen: int = 0  # the longest packed sample, known on the host
     image_positions: Tensor | None = None  # flat indices of the image tokens, from the host
     vision_inputs: dict | None = None  # the tower's inputs (vlm_models.VisionInputs)
+    loss_positions: Tensor | None = None  # tokens whose log-prob the loss needs (on device)
 
     @property
     def num_real(self) -> int:
@@ -209,6 +211,8 @@ class MegatronActor:
                 for name in _TOKEN_FIELDS
                 if getattr(batch, name) is not None
             }
+            masks = torch.cat([batch.loss_mask[i] for i in indices])
+            loss_positions = masks.nonzero()[:, 0].to(self.device)  # host mask, no device sync
             grid = image_positions = vision_inputs = None
             if with_images:
                 grid = torch.cat([grids_all[i] for i in with_images])
@@ -235,10 +239,15 @@ class MegatronActor:
                 max_seqlen=max(b - a for a, b in itertools.pairwise(cu)),
                 image_positions=image_positions,
                 vision_inputs=vision_inputs,
+                loss_positions=loss_positions,
             )
 
     def _logprobs(self, mb: MicroBatch) -> Tensor:
-        """Aligned log-probs ``[T_real]`` (float32) of a packed micro-batch."""
+        """Aligned log-probs ``[T_real]`` (float32) of a packed micro-batch.
+
+        Only the rows that predict loss tokens go through the output layer; other positions
+        hold 0, which the token alignment convention allows (as in the FSDP actor).
+        """
         longest = mb.max_seqlen
         packed = PackedSeqParams(
             qkv_format="thd",
@@ -247,6 +256,9 @@ class MegatronActor:
             max_seqlen_q=longest,
             max_seqlen_kv=longest,
         )
+        positions = mb.loss_positions
+        if positions is not None and positions.numel() == 0:
+            positions = None  # nothing to score: the plain path keeps the graph whole
         logits = self.model(
             mb.input_ids[None],
             mb.position_ids[:, None, :],
@@ -255,12 +267,25 @@ class MegatronActor:
             packed_seq_params=packed,
             image_positions=mb.image_positions,
             vision_inputs=mb.vision_inputs,
-        )[0]  # [T, V / tp]: this rank's slice of the vocabulary
+            logit_rows=None if positions is None else positions - 1,
+        )[0]  # [T or R, V / tp]: this rank's slice of the vocabulary
         temperature = self.config.temperature
+        if positions is None:
+            if self.tp_size == 1:
+                lp = aligned_logprobs(logits, mb.input_ids, mb.cu_seqlens, temperature)
+            else:
+                lp = _vocab_parallel_aligned_logprobs(
+                    logits, mb.input_ids, mb.cu_seqlens, temperature
+                )
+            return lp[: mb.num_real]
+        targets = mb.input_ids[positions]
         if self.tp_size == 1:
-            lp = aligned_logprobs(logits, mb.input_ids, mb.cu_seqlens, temperature)
-        else:
-            lp = _vocab_parallel_aligned_logprobs(logits, mb.input_ids, mb.cu_seqlens, temperature)
+            rows = logprobs_from_logits(logits, targets, temperature)
+        else:  # vocabulary-parallel: the full-vocabulary logits are never gathered
+            scaled = logits.float() / temperature
+            rows = -tensor_parallel.vocab_parallel_cross_entropy(scaled[:, None], targets[:, None])
+            rows = rows[:, 0]
+        lp = rows.new_zeros(mb.input_ids.shape[0]).index_copy(0, positions, rows)
         return lp[: mb.num_real]
 
     # ----------------------------------------------------------------------------- protocol

@@ -17,7 +17,8 @@ needs them while only the first holds the images.
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
@@ -187,6 +188,33 @@ class Qwen3VLMegatronModel(MegatronModule):
             context = context.view(batch, seq, *features.shape[1:]).transpose(0, 1).contiguous()
         return merged, context  # [S, B, H], [S, B, k, H]
 
+    @contextmanager
+    def _output_rows(self, rows: Tensor) -> Iterator[None]:
+        """Make the output layer project only ``rows`` of the sequence during this forward.
+
+        Under sequence parallelism the hidden states are first gathered (backward: this rank's
+        slice, since the layer then all-reduces the input gradient over TP as it does for a
+        replicated input), as Megatron's own last-token inference path does.
+        """
+        layer = self.language_model.output_layer
+        sequence_parallel = layer.sequence_parallel
+        project = layer.forward
+
+        def forward(hidden: Tensor, *args, **kwargs):
+            if sequence_parallel:
+                hidden = tensor_parallel.gather_from_sequence_parallel_region(
+                    hidden, tensor_parallel_output_grad=False
+                )
+            return project(hidden.index_select(0, rows), *args, **kwargs)
+
+        layer.forward = forward
+        layer.sequence_parallel = False
+        try:
+            yield
+        finally:
+            del layer.forward  # the class's method again
+            layer.sequence_parallel = sequence_parallel
+
     def forward(
         self,
         input_ids: Tensor,
@@ -201,10 +229,15 @@ class Qwen3VLMegatronModel(MegatronModule):
         runtime_gather_output: bool | None = None,
         image_positions: Tensor | None = None,
         vision_inputs: dict | None = None,
+        logit_rows: Tensor | None = None,
     ) -> Tensor:
         """Logits ``[B, S, vocab / tp]`` on the last stage (full vocab with
         ``runtime_gather_output=True``), or per-token losses with ``labels``; the hidden states
-        ``[S(/tp), B, H]`` on other stages.
+        ``[S(/tp), B, H]`` on other stages. With ``logit_rows`` (positions in the whole,
+        unscattered sequence; ``B == 1``) the output layer projects only those rows:
+        ``[1, R, vocab / tp]``. A GRPO step needs the rows that predict response tokens, a
+        fraction of a prompt-heavy VLM sequence, and the float32 logits of every row were most
+        of the step's memory.
 
         ``input_ids`` ``[B, S]`` (packed THD: ``[1, T]`` with ``packed_seq_params``),
         ``position_ids`` ``[3, B, S]`` from :func:`rope_position_ids`, ``attention_mask`` None
@@ -239,17 +272,19 @@ class Qwen3VLMegatronModel(MegatronModule):
                 if context is not None:
                     context = tensor_parallel.scatter_to_sequence_parallel_region(context)
             decoder_input = embeddings
-        return self.language_model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            decoder_input=decoder_input,
-            labels=labels,
-            loss_mask=loss_mask,
-            packed_seq_params=packed_seq_params,
-            extra_block_kwargs={"context": context} if context is not None else None,
-            runtime_gather_output=runtime_gather_output,
-        )
+        selected = self._output_rows(logit_rows) if logit_rows is not None else nullcontext()
+        with selected:
+            return self.language_model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                decoder_input=decoder_input,
+                labels=labels,
+                loss_mask=loss_mask,
+                packed_seq_params=packed_seq_params,
+                extra_block_kwargs={"context": context} if context is not None else None,
+                runtime_gather_output=runtime_gather_output,
+            )
 
 
 def build_megatron_model(
