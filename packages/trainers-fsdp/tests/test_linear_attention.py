@@ -1,0 +1,78 @@
+"""Qwen3.5 (gated delta net + full attention) through the actor: a packed micro-batch gives
+each sample the log-probs and gradients it gets alone."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import trainers_fsdp.actor as actor_module
+from trainers_fsdp import TINY_OVERRIDES, FsdpActor, synthetic_batch
+from vlm_models import tiny_config
+from vlm_models.presets import PRESETS
+
+# Two images and a text-only sample, packed into one row.
+LENGTHS, PATCHES = [24, 10, 14], [(4, 4), None, (2, 2)]
+
+
+def _batch(preset: str):
+    return synthetic_batch(tiny_config(preset, **TINY_OVERRIDES), LENGTHS, image_patches=PATCHES)
+
+
+def _packed_and_alone(actor: FsdpActor, batch) -> tuple[list, list]:
+    """Log-probs with every sample in one micro-batch, then with one sample per micro-batch."""
+    actor.config.max_tokens_per_gpu = sum(LENGTHS)
+    packed = actor.compute_logprobs(batch)
+    actor.config.max_tokens_per_gpu = 1  # each sample longer than the budget: one per row
+    alone = actor.compute_logprobs(batch)
+    return packed, alone
+
+
+@pytest.mark.parametrize(
+    ("preset", "atol"),
+    [("qwen3.5-tiny", 1e-5), ("qwen3.5-moe-tiny", 1e-5), ("qwen3-vl-tiny", 1e-6)],
+)
+def test_packed_logprobs_equal_one_sample_at_a_time(make_config, preset, atol):
+    """The FSDP actor's compute_logprobs; Qwen3-VL is the control (no linear attention)."""
+    if preset not in PRESETS:
+        pytest.skip(f"{preset} needs a newer transformers")
+    actor = FsdpActor(make_config(model=preset, logprobs_scope="all"))
+    packed, alone = _packed_and_alone(actor, _batch(preset))
+    for p, a in zip(packed, alone, strict=True):
+        torch.testing.assert_close(p, a, rtol=0, atol=atol)
+
+
+def test_packed_gradients_equal_one_sample_at_a_time(make_config):
+    """Training sees it too: one packed GRPO micro-batch accumulates the gradient of three."""
+    if "qwen3.5-tiny" not in PRESETS:
+        pytest.skip("Qwen3.5 needs a newer transformers")
+    batch = _batch("qwen3.5-tiny")
+    grads = []
+    for budget in (sum(LENGTHS), 1):
+        actor = FsdpActor(make_config(model="qwen3.5-tiny", max_tokens_per_gpu=budget))
+        metrics = actor.forward_backward(batch, loss="grpo")
+        assert metrics["num_micro_batches"] == (1 if budget > 1 else len(LENGTHS))
+        grads.append(actor.full_gradients())
+    assert grads[0].keys() == grads[1].keys()
+    for name, g in grads[0].items():
+        torch.testing.assert_close(g, grads[1][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_an_unpackable_model_runs_one_sample_per_micro_batch(make_config, monkeypatch, caplog):
+    """Linear-attention layers that do not reset at boundaries: the actor says so once and
+    never packs two samples into one row."""
+    if "qwen3.5-tiny" not in PRESETS:
+        pytest.skip("Qwen3.5 needs a newer transformers")
+    monkeypatch.setattr(actor_module, "pack_linear_attention", lambda model: 0)
+    with caplog.at_level(logging.WARNING, logger="trainers_fsdp.actor"):
+        actor = FsdpActor(make_config(model="qwen3.5-tiny", max_tokens_per_gpu=10_000))
+    warnings = [r for r in caplog.records if "one sample per micro-batch" in r.message]
+    assert len(warnings) == 1
+    batch = _batch("qwen3.5-tiny")
+    assert actor.forward_backward(batch, loss="grpo")["num_micro_batches"] == len(LENGTHS)
+    actor.zero_grad()
+    packed, alone = _packed_and_alone(actor, batch)
+    for p, a in zip(packed, alone, strict=True):
+        torch.testing.assert_close(p, a, rtol=0, atol=0)
