@@ -49,12 +49,13 @@ def test_packed_gradients_equal_one_sample_at_a_time(make_config):
     if "qwen3.5-tiny" not in PRESETS:
         pytest.skip("Qwen3.5 needs a newer transformers")
     batch = _batch("qwen3.5-tiny")
+    actor = FsdpActor(make_config(model="qwen3.5-tiny"))
     grads = []
-    for budget in (sum(LENGTHS), 1):
-        actor = FsdpActor(make_config(model="qwen3.5-tiny", max_tokens_per_gpu=budget))
-        metrics = actor.forward_backward(batch, loss="grpo")
-        assert metrics["num_micro_batches"] == (1 if budget > 1 else len(LENGTHS))
+    for budget, rows in ((sum(LENGTHS), 1), (1, len(LENGTHS))):
+        actor.config.max_tokens_per_gpu = budget
+        assert actor.forward_backward(batch, loss="grpo")["num_micro_batches"] == rows
         grads.append(actor.full_gradients())
+        actor.zero_grad()
     assert grads[0].keys() == grads[1].keys()
     for name, g in grads[0].items():
         torch.testing.assert_close(g, grads[1][name], rtol=1e-4, atol=1e-6, msg=name)
@@ -67,12 +68,9 @@ def test_an_unpackable_model_runs_one_sample_per_micro_batch(make_config, monkey
         pytest.skip("Qwen3.5 needs a newer transformers")
     monkeypatch.setattr(actor_module, "pack_linear_attention", lambda model: 0)
     with caplog.at_level(logging.WARNING, logger="trainers_fsdp.actor"):
-        actor = FsdpActor(make_config(model="qwen3.5-tiny", max_tokens_per_gpu=10_000))
+        actor = FsdpActor(make_config(model="qwen3.5-tiny"))
     warnings = [r for r in caplog.records if "one sample per micro-batch" in r.message]
     assert len(warnings) == 1
-    batch = _batch("qwen3.5-tiny")
-    assert actor.forward_backward(batch, loss="grpo")["num_micro_batches"] == len(LENGTHS)
-    actor.zero_grad()
-    packed, alone = _packed_and_alone(actor, batch)
-    for p, a in zip(packed, alone, strict=True):
+    packed, alone = _packed_and_alone(actor, _batch("qwen3.5-tiny"))
+    for p, a in zip(packed, alone, strict=True):  # bit-equal: the same one-sample rows
         torch.testing.assert_close(p, a, rtol=0, atol=0)
