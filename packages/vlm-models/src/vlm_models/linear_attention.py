@@ -145,12 +145,35 @@ def _packed_forward(
     return torch.cat(outs, dim=1)
 
 
+def _call_passes_keywords(owner: nn.Module, attr: str) -> bool:
+    """Whether ``owner``'s forward calls ``self.<attr>(...)`` with its ``**kwargs``, so the
+    ``packed_seq_info`` keyword reaches the layer (transformers 5.19's decoder layers do)."""
+    try:
+        source = inspect.getsource(type(owner).forward)
+    except (OSError, TypeError):
+        return False
+    call = rf"self\.{re.escape(attr)}\((?:[^()]|\([^()]*\))*\*\*kwargs"
+    return re.search(call, source) is not None
+
+
 def pack_linear_attention(model: nn.Module) -> int:
     """Give every linear-attention layer of ``model`` the boundary-resetting forward of this
-    module (parameters and names unchanged). Returns how many layers got it."""
+    module (parameters and names unchanged). Returns how many layers got it. A layer whose
+    decoder layer does not hand it the forward's keywords is left as it is (and logged), so
+    :func:`linear_attention_packs` stays False and callers run one sample per row."""
     count = 0
-    for module in model.modules():
-        if is_linear_attention(module) and not getattr(module, _PACKABLE, False):
+    for owner in model.modules():
+        for attr, module in owner.named_children():
+            if not is_linear_attention(module) or getattr(module, _PACKABLE, False):
+                continue
+            if not _call_passes_keywords(owner, attr):
+                logger.warning(
+                    "%s.%s does not receive the forward's keywords: its state cannot be reset "
+                    "at sample boundaries",
+                    type(owner).__name__,
+                    attr,
+                )
+                continue
             setattr(module, _VARLEN, varlen_kernels(module))
             module.forward = MethodType(_packed_forward, module)
             setattr(module, _PACKABLE, True)

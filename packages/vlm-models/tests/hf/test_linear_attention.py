@@ -80,3 +80,18 @@ def test_bad_rows_are_refused_and_cpu_uses_the_per_sample_path(qwen3_vl_ids):
         layer(hidden, packed_seq_info=bad)
     with pytest.raises(ValueError, match=r"one sequence \(\[1, T, hidden\]\)"):
         layer(hidden.expand(2, -1, -1), packed_seq_info=bad)
+
+
+def test_a_layer_that_would_not_get_the_boundaries_is_not_packed(qwen3_vl_ids):
+    """A decoder layer that calls its linear attention without the forward's keywords would
+    never hand it ``packed_seq_info``: that layer is left alone and the model does not pack."""
+    model = build_model("qwen3.5-tiny", **qwen3_vl_ids).eval()
+    decoder = model.model.language_model.layers[0]
+
+    class WithoutKeywords(type(decoder)):
+        def forward(self, hidden_states, **kwargs):
+            return self.linear_attn(hidden_states)
+
+    decoder.__class__ = WithoutKeywords
+    assert pack_linear_attention(model) == 2
+    assert not linear_attention_packs(model) and not supports_packed_forward(model)
