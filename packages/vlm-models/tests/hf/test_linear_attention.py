@@ -82,6 +82,26 @@ def test_bad_rows_are_refused_and_cpu_uses_the_per_sample_path(qwen3_vl_ids):
         layer(hidden.expand(2, -1, -1), packed_seq_info=bad)
 
 
+def test_kernel_resolution_is_read_from_transformers_own_wrapper():
+    """``varlen_kernels`` reads which implementation transformers' hub-kernel fallback picked:
+    a function of an importable package (here ``math.sqrt``) is a real kernel, the torch
+    reference is not."""
+    from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
+
+    from vlm_models.linear_attention import _real_kernel
+
+    def sqrt(x):
+        return x**0.5
+
+    def no_such_kernel(x):
+        return x
+
+    picked = use_kernel_func_from_hub_with_fallback("sqrt", "math")(sqrt)
+    reference = use_kernel_func_from_hub_with_fallback("no_such_kernel", "math")(no_such_kernel)
+    assert picked(4.0) == 2.0 and _real_kernel(picked)
+    assert not _real_kernel(reference) and not _real_kernel(sqrt)
+
+
 def test_a_layer_that_would_not_get_the_boundaries_is_not_packed(qwen3_vl_ids):
     """A decoder layer that calls its linear attention without the forward's keywords would
     never hand it ``packed_seq_info``: that layer is left alone and the model does not pack."""
