@@ -31,14 +31,19 @@ def _packed_and_alone(actor: FsdpActor, batch) -> tuple[list, list]:
 
 
 @pytest.mark.parametrize(
-    ("preset", "atol"),
-    [("qwen3.5-tiny", 1e-5), ("qwen3.5-moe-tiny", 1e-5), ("qwen3-vl-tiny", 1e-6)],
+    ("preset", "attn", "atol"),
+    [
+        ("qwen3.5-tiny", "packed", 1e-5),
+        ("qwen3.5-moe-tiny", "packed", 1e-5),
+        ("qwen3.5-tiny", "sdpa", 1e-5),  # transformers' full attention, boundaries by positions
+        ("qwen3-vl-tiny", "packed", 1e-6),
+    ],
 )
-def test_packed_logprobs_equal_one_sample_at_a_time(make_config, preset, atol):
+def test_packed_logprobs_equal_one_sample_at_a_time(make_config, preset, attn, atol):
     """The FSDP actor's compute_logprobs; Qwen3-VL is the control (no linear attention)."""
     if preset not in PRESETS:
         pytest.skip(f"{preset} needs a newer transformers")
-    actor = FsdpActor(make_config(model=preset, logprobs_scope="all"))
+    actor = FsdpActor(make_config(model=preset, attn_implementation=attn, logprobs_scope="all"))
     packed, alone = _packed_and_alone(actor, _batch(preset))
     for p, a in zip(packed, alone, strict=True):
         torch.testing.assert_close(p, a, rtol=0, atol=atol)
