@@ -9,25 +9,8 @@ import pytest
 import torch
 
 import trainers_fsdp.actor as actor_module
-from trainers_fsdp import TINY_OVERRIDES, FsdpActor, synthetic_batch
-from vlm_models import tiny_config
+from trainers_fsdp import FsdpActor
 from vlm_models.presets import PRESETS
-
-# Two images and a text-only sample, packed into one row.
-LENGTHS, PATCHES = [24, 10, 14], [(4, 4), None, (2, 2)]
-
-
-def _batch(preset: str):
-    return synthetic_batch(tiny_config(preset, **TINY_OVERRIDES), LENGTHS, image_patches=PATCHES)
-
-
-def _packed_and_alone(actor: FsdpActor, batch) -> tuple[list, list]:
-    """Log-probs with every sample in one micro-batch, then with one sample per micro-batch."""
-    actor.config.max_tokens_per_gpu = sum(LENGTHS)
-    packed = actor.compute_logprobs(batch)
-    actor.config.max_tokens_per_gpu = 1  # each sample longer than the budget: one per row
-    alone = actor.compute_logprobs(batch)
-    return packed, alone
 
 
 @pytest.mark.parametrize(
@@ -39,24 +22,26 @@ def _packed_and_alone(actor: FsdpActor, batch) -> tuple[list, list]:
         ("qwen3-vl-tiny", "packed", 1e-6),
     ],
 )
-def test_packed_logprobs_equal_one_sample_at_a_time(make_config, preset, attn, atol):
+def test_packed_logprobs_equal_one_sample_at_a_time(
+    make_config, make_small_batch, logprobs_packed_and_alone, preset, attn, atol
+):
     """The FSDP actor's compute_logprobs; Qwen3-VL is the control (no linear attention)."""
     if preset not in PRESETS:
         pytest.skip(f"{preset} needs a newer transformers")
     actor = FsdpActor(make_config(model=preset, attn_implementation=attn, logprobs_scope="all"))
-    packed, alone = _packed_and_alone(actor, _batch(preset))
+    packed, alone = logprobs_packed_and_alone(actor, make_small_batch(preset))
     for p, a in zip(packed, alone, strict=True):
         torch.testing.assert_close(p, a, rtol=0, atol=atol)
 
 
-def test_packed_gradients_equal_one_sample_at_a_time(make_config):
+def test_packed_gradients_equal_one_sample_at_a_time(make_config, make_small_batch):
     """Training sees it too: one packed GRPO micro-batch accumulates the gradient of three."""
     if "qwen3.5-tiny" not in PRESETS:
         pytest.skip("Qwen3.5 needs a newer transformers")
-    batch = _batch("qwen3.5-tiny")
+    batch = make_small_batch("qwen3.5-tiny")
     actor = FsdpActor(make_config(model="qwen3.5-tiny"))
     grads = []
-    for budget, rows in ((sum(LENGTHS), 1), (1, len(LENGTHS))):
+    for budget, rows in ((sum(batch.lengths), 1), (1, len(batch))):
         actor.config.max_tokens_per_gpu = budget
         assert actor.forward_backward(batch, loss="grpo")["num_micro_batches"] == rows
         grads.append(actor.full_gradients())
@@ -66,7 +51,9 @@ def test_packed_gradients_equal_one_sample_at_a_time(make_config):
         torch.testing.assert_close(g, grads[1][name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_an_unpackable_model_runs_one_sample_per_micro_batch(make_config, monkeypatch, caplog):
+def test_an_unpackable_model_runs_one_sample_per_micro_batch(
+    make_config, make_small_batch, logprobs_packed_and_alone, monkeypatch, caplog
+):
     """Linear-attention layers that do not reset at boundaries: the actor says so once and
     never packs two samples into one row."""
     if "qwen3.5-tiny" not in PRESETS:
@@ -76,6 +63,6 @@ def test_an_unpackable_model_runs_one_sample_per_micro_batch(make_config, monkey
         actor = FsdpActor(make_config(model="qwen3.5-tiny"))
     warnings = [r for r in caplog.records if "one sample per micro-batch" in r.message]
     assert len(warnings) == 1
-    packed, alone = _packed_and_alone(actor, _batch("qwen3.5-tiny"))
+    packed, alone = logprobs_packed_and_alone(actor, make_small_batch("qwen3.5-tiny"))
     for p, a in zip(packed, alone, strict=True):  # bit-equal: the same one-sample rows
         torch.testing.assert_close(p, a, rtol=0, atol=0)
