@@ -10,7 +10,8 @@ the FSDP actor's ``PackedSeqInfo``) and keeps each sample to itself:
 
 - ``varlen`` (CUDA, where transformers runs both real kernels: flash-linear-attention's
   ``chunk_gated_delta_rule`` and the ``causal_conv1d`` package): one call over the row, the delta
-  rule given ``cu_seqlens`` and the convolution ``seq_idx``, so both reset at each boundary;
+  rule given ``cu_seqlens`` and the convolution ``seq_idx``, so both reset at each boundary
+  (not yet run on a GPU: neither package is on the benchmark machine);
 - ``per-sample`` (otherwise, the torch reference path on the CPU included): the layer's own
   forward once per sample, outputs concatenated. The full-attention layers stay packed.
 
@@ -82,7 +83,7 @@ def varlen_kernels(layer: nn.Module) -> bool:
     """Whether ``layer`` can reset at boundaries in one call: its module runs fla's delta rule
     and the ``causal_conv1d`` kernel (both take boundaries: ``cu_seqlens``, ``seq_idx``) and its
     forward hands them on (it passes ``cu_seq_lens_q`` to the delta rule and its keywords to
-    the convolution, as transformers 5.19 does)."""
+    the convolution, as transformers 5.17 and 5.19 do)."""
     cls = type(layer)
     module = sys.modules.get(cls.__module__)
     names = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
@@ -147,7 +148,8 @@ def _packed_forward(
 
 def _call_passes_keywords(owner: nn.Module, attr: str) -> bool:
     """Whether ``owner``'s forward calls ``self.<attr>(...)`` with its ``**kwargs``, so the
-    ``packed_seq_info`` keyword reaches the layer (transformers 5.19's decoder layers do)."""
+    ``packed_seq_info`` keyword reaches the layer (the decoder layers of transformers 5.17 and
+    5.19 do)."""
     try:
         source = inspect.getsource(type(owner).forward)
     except (OSError, TypeError):
