@@ -40,6 +40,35 @@ def mixed_batch(seed: int = 0, grpo: bool = True):
     )
 
 
+# Two images and a text-only sample: short enough that one budget packs them into one row.
+SMALL_LENGTHS, SMALL_PATCHES = [24, 10, 14], [(4, 4), None, (2, 2)]
+
+
+def small_batch(preset: str):
+    """Three samples for ``preset`` (any tiny preset, with the small-vocabulary overrides)."""
+    config = tiny_config(preset, **TINY_OVERRIDES)
+    return synthetic_batch(config, SMALL_LENGTHS, image_patches=SMALL_PATCHES)
+
+
+def packed_and_alone(actor, batch) -> tuple[list, list]:
+    """Log-probs with every sample in one micro-batch, then with one sample per micro-batch."""
+    actor.config.max_tokens_per_gpu = sum(batch.lengths)
+    packed = actor.compute_logprobs(batch)
+    actor.config.max_tokens_per_gpu = 1  # each sample longer than the budget: one per row
+    alone = actor.compute_logprobs(batch)
+    return packed, alone
+
+
+@pytest.fixture
+def make_small_batch():
+    return small_batch
+
+
+@pytest.fixture
+def logprobs_packed_and_alone():
+    return packed_and_alone
+
+
 @pytest.fixture
 def batch():
     return mixed_batch()

@@ -39,11 +39,13 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true", help="bf16 compute (float32 masters)")
     parser.add_argument("--reduce-dtype", default="float32", help="FsdpConfig.reduce_dtype")
     parser.add_argument("--checkpoint", default=None, help="save here, then resume a fresh actor")
+    parser.add_argument("--model", default="qwen3-vl-tiny", help="a tiny preset")
     args = parser.parse_args()
     # fused AdamW: the optimizer step below takes the no-host-sync path (sharded grad norm,
     # device-side clip), which must agree across world sizes too
     optim = OptimConfig(lr=1e-2, weight_decay=0.0, fused=True)
     cfg: FsdpConfig = tiny_actor_config(
+        model=args.model,
         max_tokens_per_gpu=64,
         optim=optim,
         replicate=args.replicate,

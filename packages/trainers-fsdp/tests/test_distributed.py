@@ -97,6 +97,24 @@ def test_two_processes_match_one_process(tmp_path, one_process, flags):
 
 
 @pytest.mark.slow
+def test_qwen3_5_two_processes_match_one_process(tmp_path):
+    """Qwen3.5 sharded over two ranks: rows packed differently than on one rank (and rank 1's
+    text-only rows with the dummy image sample) give the same log-probs and gradients, so the
+    gated delta net's state stays inside each sample under FSDP too."""
+    one = _launch(1, tmp_path / "one.pt", "--model", "qwen3.5-tiny")
+    two = _launch(2, tmp_path / "two.pt", "--model", "qwen3.5-tiny")
+    for a, b in zip(one["logprobs"], two["logprobs"], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    cases = [k for k in one if k not in ("logprobs", "train_step")]
+    assert len(cases) == 3
+    for case in cases:
+        g1, g2 = one[case]["grads"], two[case]["grads"]
+        assert g1.keys() == g2.keys() and g1
+        for name in g1:
+            torch.testing.assert_close(g2[name], g1[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("reduce_dtype", ["float32", "bfloat16"])
 def test_replicated_bf16_masters_match_fsdp(tmp_path, reduce_dtype):
     """Two ranks in bf16 over float32 masters: replicated (flat buffers, one all-reduce of the

@@ -74,3 +74,19 @@ def test_pinned_staging_on_gpu():
     for expected, out in zip(sent, got, strict=True):
         for e, o in zip(expected, out, strict=True):
             assert o.is_cuda and torch.equal(o.cpu(), e)
+
+
+@pytest.mark.parametrize("preset", ["qwen3.5-tiny", "qwen3.5-moe-tiny"])
+def test_qwen3_5_packed_logprobs_equal_one_sample_at_a_time_on_gpu(
+    make_config, make_small_batch, logprobs_packed_and_alone, preset
+):
+    """Qwen3.5 on CUDA (float32, so a leak across samples, ~1e-2, stands out from rounding):
+    the varlen kernels where fla and causal_conv1d are installed, else the per-sample path."""
+    from vlm_models.presets import PRESETS
+
+    if preset not in PRESETS:
+        pytest.skip(f"{preset} needs a newer transformers")
+    actor = FsdpActor(make_config(model=preset, device="cuda", param_dtype="float32"))
+    packed, alone = logprobs_packed_and_alone(actor, make_small_batch(preset))
+    for p, a in zip(packed, alone, strict=True):
+        torch.testing.assert_close(p, a, rtol=0, atol=1e-4)

@@ -71,7 +71,13 @@ from trainers_fsdp.parallelize import (
 )
 from trainers_fsdp.vision import VisionInputs, fuse_vision_attention
 from trainers_fsdp.weights import export_hf_folder, iter_hf_weight_buckets
-from vlm_models import build_model, remove_host_syncs
+from vlm_models import (
+    build_model,
+    has_linear_attention,
+    pack_linear_attention,
+    remove_host_syncs,
+    supports_packed_forward,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +129,17 @@ class FsdpActor:
         self._staging = PinnedStaging() if self.device.type == "cuda" else None
         self.model = self._build(trainable=True)
         self.ref_model = self._build(trainable=False) if config.reference_model else None
+        # Linear-attention layers get the sample boundaries too (their state resets there).
+        self._linear_attention = has_linear_attention(self.model.config)
+        self._one_per_micro_batch = not all(
+            supports_packed_forward(m) for m in (self.model, self.ref_model) if m is not None
+        )
+        if self._one_per_micro_batch:
+            logger.warning(
+                "%s: a packed forward would mix samples (linear-attention layers that do not "
+                "reset at sample boundaries); running one sample per micro-batch",
+                type(self.model).__name__,
+            )
         self.optimizer = build_optimizer(self._trained, config.optim, self.device, self._masters)
         self.scheduler = build_scheduler(self.optimizer, config.optim)
         self.step = 0
@@ -153,6 +170,7 @@ class FsdpActor:
         if cfg.fused_vision_attention:
             fuse_vision_attention(model)
         remove_host_syncs(model)  # counts are checked on the host, in build_micro_batch
+        pack_linear_attention(model)  # Qwen3.5: recurrent state reset at sample boundaries
         self._vision_inputs[id(model)] = VisionInputs.attach(model)
         if trainable and cfg.activation_checkpointing:
             apply_ac(model)
@@ -209,7 +227,11 @@ class FsdpActor:
 
     # ----------------------------------------------------------------------------- forward
     def _micro_batches(self, batch: TrainBatch, model: nn.Module) -> Iterator[MicroBatch]:
-        plan = plan_micro_batches(batch.lengths, self.config.max_tokens_per_gpu)
+        plan = plan_micro_batches(
+            batch.lengths,
+            self.config.max_tokens_per_gpu,
+            one_per_micro_batch=self._one_per_micro_batch,
+        )
         need_vision = self.world_size > 1
         vision = self._vision_inputs.get(id(model))
         for indices in plan:
@@ -238,7 +260,7 @@ class FsdpActor:
         if mb.pixel_values is not None:
             kwargs["pixel_values"] = mb.pixel_values
             kwargs["image_grid_thw"] = mb.image_grid_thw
-        if self.config.attn_implementation == PACKED_ATTENTION:
+        if self.config.attn_implementation == PACKED_ATTENTION or self._linear_attention:
             kwargs["packed_seq_info"] = PackedSeqInfo(
                 mb.cu_seqlens, tuple(mb.lengths), max(mb.lengths)
             )

@@ -188,14 +188,20 @@ def _typed(buffer: Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ..
     return buffer[offset : offset + n].view(dtype).view(shape)
 
 
-def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+def plan_micro_batches(
+    lengths: list[int], max_tokens: int, *, one_per_micro_batch: bool = False
+) -> list[list[int]]:
     """Pack sample indices to ``max_tokens`` per micro-batch, with the same count on all ranks.
 
     A rank that needs fewer micro-batches than the busiest rank first splits its largest
     multi-sample micro-batches (smaller forwards, no wasted work), then adds empty ones (run as a
-    dummy sample only).
+    dummy sample only). ``one_per_micro_batch``: every sample alone (models whose packed forward
+    would mix samples).
     """
-    bins = pack_by_token_budget(lengths, max_tokens) if lengths else []
+    if one_per_micro_batch:
+        bins = [[i] for i in range(len(lengths))]
+    else:
+        bins = pack_by_token_budget(lengths, max_tokens) if lengths else []
     target = int(all_reduce_(torch.tensor([len(bins)]), torch.distributed.ReduceOp.MAX).item())
     while len(bins) < target:
         splittable = [b for b in bins if len(b) > 1]

@@ -1,8 +1,8 @@
 """vlm_models: Qwen3-VL / Qwen3.5 through transformers, with a fast vision path.
 
 Builders (:func:`build_model`, :func:`tiny_config`), the GEMM patch embedding, packed M-RoPE
-position ids and utilities for MFU and weight sync. Megatron modules live in
-``vlm_models.megatron`` and are not imported here.
+position ids, packed linear attention (state reset at sample boundaries) and utilities for MFU
+and weight sync. Megatron modules live in ``vlm_models.megatron`` and are not imported here.
 """
 
 from vlm_models.build import (
@@ -18,6 +18,11 @@ from vlm_models.flops import (
     lm_matmul_params,
     vision_flops,
     vision_matmul_params_per_patch,
+)
+from vlm_models.linear_attention import (
+    has_linear_attention,
+    linear_attention_packs,
+    pack_linear_attention,
 )
 from vlm_models.packing import (
     cu_seqlens_from_lengths,
@@ -51,11 +56,14 @@ __all__ = [
     "count_parameters",
     "cu_seqlens_from_lengths",
     "flops_per_token",
+    "has_linear_attention",
     "hf_named_tensors",
     "iter_weight_buckets",
+    "linear_attention_packs",
     "lm_matmul_params",
     "load_named_tensors",
     "mm_token_types",
+    "pack_linear_attention",
     "packed_inputs",
     "packed_position_ids",
     "preset_config",

@@ -17,9 +17,12 @@ with a cache transformers skips the boundary detection) with no attention mask; 
 equal the per-sample logits (tested on CPU with sdpa and eager, dense and MoE).
 
 Qwen3.5 is different: its gated-delta-net (linear attention) layers carry a recurrent state
-along the row, and transformers' PyTorch path does not reset it at sample boundaries (checked:
-packed != per-sample, even with ``cu_seq_lens_q``). :func:`supports_packed_forward` says which
-models pack; run the others one sample per row.
+(and a short causal convolution) along the row, and transformers' forward does not reset them at
+sample boundaries (packed != per-sample). ``vlm_models.pack_linear_attention`` gives those
+layers a forward that does, given the boundaries as the ``packed_seq_info`` keyword (the FSDP
+actor passes them); :func:`packed_inputs` does not, so it refuses such models.
+:func:`supports_packed_forward` says which models (or configs) pack; run the others one sample
+per row.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig
+
+from vlm_models.linear_attention import has_linear_attention, linear_attention_packs
 
 logger = logging.getLogger(__name__)
 
@@ -169,10 +174,12 @@ def packed_position_ids(
 
 
 def supports_packed_forward(config: PretrainedConfig | nn.Module) -> bool:
-    """Whether a packed forward gives per-sample results (False for linear-attention layers)."""
-    config = getattr(config, "config", config)
-    text = getattr(config, "text_config", config)
-    return "linear_attention" not in (getattr(text, "layer_types", None) or [])
+    """Whether a packed forward gives per-sample results: a model (or config) without
+    linear-attention layers, or a model whose linear-attention layers reset their state at
+    sample boundaries (``pack_linear_attention``; the forward must get ``packed_seq_info``)."""
+    if not has_linear_attention(config):
+        return True
+    return isinstance(config, nn.Module) and linear_attention_packs(config)
 
 
 def text_position_ids(lengths: Sequence[int], device: torch.device | str | None = None) -> Tensor:
@@ -203,12 +210,14 @@ def packed_inputs(
     ``pixel_values`` / ``image_grid_thw`` concatenated over the samples that have images, and
     ``cu_seqlens [n + 1]`` (not a model argument: pop it before the call) and
     ``use_cache=False``. No attention mask, on purpose: transformers then keeps attention within
-    samples (see the module docstring). Raises for models that cannot pack (Qwen3.5).
+    samples (see the module docstring). Raises for models with linear-attention layers
+    (Qwen3.5): their packed forward needs the boundaries as ``packed_seq_info`` too.
     """
-    if not supports_packed_forward(config):
+    if has_linear_attention(config):
         raise NotImplementedError(
-            "packed forward is not exact for models with linear-attention layers (Qwen3.5): "
-            "their recurrent state crosses sample boundaries; run one sample per row"
+            "packed_inputs: models with linear-attention layers (Qwen3.5) carry their recurrent "
+            "state across sample boundaries unless the forward gets packed_seq_info "
+            "(vlm_models.pack_linear_attention); run one sample per row"
         )
     n = len(input_ids)
     grids = list(image_grid_thw) if image_grid_thw is not None else [None] * n

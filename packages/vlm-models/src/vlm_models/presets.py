@@ -4,7 +4,8 @@ Two kinds of preset:
 
 * shape presets (``qwen3-vl-2b``, ``qwen3-vl-4b``, ``qwen3-vl-8b``, ``qwen3-vl-30b-a3b``): the
   published architectures, for random-init benchmarks at full size;
-* tiny presets (``qwen3-vl-tiny``, ``qwen3-vl-moe-tiny``, ``qwen3.5-tiny``): the same
+* tiny presets (``qwen3-vl-tiny``, ``qwen3-vl-moe-tiny``, ``qwen3.5-tiny``,
+  ``qwen3.5-moe-tiny``): the same
   architecture features (deepstack, interleaved M-RoPE with ``mrope_section``, GQA, tied or
   untied embeddings, MoE routing, hybrid linear attention) at a size that runs on a CPU in
   seconds. The patch geometry (patch 16, temporal 2, merge 2, 3 channels) and special token ids
@@ -198,52 +199,77 @@ def qwen3_vl_moe_tiny() -> Qwen3VLMoeConfig:
     )
 
 
+# Tiny Qwen3.5 text model: 3 gated-delta-net layers, then one gated full-attention layer.
+_TINY_QWEN3_5_TEXT = dict(
+    vocab_size=248320,
+    hidden_size=64,
+    num_hidden_layers=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    intermediate_size=128,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10_000_000.0,
+        "partial_rotary_factor": 0.25,  # 16 rotary dims -> 8 pairs
+        "mrope_interleaved": True,
+        "mrope_section": [3, 3, 2],
+    },
+    tie_word_embeddings=False,
+)
+_TINY_QWEN3_5_VISION = dict(
+    **_PATCH_GEOMETRY,
+    depth=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    out_hidden_size=64,
+    num_position_embeddings=2304,
+    hidden_act="gelu_pytorch_tanh",
+)
+
+
 def qwen3_5_tiny() -> PretrainedConfig:
     """Tiny Qwen3.5: hybrid gated-delta-net / full attention (3:1), partial M-RoPE, no deepstack."""
     from transformers import Qwen3_5Config  # absent from older transformers
 
-    text = dict(
-        vocab_size=248320,
-        hidden_size=64,
-        num_hidden_layers=4,
-        layer_types=["linear_attention"] * 3 + ["full_attention"],
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        intermediate_size=128,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10_000_000.0,
-            "partial_rotary_factor": 0.25,  # 16 rotary dims -> 8 pairs
-            "mrope_interleaved": True,
-            "mrope_section": [3, 3, 2],
-        },
+    return Qwen3_5Config(
+        text_config=copy.deepcopy(_TINY_QWEN3_5_TEXT),
+        vision_config=dict(_TINY_QWEN3_5_VISION),
         tie_word_embeddings=False,
     )
-    vision = dict(
-        **_PATCH_GEOMETRY,
-        depth=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        out_hidden_size=64,
-        num_position_embeddings=2304,
-        hidden_act="gelu_pytorch_tanh",
+
+
+def qwen3_5_moe_tiny() -> PretrainedConfig:
+    """Tiny Qwen3.5 MoE (35B-A3B's layout): the hybrid layers of ``qwen3.5-tiny`` with 8 routed
+    experts (top-2) and a shared expert in every layer."""
+    from transformers import Qwen3_5MoeConfig  # absent from older transformers
+
+    text = copy.deepcopy(_TINY_QWEN3_5_TEXT)
+    del text["intermediate_size"]
+    text.update(
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
     )
-    return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    return Qwen3_5MoeConfig(
+        text_config=text,
+        vision_config=dict(_TINY_QWEN3_5_VISION),
+        tie_word_embeddings=False,
+    )
 
 
 def _has_qwen3_5() -> bool:
-    try:
-        from transformers import Qwen3_5Config  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    import transformers
+
+    return hasattr(transformers, "Qwen3_5Config") and hasattr(transformers, "Qwen3_5MoeConfig")
 
 
 SHAPE_PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
@@ -258,6 +284,7 @@ TINY_PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
 }
 if _has_qwen3_5():
     TINY_PRESETS["qwen3.5-tiny"] = qwen3_5_tiny
+    TINY_PRESETS["qwen3.5-moe-tiny"] = qwen3_5_moe_tiny
 
 PRESETS: dict[str, Callable[[], PretrainedConfig]] = {**SHAPE_PRESETS, **TINY_PRESETS}
 

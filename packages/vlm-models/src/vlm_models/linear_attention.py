@@ -1,0 +1,185 @@
+"""Packed rows for linear-attention layers: each sample's recurrent state starts fresh.
+
+Qwen3.5's gated-delta-net layers (``*GatedDeltaNet``) carry two kinds of state along the row: a
+short causal ``conv1d`` over the q/k/v projections and the delta rule's recurrent state. In a
+packed row (samples end to end) transformers' forward carries both across sample boundaries, so
+a sample's outputs depend on the samples before it. :func:`pack_linear_attention` gives every
+such layer of a model a forward that takes the sample boundaries as the ``packed_seq_info``
+keyword (anything with ``cu_seqlens``, an int tensor ``[n + 1]``, and ``lengths``, Python ints;
+the FSDP actor's ``PackedSeqInfo``) and keeps each sample to itself:
+
+- ``varlen`` (CUDA, where transformers runs both real kernels: flash-linear-attention's
+  ``chunk_gated_delta_rule`` and the ``causal_conv1d`` package): one call over the row, the delta
+  rule given ``cu_seqlens`` and the convolution ``seq_idx``, so both reset at each boundary
+  (not yet run on a GPU: neither package is on the benchmark machine);
+- ``per-sample`` (otherwise, the torch reference path on the CPU included): the layer's own
+  forward once per sample, outputs concatenated. The full-attention layers stay packed.
+
+Without ``packed_seq_info`` (or with one sample) the layer runs transformers' forward unchanged.
+:func:`~vlm_models.supports_packed_forward` on the model then says the packed forward is exact.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+import sys
+from types import MethodType
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+logger = logging.getLogger(__name__)
+
+_PACKABLE = "_glimpse_packs_samples"  # set on a layer once its forward resets at boundaries
+_VARLEN = "_glimpse_varlen"  # that layer's kernels take the boundaries (varlen_kernels)
+_logged: set[str] = set()
+
+
+class SampleBoundaries(Protocol):
+    """What the packed forward needs to know about a row's samples."""
+
+    cu_seqlens: Tensor  # int [n + 1], starting at 0, on the compute device
+    lengths: tuple[int, ...]  # the same boundaries as Python ints (no host sync to split)
+
+
+def is_linear_attention(module: nn.Module) -> bool:
+    """A gated-delta-net token mixer (Qwen3.5 dense and MoE)."""
+    return type(module).__name__.endswith("GatedDeltaNet")
+
+
+def has_linear_attention(config: Any) -> bool:
+    """Whether a config (or a model's) has linear-attention layers."""
+    config = getattr(config, "config", config)
+    text = getattr(config, "text_config", config)
+    return "linear_attention" in (getattr(text, "layer_types", None) or [])
+
+
+def linear_attention_packs(model: nn.Module) -> bool:
+    """True when every linear-attention layer of ``model`` resets its state at sample
+    boundaries (see :func:`pack_linear_attention`), and the model has at least one."""
+    layers = [m for m in model.modules() if is_linear_attention(m)]
+    return bool(layers) and all(getattr(m, _PACKABLE, False) for m in layers)
+
+
+def _real_kernel(fn: Any) -> bool:
+    """Whether transformers resolved a ``use_kernel_func_from_hub_with_fallback`` function to
+    its package's kernel rather than the torch reference (read from the wrapper's closure;
+    False when it cannot tell, which selects the per-sample path, always exact)."""
+    while fn is not None:
+        try:
+            nonlocals = inspect.getclosurevars(fn).nonlocals
+        except (TypeError, ValueError):
+            return False
+        if "is_new_implementation" in nonlocals:
+            return bool(nonlocals["is_new_implementation"])
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
+def varlen_kernels(layer: nn.Module) -> bool:
+    """Whether ``layer`` can reset at boundaries in one call: its module runs fla's delta rule
+    and the ``causal_conv1d`` kernel (both take boundaries: ``cu_seqlens``, ``seq_idx``) and its
+    forward hands them on (it passes ``cu_seq_lens_q`` to the delta rule and its keywords to
+    the convolution, as transformers 5.17 and 5.19 do)."""
+    cls = type(layer)
+    module = sys.modules.get(cls.__module__)
+    names = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
+    if module is None or not all(_real_kernel(getattr(module, n, None)) for n in names):
+        return False
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return (
+        "cu_seq_lens_q" in source
+        and re.search(r"causal_conv1d_fn\((?:[^()]|\([^()]*\))*\*\*kwargs", source) is not None
+    )
+
+
+def _log_once(path: str, layer: nn.Module) -> None:
+    if path not in _logged:
+        _logged.add(path)
+        logger.info(
+            "packed %s: state reset at sample boundaries by the %s path", type(layer).__name__, path
+        )
+
+
+def _packed_forward(
+    self: nn.Module,
+    hidden_states: Tensor,  # [1, T, hidden]
+    *args: Any,
+    packed_seq_info: SampleBoundaries | None = None,
+    **kwargs: Any,
+) -> Tensor:
+    """The layer's forward over a packed row, each sample's state starting from zero."""
+    forward = type(self).forward
+    lengths = tuple(packed_seq_info.lengths) if packed_seq_info is not None else ()
+    if len(lengths) <= 1:
+        return forward(self, hidden_states, *args, **kwargs)
+    if args or kwargs.get("cache_params") is not None or hidden_states.shape[0] != 1:
+        raise ValueError(
+            f"{type(self).__name__}: a packed row is one sequence ([1, T, hidden]) without a "
+            f"cache, got hidden_states {tuple(hidden_states.shape)}"
+        )
+    if sum(lengths) != hidden_states.shape[1]:
+        raise ValueError(
+            f"{type(self).__name__}: sample lengths sum to {sum(lengths)}, "
+            f"the row has {hidden_states.shape[1]} tokens"
+        )
+    mask = kwargs.pop("attention_mask", None)  # a 2-D padding mask; a packed row has none
+    if hidden_states.is_cuda and mask is None and getattr(self, _VARLEN, False):
+        _log_once("varlen", self)
+        cu = packed_seq_info.cu_seqlens
+        counts = (cu[1:] - cu[:-1]).to(torch.int64)
+        ids = torch.arange(len(lengths), device=cu.device, dtype=torch.int32)
+        seq_idx = ids.repeat_interleave(counts, output_size=hidden_states.shape[1])[None]
+        return forward(
+            self, hidden_states, cu_seq_lens_q=cu.to(torch.int64), seq_idx=seq_idx, **kwargs
+        )
+    _log_once("per-sample", self)
+    parts = hidden_states.split(list(lengths), dim=1)
+    masks = [None] * len(parts) if mask is None else mask.split(list(lengths), dim=1)
+    outs = [forward(self, parts[i], attention_mask=masks[i], **kwargs) for i in range(len(parts))]
+    return torch.cat(outs, dim=1)
+
+
+def _call_passes_keywords(owner: nn.Module, attr: str) -> bool:
+    """Whether ``owner``'s forward calls ``self.<attr>(...)`` with its ``**kwargs``, so the
+    ``packed_seq_info`` keyword reaches the layer (the decoder layers of transformers 5.17 and
+    5.19 do)."""
+    try:
+        source = inspect.getsource(type(owner).forward)
+    except (OSError, TypeError):
+        return False
+    call = rf"self\.{re.escape(attr)}\((?:[^()]|\([^()]*\))*\*\*kwargs"
+    return re.search(call, source) is not None
+
+
+def pack_linear_attention(model: nn.Module) -> int:
+    """Give every linear-attention layer of ``model`` the boundary-resetting forward of this
+    module (parameters and names unchanged). Returns how many layers got it. A layer whose
+    decoder layer does not hand it the forward's keywords is left as it is (and logged), so
+    :func:`linear_attention_packs` stays False and callers run one sample per row."""
+    count = 0
+    for owner in model.modules():
+        for attr, module in owner.named_children():
+            if not is_linear_attention(module) or getattr(module, _PACKABLE, False):
+                continue
+            if not _call_passes_keywords(owner, attr):
+                logger.warning(
+                    "%s.%s does not receive the forward's keywords: its state cannot be reset "
+                    "at sample boundaries",
+                    type(owner).__name__,
+                    attr,
+                )
+                continue
+            setattr(module, _VARLEN, varlen_kernels(module))
+            module.forward = MethodType(_packed_forward, module)
+            setattr(module, _PACKABLE, True)
+            count += 1
+    if count:
+        logger.info("%d linear-attention layers reset their state at sample boundaries", count)
+    return count
