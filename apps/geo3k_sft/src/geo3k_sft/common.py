@@ -360,6 +360,7 @@ def megatron_config(
     source: Any,
     opt: OptimSection,
     *,
+    total_steps: int | None = None,
     temperature: float = 1.0,
     grpo: Any = None,
     reference_model: bool = False,
@@ -370,11 +371,6 @@ def megatron_config(
         raise SystemExit(
             "--kl-coef > 0 needs a reference model, which the megatron backend "
             "does not keep yet: use --backend fsdp"
-        )
-    if opt.lr_schedule != "constant" or opt.lr_warmup_steps:
-        raise SystemExit(
-            "the megatron backend has a constant learning rate only: use "
-            "--lr-schedule constant --lr-warmup-steps 0, or --backend fsdp"
         )
     kwargs: dict[str, Any] = {}
     if grpo is not None:
@@ -391,6 +387,9 @@ def megatron_config(
         betas=(opt.adam_beta1, opt.adam_beta2),
         weight_decay=opt.weight_decay,
         max_grad_norm=opt.clip_grad,
+        lr_schedule=opt.lr_schedule,
+        warmup_steps=opt.lr_warmup_steps,
+        total_steps=total_steps,
         seed=run.seed,
         **kwargs,
     )
@@ -406,7 +405,7 @@ def actor_config(
 ) -> Any:
     """The trainer config of the chosen backend."""
     if run.backend == "megatron":
-        return megatron_config(model, run, source, opt, **kwargs)
+        return megatron_config(model, run, source, opt, total_steps=total_steps, **kwargs)
     return fsdp_config(model, run, source, optim_config(opt, total_steps), **kwargs)
 
 

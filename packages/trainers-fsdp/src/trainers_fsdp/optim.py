@@ -54,17 +54,24 @@ def build_optimizer(
 
 
 def lr_lambda(cfg: OptimConfig):
-    """The multiplier of ``cfg.lr`` at each step: linear warmup, then constant or cosine."""
+    """The multiplier of ``cfg.lr`` at each step: linear warmup, then constant or cosine.
+
+    Step ``s`` (from 0) is counted as megatron-core's ``OptimizerParamScheduler`` counts it
+    after its ``step(1)``, ``n = s + 1``, so both backends follow one schedule: warmup
+    ``n / warmup_steps``; cosine progress ``(n - warmup) / (total - warmup)``, reaching the
+    floor on the last step.
+    """
 
     def factor(step: int) -> float:
-        if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
+        n = step + 1
+        if cfg.warmup_steps > 0 and n <= cfg.warmup_steps:
+            return n / cfg.warmup_steps
         if cfg.lr_schedule == "constant":
             return 1.0
         if cfg.total_steps is None:
             raise ValueError("lr_schedule='cosine' needs optim.total_steps")
         span = max(1, cfg.total_steps - cfg.warmup_steps)
-        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        progress = min(1.0, (n - cfg.warmup_steps) / span)
         cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
         return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
 

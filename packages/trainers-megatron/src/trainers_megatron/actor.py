@@ -27,6 +27,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -105,6 +106,29 @@ def _vocab_parallel_aligned_logprobs(
     return shifted.masked_fill(first, 0.0)
 
 
+def _lr_scheduler(optimizer: torch.optim.Optimizer, config: MegatronConfig) -> Any:
+    """megatron-core's scheduler over the AdamW groups: linear warmup from 0, then constant or
+    cosine down to ``min_lr_ratio * lr`` at ``total_steps``; weight decay constant."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    warmup = config.warmup_steps
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=config.lr,
+        min_lr=config.lr * config.min_lr_ratio,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(config.total_steps or 0, warmup + 1),
+        lr_decay_style=config.lr_schedule,
+        start_wd=config.weight_decay,
+        end_wd=config.weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
+    )
+
+
 def _to(inputs: dict, device: torch.device) -> dict:
     """The tensors of a dict on ``device``; other values as they are."""
     return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in inputs.items()}
@@ -159,12 +183,14 @@ class MegatronActor:
         self.optimizer = torch.optim.AdamW(
             [
                 {"params": decay, "weight_decay": config.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
+                # wd_mult: megatron-core's scheduler sets every group's decay, times this
+                {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},
             ],
             lr=config.lr,
             betas=config.betas,
             eps=config.eps,
         )
+        self.scheduler = _lr_scheduler(self.optimizer, config)
         self.step = 0
         self._offloaded = False
 
@@ -429,6 +455,7 @@ class MegatronActor:
 
     @torch.no_grad()
     def _optimizer_step(self) -> None:
+        self.scheduler.step(1)  # this step's LR (the scheduler counts steps from 1)
         if self.masters is not self.params:
             for master, p in zip(self.masters, self.params, strict=True):
                 master.grad = p.grad.float()
@@ -468,6 +495,7 @@ class MegatronActor:
             "model": self.model.state_dict(),
             "masters": None if self.masters is self.params else [m.detach() for m in self.masters],
             "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
             "step": self.step,
             "rng": torch.get_rng_state(),
         }
@@ -491,6 +519,7 @@ class MegatronActor:
                 for master, saved in zip(self.masters, state["masters"], strict=True):
                     master.copy_(saved)
         self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
         torch.set_rng_state(state["rng"])
 

@@ -31,6 +31,10 @@ class MegatronConfig:
     eps: float = 1e-8
     weight_decay: float = 0.01  # matrices only (norms, biases: none)
     max_grad_norm: float = 1.0  # <= 0: report the norm, do not clip
+    lr_schedule: str = "constant"  # "constant" | "cosine" (megatron-core's scheduler)
+    warmup_steps: int = 0  # linear warmup from 0 to lr over this many optimizer steps
+    total_steps: int | None = None  # cosine: optimizer steps to decay over (warmup included)
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
     export_dtype: str = "bfloat16"
     seed: int = 0
 
@@ -41,3 +45,11 @@ class MegatronConfig:
             raise ValueError(f"temperature must be positive, got {self.temperature}")
         if self.sp and self.tp < 2:
             raise ValueError("sp=True (sequence parallel) needs tp > 1")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(
+                f"lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}"
+            )
+        if self.lr_schedule == "cosine" and not self.total_steps:
+            raise ValueError("lr_schedule='cosine' needs total_steps")
+        if self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError("warmup_steps must be >= 0 and min_lr_ratio within [0, 1]")
