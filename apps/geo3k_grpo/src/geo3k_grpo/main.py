@@ -164,7 +164,7 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
             answer_key=d.answer_key,
             image_key=d.image_key,
         )
-        rows = load_split(d, split, eval_split=eval_split, seed=cfg.run.seed)
+        rows = load_split(d, split, eval_split=eval_split, seed=cfg.run.seed, stats=builder.stats)
         return RowSource(rows, builder)
 
     train_prompts = prompts(d.train_split, False)

@@ -299,8 +299,16 @@ def eos_token_ids(processor: Any) -> list[int]:
 # ---------------------------------------------------------------------------------- data
 
 
-def load_split(data: DataSection, split: str, *, eval_split: bool = False, seed: int = 0) -> Any:
-    """Rows of one split: the synthetic task, or `vlm_data.load_rows`."""
+def load_split(
+    data: DataSection,
+    split: str,
+    *,
+    eval_split: bool = False,
+    seed: int = 0,
+    stats: Any = None,
+) -> Any:
+    """Rows of one split: the synthetic task, or `vlm_data.load_rows` (malformed lines are
+    counted in `stats`, a builder's counter)."""
     from vlm_data import DatasetLoadError, load_rows, make_synthetic_rows
 
     if data.dataset == SYNTHETIC or data.dataset.startswith(SYNTHETIC + ":"):
@@ -308,6 +316,7 @@ def load_split(data: DataSection, split: str, *, eval_split: bool = False, seed:
         n = data.synthetic_eval_size if eval_split else data.synthetic_train_size
         return make_synthetic_rows(n, seed=seed + (1 if eval_split else 0), task=task)
     keys = dict(prompt_key=data.prompt_key, answer_key=data.answer_key, image_key=data.image_key)
+    keys |= {"stats": stats}
     try:
         return load_rows(data.dataset, split=split, **keys)
     except DatasetLoadError:

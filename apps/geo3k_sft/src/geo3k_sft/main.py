@@ -107,7 +107,7 @@ def run(cfg: Geo3kSftConfig) -> Path:
         answer_key=cfg.data.answer_key,
         image_key=cfg.data.image_key,
     )
-    rows = load_split(cfg.data, cfg.data.train_split, seed=cfg.run.seed)
+    rows = load_split(cfg.data, cfg.data.train_split, seed=cfg.run.seed, stats=builder.stats)
     samples = RowSource(rows, builder)
     source = model_source(cfg.model, cfg.run, processor)
     actor_cfg = actor_config(cfg.model, cfg.run, source, cfg.optim, cfg.sft.sft_num_steps)
