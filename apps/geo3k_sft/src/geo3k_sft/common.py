@@ -24,6 +24,7 @@ from rl_runtime import (
     create_placement,
     init_ray,
     option,
+    shutdown_ray,
     to_dict,
 )
 
@@ -523,7 +524,6 @@ class RayHandle:
     actors: list[Any] = field(default_factory=list)
 
     def close(self) -> None:
-        import ray
 
         for group in self.actors:
             try:
@@ -532,7 +532,7 @@ class RayHandle:
                 log.debug("group shutdown failed", exc_info=True)
         self.placement.remove()
         if self.owns_ray:
-            ray.shutdown()
+            shutdown_ray()
 
 
 def start_ray(run: RunSection, lay: Layout) -> RayHandle:

@@ -10,7 +10,7 @@ from rl_runtime.evaluation import eval_prompts, evaluate
 from rl_runtime.gc_policy import PeriodicGC
 from rl_runtime.loop import GrpoLoopConfig, GrpoParts, run_grpo
 from rl_runtime.metrics import RunLogger, plot_metrics, read_metrics
-from rl_runtime.placement import Placement, create_placement, init_ray
+from rl_runtime.placement import Placement, create_placement, init_ray, shutdown_ray
 from rl_runtime.preflight import PreflightError, check_backend, check_gpus, count_gpus
 from rl_runtime.progress import setup_logging
 from rl_runtime.protocols import PromptSource, RewardFn, TrainActor
@@ -53,6 +53,7 @@ __all__ = [
     "run_sft",
     "setup_logging",
     "sft_batch",
+    "shutdown_ray",
     "to_dict",
     "to_json",
     "user_errors",
