@@ -152,11 +152,19 @@ GRPO_BAD = [
     (["--eps-clip", "inf"], "--eps-clip inf: must be a finite number"),
     (["--kl-type", "k9"], "--kl-type k9: expected one of"),
     (["--reward-type", "exact"], "--reward-type exact: expected one of"),
+    (["--template", "cot"], "--template cot: expected one of"),
     (["--global-batch-size", "48"], "--global-batch-size 48 must divide the 128 samples"),
     (["--tensor-parallel", "2"], "--tensor-parallel / --sequence-parallel are for --backend"),
     (["--num-gpus", "4", "--no-colocate", "--rollout-num-gpus", "4"], "leaves no GPU"),
     (["--min-pixels", "100", "--max-pixels", "10"], "--min-pixels 100 is above --max-pixels"),
 ]
+
+
+def test_template_choices_are_vlm_datas():
+    from geo3k_sft.common import TEMPLATE_NAMES
+    from vlm_data import TEMPLATES
+
+    assert set(TEMPLATE_NAMES) == set(TEMPLATES)
 
 
 @pytest.mark.parametrize(("argv", "message"), GRPO_BAD)

@@ -77,10 +77,9 @@ ENV_ALIASES: dict[str, list[str]] = {
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
-def _templates() -> list[str]:
-    from vlm_data import TEMPLATES
-
-    return list(TEMPLATES)
+#: `vlm_data.TEMPLATES`' names, written out: importing vlm_data (transformers) at parse time
+#: costs seconds (a launcher test checks the two agree).
+TEMPLATE_NAMES = ("none", "boxed", "think-boxed")
 
 
 @dataclass
@@ -161,7 +160,7 @@ class DataSection:
     prompt_key: str = option("problem", "column with the question (and <image> placeholders)")
     answer_key: str = option("answer", "column with the ground-truth answer")
     image_key: str = option("images", "column with the images")
-    template: str = option("boxed", "prompt template", choices=_templates)
+    template: str = option("boxed", "prompt template", choices=TEMPLATE_NAMES)
     max_prompt_length: int | None = option(None, "drop (and count) longer prompts", ge=1)
     min_pixels: int | None = option(None, "image processor min pixels", ge=1)
     max_pixels: int | None = option(None, "image processor max pixels", ge=1)
