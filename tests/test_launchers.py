@@ -160,6 +160,14 @@ GRPO_BAD = [
 ]
 
 
+def test_a_dataset_that_is_not_there_is_a_config_error(tmp_path):
+    """A folder without the split's files stops the run before Ray, naming --dataset."""
+    argv = ["--preset", "tiny", "--warmup-sft-steps", "0", "--dataset", str(tmp_path)]
+    cfg = parse_grpo([*argv, "--output-dir", str(tmp_path / "run")], env={})
+    with pytest.raises(ConfigError, match=r"^--dataset / GEO3K_DATASET_NAME: no file for split"):
+        run_grpo(cfg)
+
+
 def test_template_choices_are_vlm_datas():
     from geo3k_sft.common import TEMPLATE_NAMES
     from vlm_data import TEMPLATES

@@ -318,12 +318,15 @@ def load_split(
     keys = dict(prompt_key=data.prompt_key, answer_key=data.answer_key, image_key=data.image_key)
     keys |= {"stats": stats}
     try:
-        return load_rows(data.dataset, split=split, **keys)
-    except DatasetLoadError:
-        if not eval_split or split == "validation":
-            raise
-        log.warning("no %r split in %s; evaluating on 'validation'", split, data.dataset)
-        return load_rows(data.dataset, split="validation", **keys)
+        try:
+            return load_rows(data.dataset, split=split, **keys)
+        except DatasetLoadError:
+            if not eval_split or split == "validation":
+                raise
+            log.warning("no %r split in %s; evaluating on 'validation'", split, data.dataset)
+            return load_rows(data.dataset, split="validation", **keys)
+    except DatasetLoadError as err:  # a path or name the user gave: one line, exit 2
+        raise ConfigError(f"--dataset / GEO3K_DATASET_NAME: {err}") from err
 
 
 class RowSource:
