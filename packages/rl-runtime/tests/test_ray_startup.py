@@ -50,19 +50,23 @@ def test_reaper_ends_the_session_processes_and_spares_the_rest(tmp_path):
 
 
 def test_start_up_failures_end_in_one_line(monkeypatch):
-    """Every attempt times out: tried `attempts` times, then one line that says what to do."""
+    """Every attempt times out, leaving a half-started process (as Ray leaves its GCS and
+    raylet): each is killed before the next try; after `attempts` tries, one line that says
+    what to do."""
     import ray
 
-    calls = []
+    calls, started = [], []
 
     def timed_out(**kwargs):
         calls.append(kwargs)
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]))
         raise Exception(TIMED_OUT + "\nmore detail")
 
     monkeypatch.setattr(ray, "init", timed_out)
     with pytest.raises(PreflightError) as err:
         init_ray(num_cpus=1, attempts=3, retry_wait_s=0)
     assert len(calls) == 3 and calls[0]["include_dashboard"] is False
+    assert [proc.wait(timeout=60) for proc in started] == [-signal.SIGKILL] * 3
     message = err.value.message
     assert "\n" not in message and "timed out during startup" in message
     assert "start a local Ray in 3 attempts" in message and "--external-ray" in message
@@ -133,7 +137,7 @@ def test_killed_driver_leaves_no_ray_process(tmp_path):
     os.kill(driver.pid, signal.SIGKILL)
     driver.wait()
     stderr = driver.stderr.read()
-    assert "trying again (1/3)" in stderr
+    assert "trying again (1/4)" in stderr
 
     def alive() -> list[int]:
         return [p for p in before if psutil.pid_exists(p) and _not_zombie(psutil, p)]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rl_runtime import ray_reaper
 from rl_runtime.preflight import PreflightError
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ def init_ray(
     num_cpus: int | None = None,
     num_gpus: int | None = None,
     log_to_driver: bool = True,
-    attempts: int = 3,
+    attempts: int = 4,
     retry_wait_s: float = 5.0,
 ) -> None:
     """Connect to an existing cluster (`address`, e.g. "auto" or "ray://host:10001") or start a
@@ -51,11 +52,15 @@ def init_ray(
     else:
         kwargs |= {"num_cpus": num_cpus, "num_gpus": num_gpus}
     for attempt in range(1, attempts + 1):
+        before = ray_reaper.descendants(os.getpid())
         try:
             ray.init(**kwargs)
             break
         except Exception as err:  # Ray raises bare Exceptions for start-up time-outs
-            ray.shutdown()  # whatever half-started is stopped before the next try
+            # Stop what half-started (a GCS, a raylet and its agents stay up otherwise, and
+            # load the machine further) before the next try.
+            ray.shutdown()
+            ray_reaper.kill_all(ray_reaper.descendants(os.getpid()) - before)
             first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
             if attempt == attempts:
                 what = f"connect to Ray at {address}" if address else "start a local Ray"

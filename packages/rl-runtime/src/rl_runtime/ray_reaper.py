@@ -47,6 +47,33 @@ def session_pids(session_dir: str, spare: frozenset[int] = frozenset()) -> set[i
     return found
 
 
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` in the process tree (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rpartition(")")[2].split()[1])  # the name may hold spaces
+        children.setdefault(ppid, []).append(int(entry.name))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def kill_all(pids: set[int]) -> None:
+    """SIGKILL each of `pids` that still exists."""
+    _signal_all(pids, signal.SIGKILL)
+
+
 def _signal_all(pids: set[int], sig: signal.Signals) -> set[int]:
     alive = set()
     for pid in pids:
