@@ -142,4 +142,5 @@ def test_defaults_pass_and_bounds_show_in_help(capsys):
     assert (cfg.loop.steps, cfg.loop.limit) == (10, None)
     with pytest.raises(SystemExit):
         parse_checked(["--help"])
-    assert ">= 1" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "--steps STEPS" in text and ">= 1" in text and "--kind {a,b}" in text

@@ -266,8 +266,11 @@ def build_parser(
             )
             continue
         metavar = leaf.name.upper()
+        choices = leaf.bounds.choices
         if get_origin(base) is Literal:
-            metavar = "{" + ",".join(map(str, get_args(base))) + "}"
+            choices = get_args(base)
+        if choices is not None:
+            metavar = "{" + ",".join(map(str, choices() if callable(choices) else choices)) + "}"
         group.add_argument(
             leaf.flag,
             type=str,
