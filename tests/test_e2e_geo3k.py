@@ -148,6 +148,8 @@ def test_killed_run_resumes_to_the_same_state(sft_run: Path, tmp_path: Path) -> 
         "2",
         "--rollout-batch-size",
         "4",
+        "--global-batch-size",  # one optimizer step over the rollout's 4 x 8 samples
+        "32",
         "--eval-interval",
         "3",
         "--eval-max-prompts",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +14,7 @@ import pytest
 from geo3k_grpo.main import parse as parse_grpo
 from geo3k_grpo.main import run as run_grpo
 from geo3k_sft.main import parse as parse_sft
-from rl_runtime import PreflightError
+from rl_runtime import ConfigError, PreflightError, ResumeError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -126,18 +128,127 @@ def test_megatron_backend_is_checked_before_anything_starts(tmp_path, monkeypatc
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_reward_options_are_checked_before_anything_starts(tmp_path):
-    """A tolerance on the strict math reward stops the run at once, naming the flags."""
-    cfg = parse_grpo(
-        ["--preset", "tiny", "--reward-tolerance", "0.05", "--output-dir", str(tmp_path)], env={}
-    )
-    with pytest.raises(SystemExit, match="--reward-tolerance"):
-        run_grpo(cfg)
-    assert not (tmp_path / "sft_warmup").exists()
+def test_reward_options_are_checked_before_anything_starts():
+    """A tolerance on the strict math reward stops parsing, naming the flags."""
+    with pytest.raises(ConfigError, match="--reward-tolerance"):
+        parse_grpo(["--preset", "tiny", "--reward-tolerance", "0.05"], env={})
     geo3k = parse_grpo(
         ["--preset", "tiny", "--reward-type", "geo3k", "--reward-tolerance", "0.05"], env={}
     )
     assert (geo3k.loss.reward_type, geo3k.loss.reward_tolerance) == ("geo3k", 0.05)
+
+
+GRPO_BAD = [
+    (["--num-rollout", "-3"], "--num-rollout -3: must be >= 1"),
+    (["--global-batch-size", "0"], "--global-batch-size 0: must be >= 1"),
+    (["--rollout-batch-size", "0"], "--rollout-batch-size 0: must be >= 1"),
+    (["--lr", "nan"], "--lr nan: must be a finite number"),
+    (["--lr", "0"], "--lr 0: must be > 0"),
+    (["--rollout-temperature", "0"], "--rollout-temperature 0: must be > 0"),
+    (["--rollout-top-p", "1.5"], "--rollout-top-p 1.5: must be > 0 and <= 1"),
+    (["--n-samples-per-prompt", "1"], "--n-samples-per-prompt 1: must be >= 2"),
+    (["--keep-checkpoints", "-1"], "--keep-checkpoints -1: must be >= 0"),
+    (["--adam-beta2", "1"], "--adam-beta2 1: must be >= 0 and < 1"),
+    (["--eps-clip", "inf"], "--eps-clip inf: must be a finite number"),
+    (["--kl-type", "k9"], "--kl-type k9: expected one of"),
+    (["--reward-type", "exact"], "--reward-type exact: expected one of"),
+    (["--template", "cot"], "--template cot: expected one of"),
+    (["--global-batch-size", "48"], "--global-batch-size 48 must divide the 128 samples"),
+    (["--tensor-parallel", "2"], "--tensor-parallel / --sequence-parallel are for --backend"),
+    (["--num-gpus", "4", "--no-colocate", "--rollout-num-gpus", "4"], "leaves no GPU"),
+    (["--min-pixels", "100", "--max-pixels", "10"], "--min-pixels 100 is above --max-pixels"),
+]
+
+
+def test_a_dataset_that_is_not_there_is_a_config_error(tmp_path):
+    """A folder without the split's files stops the run before Ray, naming --dataset."""
+    argv = ["--preset", "tiny", "--warmup-sft-steps", "0", "--dataset", str(tmp_path)]
+    cfg = parse_grpo([*argv, "--output-dir", str(tmp_path / "run")], env={})
+    with pytest.raises(ConfigError, match=r"^--dataset / GEO3K_DATASET_NAME: no file for split"):
+        run_grpo(cfg)
+
+
+def test_template_choices_are_vlm_datas():
+    from geo3k_sft.common import TEMPLATE_NAMES
+    from vlm_data import TEMPLATES
+
+    assert set(TEMPLATE_NAMES) == set(TEMPLATES)
+
+
+@pytest.mark.parametrize(("argv", "message"), GRPO_BAD)
+def test_grpo_settings_are_checked_at_parse(argv, message):
+    """Each of these used to start Ray (or even train and exit 0) before failing, if at all."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_grpo(["--preset", "tiny", *argv], env={})
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--sft-num-steps", "0"], {}, "--sft-num-steps 0: must be >= 1"),
+        (["--sft-batch-size", "-1"], {}, "--sft-batch-size -1: must be >= 1"),
+        (["--sft-keep-checkpoints", "-1"], {}, "--sft-keep-checkpoints -1: must be >= 0"),
+        (["--weight-decay", "nan"], {}, "--weight-decay nan: must be a finite number"),
+        ([], {"GEO3K_NUM_GPUS": "-1"}, "environment GEO3K_NUM_GPUS=-1: must be >= 0"),
+        ([], {"SLIME_SCRIPT_NUM_GPUS": "x"}, "environment SLIME_SCRIPT_NUM_GPUS: cannot read"),
+        (["--lr-schedule", "cosine", "--backend", "megatron"], {}, "constant learning rate"),
+    ],
+)
+def test_sft_settings_are_checked_at_parse(argv, env, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_sft(["--preset", "tiny", *argv], env=env)
+
+
+@pytest.mark.slow  # five launcher processes, each importing torch
+def test_config_errors_are_one_line_and_exit_2():
+    """As a user runs them: a bad flag or variable is one stderr line naming it, exit status 2,
+    no traceback; `--log-level DEBUG` shows the traceback. Started together (each imports torch)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GEO3K_")}
+    cases = {
+        "env": ("geo3k_grpo", ["--print-config"], {"GEO3K_NUM_GPUS": "abc"}, "GEO3K_NUM_GPUS"),
+        "backend": ("geo3k_grpo", ["--backend", "foo"], {}, "--backend"),
+        "range": ("geo3k_grpo", ["--preset", "tiny", "--num-rollout", "-3"], {}, "--num-rollout"),
+        "sft": ("geo3k_sft", ["--sft-batch-size", "0"], {}, "--sft-batch-size"),
+        "debug": ("geo3k_sft", ["--lr", "nan", "--log-level", "DEBUG"], {}, "--lr"),
+    }
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, f"apps/{app}", *argv],
+            cwd=ROOT,
+            env=env | extra,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, (app, argv, extra, _) in cases.items()
+    }
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=240)
+        app, _, _, flag = cases[name]
+        if name == "debug":
+            assert proc.returncode != 0 and "Traceback" in err and flag in err
+            continue
+        assert proc.returncode == 2, (name, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"{app}: error: "), (name, err)
+        assert flag in lines[0] and "Traceback" not in err and not out
+
+
+@pytest.mark.parametrize("app", ["geo3k_grpo", "geo3k_sft"])
+def test_resume_without_checkpoint_keeps_the_metrics(tmp_path, app):
+    """--resume in a folder whose checkpoints are gone but whose metrics.jsonl has rows stops
+    before Ray starts, says so, and leaves the rows as they were (it used to truncate them)."""
+    from geo3k_sft.main import run as run_sft
+
+    rows = "".join(json.dumps({"step": s, "reward_mean": 0.5}) + "\n" for s in (1, 2, 3))
+    (tmp_path / "metrics.jsonl").write_text(rows)
+    (tmp_path / "checkpoints").mkdir()
+    parse, run = (parse_grpo, run_grpo) if app == "geo3k_grpo" else (parse_sft, run_sft)
+    cfg = parse(["--preset", "tiny", "--resume", "--output-dir", str(tmp_path)], env={})
+    with pytest.raises(ResumeError, match=r"3 rows \(up to step 3\)"):
+        run(cfg)
+    assert (tmp_path / "metrics.jsonl").read_text() == rows
+    assert not (tmp_path / "sft_warmup").exists() and not (tmp_path / "config.json").exists()
 
 
 def test_bad_rows_are_skipped_and_counted():

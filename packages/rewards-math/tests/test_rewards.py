@@ -73,3 +73,32 @@ def test_deterministic():
     first = [compute_score(r, "4\\sqrt{2}") for r in responses]
     for _ in range(3):
         assert [compute_score(r, "4\\sqrt{2}") for r in responses] == first
+
+
+@pytest.mark.parametrize(
+    ("response", "gold"),
+    [
+        ("\\boxed{1,234,567}", "1234567"),
+        ("\\boxed{14{,}916}", "14916"),
+        ("\\boxed{11,\\! 111,\\! 100}", "11111100"),
+        ("\\boxed{-1{,}000.5}", "-1000.5"),
+        ("\\boxed{\\$1,234}", "1234"),
+        ("\\boxed{1234567}", "1,234,567"),
+    ],
+)
+def test_thousands_separators_are_one_number(response, gold):
+    assert compute_score(response, gold) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("response", "gold", "expected"),
+    [
+        ("\\boxed{(1, 2)}", "(1,2)", 1.0),
+        ("\\boxed{(1, 2)}", "12", 0.0),
+        ("\\boxed{(1,234)}", "1234", 0.0),  # a pair in parentheses stays a pair
+        ("\\boxed{1, 234}", "1234", 0.0),  # a space after the comma: two answers
+        ("\\boxed{1,2}", "12", 0.0),  # not groups of three digits
+    ],
+)
+def test_tuples_stay_tuples(response, gold, expected):
+    assert compute_score(response, gold) == expected

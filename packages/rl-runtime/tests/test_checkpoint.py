@@ -47,3 +47,38 @@ def test_resave_same_step_replaces(tmp_path):
     _, path = mgr.latest()
     assert (path / "trainer" / "weights.txt").read_text() == "b"
     assert [s for s, _ in mgr.complete()] == [5]
+
+
+def test_keep_counts_newest_and_zero_keeps_all(tmp_path):
+    """`keep_last` N keeps the N newest (never the one just saved is lost); 0 keeps all;
+    a negative count is refused instead of deleting every checkpoint."""
+    one = CheckpointManager(tmp_path / "one", keep_last=1)
+    every = CheckpointManager(tmp_path / "all", keep_last=0)
+    for step in (1, 2, 3):
+        one.save(step, {}, _writer(str(step)))
+        every.save(step, {}, _writer(str(step)))
+        assert one.latest()[0] == step
+    assert [s for s, _ in one.complete()] == [3]
+    assert [s for s, _ in every.complete()] == [1, 2, 3]
+    with pytest.raises(ValueError, match="keep_last must be >= 0"):
+        CheckpointManager(tmp_path / "neg", keep_last=-1)
+
+
+def test_resume_never_replaces_metrics_of_a_run_without_checkpoints(tmp_path):
+    """--resume with no checkpoint: fine in an empty folder (step 0), refused when metrics.jsonl
+    holds rows a fresh start would replace; the rows stay as they were."""
+    from rl_runtime import RunLogger
+    from rl_runtime.checkpoint import ResumeError, resume_step
+
+    mgr = CheckpointManager(tmp_path / "checkpoints")
+    assert resume_step(mgr, tmp_path) == 0
+    logger = RunLogger(tmp_path)
+    for step in (1, 2, 3):
+        logger.log({"step": step, "reward_mean": 0.1 * step})
+    before = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(ResumeError, match=r"3 rows \(up to step 3\).*without --resume") as err:
+        resume_step(mgr, tmp_path)
+    assert err.value.code != 0 and "\n" not in err.value.message
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+    mgr.save(2, {}, _writer("w2"))
+    assert resume_step(mgr, tmp_path) == 2

@@ -83,3 +83,64 @@ def test_print_config_and_help(capsys):
         parse(["--help"])
     text = capsys.readouterr().out
     assert "--num-gpus" in text and "learning rate" in text and "GEO3K_TRAIN_BACKEND" in text
+
+
+@dataclass
+class Loop:
+    steps: int = option(10, "training steps", ge=1)
+    top_p: float = option(1.0, "top-p", gt=0, le=1)
+    kind: str = option("a", "kind", choices=("a", "b"))
+    batch: int = option(4, "batch", ge=1)
+    group: int = option(2, "group", ge=1)
+    limit: int | None = option(None, "optional limit", ge=1)
+
+    def check(self) -> None:
+        if (self.batch * self.group) % 4:
+            raise ConfigError(f"--batch {self.batch} x --group {self.group}: not a multiple of 4")
+
+
+@dataclass
+class Checked:
+    run: Run = field(default_factory=Run)
+    loop: Loop = field(default_factory=Loop)
+
+
+CHECKED_PRESETS = {"bad": {"steps": 0}}
+
+
+def parse_checked(argv, env=None):
+    aliases = ALIASES | {"steps": ["STEPS"]}
+    return parse_config(Checked, argv, env=env or {}, env_aliases=aliases, presets=CHECKED_PRESETS)
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--steps", "-3"], {}, r"^--steps -3: must be >= 1$"),
+        (["--steps", "0"], {}, r"^--steps 0: must be >= 1$"),
+        (["--top-p", "nan"], {}, r"^--top-p nan: must be a finite number$"),
+        (["--top-p", "inf"], {}, r"^--top-p inf: must be a finite number$"),
+        (["--top-p", "1.5"], {}, r"^--top-p 1.5: must be > 0 and <= 1$"),
+        (["--kind", "c"], {}, r"^--kind c: expected one of \['a', 'b'\]$"),
+        (["--limit", "0"], {}, r"^--limit 0: must be >= 1$"),
+        ([], {"STEPS": "-2"}, r"^environment STEPS=-2: must be >= 1$"),
+        ([], {"STEPS": "two"}, r"^environment STEPS: cannot read 'two' as int"),
+        (["--preset", "bad"], {}, r"^preset 'bad' \(--steps 0\): must be >= 1$"),
+        (["--batch", "3", "--group", "3"], {}, r"--batch 3 x --group 3"),
+        (["--no-such-flag"], {}, r"unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_bounds_are_checked_where_parsed_naming_the_source(argv, env, message):
+    """Every bad value stops parsing (before anything starts, even --print-config), in one line
+    that names the flag, the environment variable or the preset."""
+    with pytest.raises(ConfigError, match=message):
+        parse_checked([*argv, "--print-config"], env)
+
+
+def test_defaults_pass_and_bounds_show_in_help(capsys):
+    cfg = parse_checked([])
+    assert (cfg.loop.steps, cfg.loop.limit) == (10, None)
+    with pytest.raises(SystemExit):
+        parse_checked(["--help"])
+    text = capsys.readouterr().out
+    assert "--steps STEPS" in text and ">= 1" in text and "--kind {a,b}" in text

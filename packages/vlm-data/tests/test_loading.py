@@ -42,6 +42,40 @@ def test_jsonl_with_custom_keys_and_relative_image_paths(tmp_path: Path):
     assert rows[1]["images"] == []
 
 
+def test_malformed_jsonl_lines_are_skipped_named_and_counted(tmp_path: Path, caplog, monkeypatch):
+    """A torn line, a bare number and a list among good rows: the good rows load (relative image
+    paths still resolve), each bad line is named by file and line, and counted."""
+    import tempfile
+    from collections import Counter
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the cleaned copy goes
+    data = tmp_path / "set"
+    (data / "pics").mkdir(parents=True)
+    Image.new("RGB", (5, 5), (9, 9, 9)).save(data / "pics" / "p0.png")
+    good = [
+        {"problem": "<image>What?", "answer": "7", "images": ["pics/p0.png"]},
+        {"problem": "Two?", "answer": "2", "images": []},
+        {"problem": "Three?", "answer": "3", "images": []},
+    ]
+    lines = [json.dumps(good[0]), '{"problem": "torn", "answer": ', json.dumps(good[1])]
+    lines += ["", "42", "[1, 2]", json.dumps(good[2])]
+    (data / "train.jsonl").write_text("\n".join(lines) + "\n")
+    stats: Counter[str] = Counter()
+    with caplog.at_level("WARNING", logger="vlm_data.loading"):
+        rows = load_rows(data, stats=stats)
+    assert rows["answer"] == ["7", "2", "3"] and stats["malformed_line"] == 3
+    assert Path(rows[0]["images"][0]).parent == data / "pics"
+    named = [r.getMessage() for r in caplog.records]
+    for number in (2, 5, 6):
+        assert any(f"train.jsonl:{number}: skipping a malformed line" in m for m in named)
+    assert not list(tmp_path.glob("vlm_data_jsonl_*"))
+    # A clean file, and a .json file holding one JSON array, load as before with nothing counted.
+    (data / "test.json").write_text(json.dumps(good))
+    clean: Counter[str] = Counter()
+    assert load_rows(data, split="test", stats=clean)["answer"] == ["7", "2", "3"]
+    assert not clean
+
+
 def test_parquet_with_image_dicts_keeps_bytes_undecoded(tmp_path: Path):
     buffer = io.BytesIO()
     Image.new("RGB", (4, 4)).save(buffer, format="PNG")

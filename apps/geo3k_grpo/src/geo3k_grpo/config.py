@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from geo3k_sft.common import (
     ENV_ALIASES,
@@ -19,8 +19,10 @@ from geo3k_sft.common import (
     ModelSection,
     OptimSection,
     RunSection,
+    check_backend_options,
 )
-from rl_runtime import GrpoLoopConfig, option, parse_config
+from rl_algos.losses import KlType, LossAggMode
+from rl_runtime import ConfigError, GrpoLoopConfig, option, parse_config
 
 DESCRIPTION = """GRPO on Geometry3K (the miles / slime geo3k VLM recipe), `uv run apps/geo3k_grpo`.
 Defaults are the recipe's: 64 prompts x 8 samples per rollout, global batch 512, temperature
@@ -29,14 +31,31 @@ Defaults are the recipe's: 64 prompts x 8 samples per rollout, global batch 512,
 --preset tiny runs the whole thing on a CPU in minutes (with a short SFT warm-up first)."""
 
 
+def _rewards() -> list[str]:
+    from rewards_math import REWARDS
+
+    return list(REWARDS)
+
+
+def reward_options(loss: LossSection) -> dict[str, float]:
+    """The reward's keyword options."""
+    return {"tolerance": loss.reward_tolerance} if loss.reward_tolerance else {}
+
+
 @dataclass
 class RolloutSection:
     rollout_engine: Literal["auto", "sglang", "hf"] = option(
         "auto", "rollout engine; auto: SGLang on GPUs when installed, else transformers"
     )
-    rollout_max_batch_size: int = option(64, "transformers engine: requests per forward batch")
-    sglang_mem_fraction_static: float = option(0.6, "SGLang: GPU memory fraction for weights+KV")
-    rollout_num_gpus_per_engine: int = option(1, "GPUs per rollout engine (SGLang tensor parallel)")
+    rollout_max_batch_size: int = option(
+        64, "transformers engine: requests per forward batch", ge=1
+    )
+    sglang_mem_fraction_static: float = option(
+        0.6, "SGLang: GPU memory fraction for weights+KV", gt=0, lt=1
+    )
+    rollout_num_gpus_per_engine: int = option(
+        1, "GPUs per rollout engine (SGLang tensor parallel)", ge=1
+    )
     sglang_mm_attention_backend: str | None = option(
         None, "SGLang vision attention kernel ('sdpa' on B200, where fa3 is missing)"
     )
@@ -44,29 +63,38 @@ class RolloutSection:
 
 @dataclass
 class LossSection:
-    eps_clip: float = option(0.2, "PPO clip range (lower)")
-    eps_clip_high: float = option(0.28, "PPO clip range (upper, clip-higher)")
-    kl_coef: float = option(0.0, "KL penalty coefficient (0: no KL, no reference model)")
-    kl_type: str = option("low_var_kl", "KL estimator: low_var_kl | k1 | k2 | k3")
+    eps_clip: float = option(0.2, "PPO clip range (lower)", gt=0, lt=1)
+    eps_clip_high: float = option(0.28, "PPO clip range (upper, clip-higher)", gt=0)
+    kl_coef: float = option(0.0, "KL penalty coefficient (0: no KL, no reference model)", ge=0)
+    kl_type: str = option("low_var_kl", "KL estimator", choices=get_args(KlType))
     entropy_coef: float = option(0.0, "entropy bonus coefficient")
-    loss_agg_mode: str = option(
-        "token-mean", "loss aggregation (token-mean | seq-mean-token-mean...)"
-    )
+    loss_agg_mode: str = option("token-mean", "loss aggregation", choices=get_args(LossAggMode))
     use_tis: bool = option(False, "truncated importance sampling against the rollout log-probs")
-    reward_type: str = option("math", "reward: math | geo3k | math_format")
+    reward_type: str = option("math", "reward", choices=_rewards)
     reward_tolerance: float = option(
-        0.0, "geo3k / math_format: relative numeric tolerance (the recipes tried 0.05)"
+        0.0, "geo3k / math_format: relative numeric tolerance (the recipes tried 0.05)", ge=0
     )
-    reward_workers: int | None = option(None, "processes that score responses (default: cores)")
+    reward_workers: int | None = option(
+        None, "processes that score responses (default: cores)", ge=1
+    )
+
+    def check(self) -> None:
+        """The reward is built once here so that a bad option stops the run before any work."""
+        from rewards_math import build
+
+        try:
+            build(self.reward_type, **reward_options(self))
+        except ValueError as err:
+            raise ConfigError(f"--reward-type / --reward-tolerance: {err}") from None
 
 
 @dataclass
 class WarmupSection:
     warmup_sft_steps: int = option(
-        0, "without --load: SFT steps to run first (the tiny preset's format warm-up)"
+        0, "without --load: SFT steps to run first (the tiny preset's format warm-up)", ge=0
     )
-    warmup_sft_batch_size: int = option(32, "SFT warm-up batch size")
-    warmup_sft_lr: float = option(3e-3, "SFT warm-up learning rate")
+    warmup_sft_batch_size: int = option(32, "SFT warm-up batch size", ge=1)
+    warmup_sft_lr: float = option(3e-3, "SFT warm-up learning rate", gt=0)
 
 
 @dataclass
@@ -79,6 +107,9 @@ class Geo3kGrpoConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     loop: GrpoLoopConfig = field(default_factory=GrpoLoopConfig)
     warmup: WarmupSection = field(default_factory=WarmupSection)
+
+    def check(self) -> None:
+        check_backend_options(self.run, self.model, self.optim, kl_coef=self.loss.kl_coef)
 
 
 PRESETS: dict[str, dict[str, Any]] = {

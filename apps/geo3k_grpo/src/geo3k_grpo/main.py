@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from geo3k_grpo.config import PRESETS, Geo3kGrpoConfig, parse
+from geo3k_grpo.config import PRESETS, Geo3kGrpoConfig, parse, reward_options
 from geo3k_sft.common import (
     RowSource,
     actor_config,
@@ -39,14 +39,17 @@ from geo3k_sft.common import (
 from rl_runtime import (
     CheckpointManager,
     GrpoParts,
+    PreflightError,
     RolloutGroup,
     RunLogger,
     SftLoopConfig,
     check_backend,
     check_gpus,
+    resume_step,
     run_grpo,
     setup_logging,
     to_json,
+    user_errors,
 )
 
 __all__ = ["PRESETS", "Geo3kGrpoConfig", "main", "parse", "run"]
@@ -70,8 +73,10 @@ def warm_up(cfg: Geo3kGrpoConfig, run_dir: Path) -> str:
         "that the random model learns the answer format; then GRPO starts from it",
         w.warmup_sft_steps,
     )
+    # Resume only a warm-up that left a checkpoint: one killed before it starts over.
+    resume = CheckpointManager(sft_dir / "checkpoints").latest() is not None
     sft_cfg = Geo3kSftConfig(
-        run=dataclasses.replace(cfg.run, output_dir=str(sft_dir), resume=True, load=None),
+        run=dataclasses.replace(cfg.run, output_dir=str(sft_dir), resume=resume, load=None),
         model=cfg.model,
         data=cfg.data,
         optim=dataclasses.replace(cfg.optim, lr=w.warmup_sft_lr),
@@ -92,7 +97,7 @@ def engine_factory(cfg: Geo3kGrpoConfig, source: Any, processor: Any, use_gpu: b
         kind = "sglang" if use_gpu and _has_sglang() else "hf"
     if kind == "sglang":
         if not _has_sglang():
-            raise SystemExit(
+            raise PreflightError(
                 "--rollout-engine sglang: SGLang is not installed (uv sync --extra gpu)"
             )
         return functools.partial(make_sglang_engine, _sglang_config(cfg, source))
@@ -132,23 +137,13 @@ def uses_sglang(cfg: Geo3kGrpoConfig, use_gpu: bool) -> bool:
     return kind == "sglang" or (kind == "auto" and use_gpu and _has_sglang())
 
 
-def reward_options(loss) -> dict[str, float]:
-    """The reward's keyword options, checked now so a bad flag stops the run before any work."""
-    from rewards_math import build
-
-    options = {"tolerance": loss.reward_tolerance} if loss.reward_tolerance else {}
-    try:
-        build(loss.reward_type, **options)
-    except ValueError as err:
-        raise SystemExit(f"--reward-type / --reward-tolerance: {err}") from None
-    return options
-
-
 def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
     check_gpus(cfg.run.num_gpus, preset=cfg.run.preset)
     check_backend(cfg.run.backend)
     rewards = reward_options(cfg.loss)
     run_dir = Path(cfg.run.output_dir)
+    checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.loop.keep_checkpoints)
+    start_step = resume_step(checkpoints, run_dir) if cfg.run.resume else None
     write_config(cfg, run_dir)
     if cfg.run.load is None and cfg.warmup.warmup_sft_steps > 0:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, load=warm_up(cfg, run_dir)))
@@ -169,7 +164,7 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
             answer_key=d.answer_key,
             image_key=d.image_key,
         )
-        rows = load_split(d, split, eval_split=eval_split, seed=cfg.run.seed)
+        rows = load_split(d, split, eval_split=eval_split, seed=cfg.run.seed, stats=builder.stats)
         return RowSource(rows, builder)
 
     train_prompts = prompts(d.train_split, False)
@@ -220,22 +215,13 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
             ranks_per_engine=cfg.rollout.rollout_num_gpus_per_engine,
         )
         ray_handle.actors.append(rollout)
-        checkpoints = CheckpointManager(
-            run_dir / "checkpoints", keep_last=cfg.loop.keep_checkpoints
-        )
         checkpoints.clean_partial()
-        resume_step = None
-        if cfg.run.resume:
-            latest = checkpoints.latest()
-            resume_step = latest[0] if latest else 0
-            if latest is None:
-                log.warning("--resume: no complete checkpoint in %s; starting fresh", run_dir)
         logger = RunLogger(
             run_dir,
             wandb=use_wandb(cfg.run, os.environ),
             wandb_project=cfg.run.wandb_project,
             config=json.loads(to_json(cfg)),
-            resume_step=resume_step,
+            resume_step=start_step,
         )
         tokenizer = processor.tokenizer
         parts = GrpoParts(
@@ -268,10 +254,12 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    cfg = parse(argv)
-    setup_logging(cfg.run.log_level)
-    log.info("geo3k_grpo configuration:\n%s", to_json(cfg))
-    run(cfg)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    with user_errors("geo3k_grpo", argv):
+        cfg = parse(argv)
+        setup_logging(cfg.run.log_level)
+        log.info("geo3k_grpo configuration:\n%s", to_json(cfg))
+        run(cfg)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,16 @@ from typing import Any, Literal
 
 import torch
 
-from rl_runtime import Placement, TrainGroup, create_placement, init_ray, option, to_dict
+from rl_runtime import (
+    ConfigError,
+    Placement,
+    TrainGroup,
+    create_placement,
+    init_ray,
+    option,
+    shutdown_ray,
+    to_dict,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +74,14 @@ ENV_ALIASES: dict[str, list[str]] = {
 }
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+#: `vlm_data.TEMPLATES`' names, written out: importing vlm_data (transformers) at parse time
+#: costs seconds (a launcher test checks the two agree).
+TEMPLATE_NAMES = ("none", "boxed", "think-boxed")
+
+
 @dataclass
 class RunSection:
     preset: str | None = option(None, "named preset; 'tiny' runs on any CPU in minutes")
@@ -72,20 +89,30 @@ class RunSection:
     resume: bool = option(False, "continue from the last complete checkpoint in --output-dir")
     load: str | None = option(None, "start from these weights (an HF folder or an SFT run folder)")
     backend: Literal["megatron", "fsdp"] = option("megatron", "training backend")
-    num_gpus: int = option(8, "GPUs to use (0: CPU run)")
+    num_gpus: int = option(8, "GPUs to use (0: CPU run)", ge=0)
     colocate: bool = option(True, "trainer and rollout share the GPUs (offload between phases)")
     rollout_num_gpus: int | None = option(
-        None, "separate mode: GPUs for rollout engines (default: half of --num-gpus)"
+        None, "separate mode: GPUs for rollout engines (default: half of --num-gpus)", ge=1
     )
-    cpu_trainers: int = option(1, "CPU run: trainer ranks (gloo)")
-    cpu_engines: int = option(1, "CPU run: rollout engines")
+    cpu_trainers: int = option(1, "CPU run: trainer ranks (gloo)", ge=1)
+    cpu_engines: int = option(1, "CPU run: rollout engines", ge=1)
     external_ray: bool = option(False, "connect to a running Ray cluster (address 'auto')")
     ray_address: str | None = option(None, "Ray cluster address (implies an external cluster)")
-    ray_num_cpus: int | None = option(None, "CPUs of the local Ray (default: all)")
+    ray_num_cpus: int | None = option(None, "CPUs of the local Ray (default: all)", ge=1)
     wandb: bool = option(False, "log to W&B (also on when WANDB_API_KEY is set)")
     wandb_project: str = option("glimpse-geo3k", "W&B project")
-    seed: int = option(1234, "global seed (model init, data order, sampling)")
-    log_level: str = option("INFO", "logging level")
+    seed: int = option(1234, "global seed (model init, data order, sampling)", ge=0)
+    log_level: str = option(
+        "INFO", "logging level (DEBUG: tracebacks for errors)", choices=LOG_LEVELS
+    )
+
+    def check(self) -> None:
+        rollout = self.rollout_num_gpus or max(1, self.num_gpus // 2)
+        if self.num_gpus and not self.colocate and rollout >= self.num_gpus:
+            raise ConfigError(
+                f"--no-colocate --rollout-num-gpus {rollout} leaves no GPU for training "
+                f"(--num-gpus {self.num_gpus})"
+            )
 
 
 @dataclass
@@ -107,15 +134,19 @@ class ModelSection:
         "fsdp backend: torch.compile each decoder layer, vision block and the log-prob kernels "
         "(default: on GPU for dense Qwen3-VL, otherwise off)",
     )
-    max_tokens_per_gpu: int = option(16384, "micro-batch token budget per GPU")
+    max_tokens_per_gpu: int = option(16384, "micro-batch token budget per GPU", ge=1)
     fsdp_replicate: bool = option(
         False,
         "fsdp backend on several GPUs: each holds the whole model (bf16 over float32 masters) "
         "and one all-reduce averages the gradients, instead of FSDP sharding; for models that "
         "fit on one GPU",
     )
-    tensor_parallel: int = option(1, "megatron backend: tensor-parallel size")
+    tensor_parallel: int = option(1, "megatron backend: tensor-parallel size", ge=1)
     sequence_parallel: bool = option(False, "megatron backend: sequence parallel (needs TP > 1)")
+
+    def check(self) -> None:
+        if self.sequence_parallel and self.tensor_parallel < 2:
+            raise ConfigError("--sequence-parallel needs --tensor-parallel of 2 or more")
 
 
 @dataclass
@@ -129,23 +160,52 @@ class DataSection:
     prompt_key: str = option("problem", "column with the question (and <image> placeholders)")
     answer_key: str = option("answer", "column with the ground-truth answer")
     image_key: str = option("images", "column with the images")
-    template: str = option("boxed", "prompt template: none | boxed | think-boxed")
-    max_prompt_length: int | None = option(None, "drop (and count) longer prompts")
-    min_pixels: int | None = option(None, "image processor min pixels")
-    max_pixels: int | None = option(None, "image processor max pixels")
-    synthetic_train_size: int = option(1024, "synthetic task: training rows")
-    synthetic_eval_size: int = option(64, "synthetic task: evaluation rows")
+    template: str = option("boxed", "prompt template", choices=TEMPLATE_NAMES)
+    max_prompt_length: int | None = option(None, "drop (and count) longer prompts", ge=1)
+    min_pixels: int | None = option(None, "image processor min pixels", ge=1)
+    max_pixels: int | None = option(None, "image processor max pixels", ge=1)
+    synthetic_train_size: int = option(1024, "synthetic task: training rows", ge=1)
+    synthetic_eval_size: int = option(64, "synthetic task: evaluation rows", ge=1)
+
+    def check(self) -> None:
+        if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
+            raise ConfigError(
+                f"--min-pixels {self.min_pixels} is above --max-pixels {self.max_pixels}"
+            )
 
 
 @dataclass
 class OptimSection:
-    lr: float = option(1e-6, "learning rate (constant schedule)")
+    lr: float = option(1e-6, "learning rate (constant schedule)", gt=0)
     lr_schedule: Literal["constant", "cosine"] = option("constant", "learning-rate schedule")
-    lr_warmup_steps: int = option(0, "linear warm-up steps")
-    adam_beta1: float = option(0.9, "Adam beta1")
-    adam_beta2: float = option(0.98, "Adam beta2")
-    weight_decay: float = option(0.1, "weight decay")
-    clip_grad: float = option(1.0, "gradient-norm clip")
+    lr_warmup_steps: int = option(0, "linear warm-up steps", ge=0)
+    adam_beta1: float = option(0.9, "Adam beta1", ge=0, lt=1)
+    adam_beta2: float = option(0.98, "Adam beta2", ge=0, lt=1)
+    weight_decay: float = option(0.1, "weight decay", ge=0)
+    clip_grad: float = option(1.0, "gradient-norm clip (0: report the norm, do not clip)", ge=0)
+
+
+def check_backend_options(
+    run: RunSection, model: ModelSection, opt: OptimSection, *, kl_coef: float = 0.0
+) -> None:
+    """Options one backend has and the other lacks, checked before anything starts."""
+    if run.backend == "fsdp" and (model.tensor_parallel > 1 or model.sequence_parallel):
+        raise ConfigError(
+            "--tensor-parallel / --sequence-parallel are for --backend megatron; "
+            "the fsdp backend shards instead"
+        )
+    if run.backend != "megatron":
+        return
+    if kl_coef > 0:
+        raise ConfigError(
+            f"--kl-coef {kl_coef} needs a reference model, which the megatron backend does not "
+            "keep yet: use --backend fsdp"
+        )
+    if opt.lr_schedule != "constant" or opt.lr_warmup_steps:
+        raise ConfigError(
+            "the megatron backend has a constant learning rate only: use --lr-schedule "
+            "constant --lr-warmup-steps 0, or --backend fsdp"
+        )
 
 
 def optim_config(opt: OptimSection, total_steps: int | None = None) -> Any:
@@ -171,7 +231,7 @@ def resolve_load(path: str) -> str:
     if (p / "hf" / "config.json").is_file():
         return str(p / "hf")
     if not (p / "config.json").is_file():
-        raise SystemExit(f"--load {path}: no config.json there (nor in {p / 'hf'})")
+        raise ConfigError(f"--load {path}: no config.json there (nor in {p / 'hf'})")
     return str(p)
 
 
@@ -239,8 +299,16 @@ def eos_token_ids(processor: Any) -> list[int]:
 # ---------------------------------------------------------------------------------- data
 
 
-def load_split(data: DataSection, split: str, *, eval_split: bool = False, seed: int = 0) -> Any:
-    """Rows of one split: the synthetic task, or `vlm_data.load_rows`."""
+def load_split(
+    data: DataSection,
+    split: str,
+    *,
+    eval_split: bool = False,
+    seed: int = 0,
+    stats: Any = None,
+) -> Any:
+    """Rows of one split: the synthetic task, or `vlm_data.load_rows` (malformed lines are
+    counted in `stats`, a builder's counter)."""
     from vlm_data import DatasetLoadError, load_rows, make_synthetic_rows
 
     if data.dataset == SYNTHETIC or data.dataset.startswith(SYNTHETIC + ":"):
@@ -248,13 +316,17 @@ def load_split(data: DataSection, split: str, *, eval_split: bool = False, seed:
         n = data.synthetic_eval_size if eval_split else data.synthetic_train_size
         return make_synthetic_rows(n, seed=seed + (1 if eval_split else 0), task=task)
     keys = dict(prompt_key=data.prompt_key, answer_key=data.answer_key, image_key=data.image_key)
+    keys |= {"stats": stats}
     try:
-        return load_rows(data.dataset, split=split, **keys)
-    except DatasetLoadError:
-        if not eval_split or split == "validation":
-            raise
-        log.warning("no %r split in %s; evaluating on 'validation'", split, data.dataset)
-        return load_rows(data.dataset, split="validation", **keys)
+        try:
+            return load_rows(data.dataset, split=split, **keys)
+        except DatasetLoadError:
+            if not eval_split or split == "validation":
+                raise
+            log.warning("no %r split in %s; evaluating on 'validation'", split, data.dataset)
+            return load_rows(data.dataset, split="validation", **keys)
+    except DatasetLoadError as err:  # a path or name the user gave: one line, exit 2
+        raise ConfigError(f"--dataset / GEO3K_DATASET_NAME: {err}") from err
 
 
 class RowSource:
@@ -440,7 +512,7 @@ def layout(run: RunSection, *, with_engines: bool = True) -> Layout:
         return Layout(run.num_gpus, run.num_gpus if with_engines else 0, True, True)
     rollout = run.rollout_num_gpus or max(1, run.num_gpus // 2)
     if rollout >= run.num_gpus:
-        raise SystemExit(
+        raise ConfigError(
             f"--rollout-num-gpus {rollout} leaves no GPU for training (--num-gpus {run.num_gpus})"
         )
     return Layout(run.num_gpus - rollout, rollout, False, True)
@@ -453,7 +525,6 @@ class RayHandle:
     actors: list[Any] = field(default_factory=list)
 
     def close(self) -> None:
-        import ray
 
         for group in self.actors:
             try:
@@ -462,7 +533,7 @@ class RayHandle:
                 log.debug("group shutdown failed", exc_info=True)
         self.placement.remove()
         if self.owns_ray:
-            ray.shutdown()
+            shutdown_ray()
 
 
 def start_ray(run: RunSection, lay: Layout) -> RayHandle:

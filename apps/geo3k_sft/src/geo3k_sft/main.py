@@ -25,6 +25,7 @@ from geo3k_sft.common import (
     RunSection,
     actor_config,
     build_processor,
+    check_backend_options,
     layout,
     load_split,
     model_source,
@@ -40,9 +41,11 @@ from rl_runtime import (
     check_backend,
     check_gpus,
     parse_config,
+    resume_step,
     run_sft,
     setup_logging,
     to_json,
+    user_errors,
 )
 
 log = logging.getLogger(__name__)
@@ -55,6 +58,9 @@ class Geo3kSftConfig:
     data: DataSection = field(default_factory=lambda: DataSection(template="none"))
     optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1e-5))
     sft: SftLoopConfig = field(default_factory=SftLoopConfig)
+
+    def check(self) -> None:
+        check_backend_options(self.run, self.model, self.optim)
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -87,6 +93,8 @@ def run(cfg: Geo3kSftConfig) -> Path:
     check_gpus(cfg.run.num_gpus, preset=cfg.run.preset)
     check_backend(cfg.run.backend)
     run_dir = Path(cfg.run.output_dir)
+    checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.sft.sft_keep_checkpoints)
+    start_step = resume_step(checkpoints, run_dir) if cfg.run.resume else None
     write_config(cfg, run_dir)
     processor = build_processor(cfg.model, cfg.run, cfg.data)
     from vlm_data import SftSampleBuilder
@@ -99,7 +107,7 @@ def run(cfg: Geo3kSftConfig) -> Path:
         answer_key=cfg.data.answer_key,
         image_key=cfg.data.image_key,
     )
-    rows = load_split(cfg.data, cfg.data.train_split, seed=cfg.run.seed)
+    rows = load_split(cfg.data, cfg.data.train_split, seed=cfg.run.seed, stats=builder.stats)
     samples = RowSource(rows, builder)
     source = model_source(cfg.model, cfg.run, processor)
     actor_cfg = actor_config(cfg.model, cfg.run, source, cfg.optim, cfg.sft.sft_num_steps)
@@ -112,10 +120,7 @@ def run(cfg: Geo3kSftConfig) -> Path:
             wandb=use_wandb(cfg.run, os.environ),
             wandb_project=cfg.run.wandb_project,
             config=_flat(cfg),
-            resume_step=_resume_step(cfg, run_dir),
-        )
-        checkpoints = CheckpointManager(
-            run_dir / "checkpoints", keep_last=cfg.sft.sft_keep_checkpoints
+            resume_step=start_step,
         )
         checkpoints.clean_partial()
         export = run_dir / "hf"
@@ -136,13 +141,6 @@ def run(cfg: Geo3kSftConfig) -> Path:
         ray_handle.close()
 
 
-def _resume_step(cfg: Any, run_dir: Path) -> int | None:
-    if not cfg.run.resume:
-        return None
-    latest = CheckpointManager(run_dir / "checkpoints").latest()
-    return latest[0] if latest else 0
-
-
 def _flat(cfg: Any) -> dict[str, Any]:
     import json
 
@@ -150,10 +148,12 @@ def _flat(cfg: Any) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    cfg = parse(argv)
-    setup_logging(cfg.run.log_level)
-    log.info("geo3k_sft configuration:\n%s", to_json(cfg))
-    run(cfg)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    with user_errors("geo3k_sft", argv):
+        cfg = parse(argv)
+        setup_logging(cfg.run.log_level)
+        log.info("geo3k_sft configuration:\n%s", to_json(cfg))
+        run(cfg)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,10 @@ _TOKENS = re.compile(r"\\[a-zA-Z]+|\\.|\d+(?:\.\d+)?|[a-zA-Z]+|\S")
 _PLAIN = re.compile(r"^([+-]?)(\d+(?:\.\d*)?|\.\d+)$")
 _PLAIN_RATIO = re.compile(r"^([+-]?)(\d+)/(\d+)$")
 _PLAIN_FRAC = re.compile(r"^([+-]?)\\frac\{(\d+)\}\{(\d+)\}$")
+_BRACED_COMMA = re.compile(r"\{\s*,\s*\}|,\s*\\!\s*")
+_THOUSANDS = re.compile(r"^[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+"""``1,234,567``: digit groups of three after a comma with no space, the whole answer; as in
+math-verify's parser. ``1, 234`` (a space) or ``(1,234)`` stay tuples."""
 _WORD = re.compile(r"(?<![\\a-zA-Z])(?!(?:sqrt|sin|cos|tan|log|exp|pi)\b)[a-zA-Z]{3,}")
 
 
@@ -106,7 +110,9 @@ def canonical(answer: str) -> str:
     s = answer.strip()
     if not s or len(s) > MAX_ANSWER_CHARS:
         return ""
-    s = s.replace("$", "").replace("\\!", "").replace("≈", "\\approx ")
+    # ``14{,}916`` and ``11,\\! 111``: LaTeX's thousands separators, a comma without its space.
+    s = _BRACED_COMMA.sub(",", s)
+    s = s.replace("\\$", "").replace("$", "").replace("\\!", "").replace("≈", "\\approx ")
     s = _REMOVE.sub(" ", s)
     s = _DEGREE.sub("", s)
     s = _FRAC.sub(r"\\frac", s)
@@ -114,6 +120,8 @@ def canonical(answer: str) -> str:
     s = _SQRT_SHORT.sub(r"\\sqrt{\1}", s)
     s = _FRAC_SHORT.sub(r"\\frac{\1}{\2}", s)
     s = _LEADING.sub("", _TRAILING.sub("", s).strip())
+    if _THOUSANDS.match(s):
+        s = s.replace(",", "")
     mixed = _MIXED.match(s)
     if mixed:
         sign, whole, num, den = mixed.groups()

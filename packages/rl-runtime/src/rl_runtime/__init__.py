@@ -2,14 +2,15 @@
 checkpoints. It knows the actor and engine protocols, never the concrete backends."""
 
 from rl_runtime.actor_group import EngineWorker, RolloutGroup, TrainGroup, TrainWorker
-from rl_runtime.checkpoint import CheckpointManager
-from rl_runtime.config import ConfigError, option, parse_config, to_dict, to_json
+from rl_runtime.checkpoint import CheckpointManager, ResumeError, resume_step
+from rl_runtime.cli import user_errors
+from rl_runtime.config import ConfigError, option, parse_config, to_dict, to_json, validate
 from rl_runtime.data import PromptSampler
 from rl_runtime.evaluation import eval_prompts, evaluate
 from rl_runtime.gc_policy import PeriodicGC
 from rl_runtime.loop import GrpoLoopConfig, GrpoParts, run_grpo
 from rl_runtime.metrics import RunLogger, plot_metrics, read_metrics
-from rl_runtime.placement import Placement, create_placement, init_ray
+from rl_runtime.placement import Placement, create_placement, init_ray, shutdown_ray
 from rl_runtime.preflight import PreflightError, check_backend, check_gpus, count_gpus
 from rl_runtime.progress import setup_logging
 from rl_runtime.protocols import PromptSource, RewardFn, TrainActor
@@ -27,6 +28,7 @@ __all__ = [
     "PreflightError",
     "PromptSampler",
     "PromptSource",
+    "ResumeError",
     "RewardFn",
     "RolloutGroup",
     "RunLogger",
@@ -46,10 +48,14 @@ __all__ = [
     "parse_config",
     "plot_metrics",
     "read_metrics",
+    "resume_step",
     "run_grpo",
     "run_sft",
     "setup_logging",
     "sft_batch",
+    "shutdown_ray",
     "to_dict",
     "to_json",
+    "user_errors",
+    "validate",
 ]

@@ -4,6 +4,9 @@ A checkpoint folder `step_000040/` holds `trainer/` (written by the trainer acto
 `loop_state.json` (step, data sampler position, RNG state, anything the loop needs). The rename
 is the commit: a crash at any moment during a save leaves at most a `*.tmp` folder, which is
 ignored and cleaned up, and the previous checkpoint stays usable.
+
+`keep_last` counts the newest checkpoints kept (0 or None: all); the one just saved is never
+removed. `resume_step` refuses a `--resume` that would silently replace an earlier run's metrics.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from rl_runtime.metrics import METRICS_FILE, read_metrics
+from rl_runtime.preflight import PreflightError
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +47,8 @@ class CheckpointManager:
     """Saves and finds checkpoints under `root` (usually `<run dir>/checkpoints`)."""
 
     def __init__(self, root: str | Path, *, keep_last: int | None = 2) -> None:
+        if keep_last is not None and keep_last < 0:
+            raise ValueError(f"keep_last must be >= 0 (0: keep all), not {keep_last}")
         self.root = Path(root)
         self.keep_last = keep_last
 
@@ -111,5 +119,29 @@ class CheckpointManager:
         if not self.keep_last:
             return
         done = self.complete()
-        for _, p in done[: -self.keep_last]:
+        for _, p in done[: max(0, len(done) - self.keep_last)]:
             shutil.rmtree(p, ignore_errors=True)
+
+
+class ResumeError(PreflightError):
+    """`--resume` found nothing to resume, and starting fresh would lose an earlier run's data."""
+
+
+def resume_step(checkpoints: CheckpointManager, run_dir: str | Path) -> int:
+    """The step a `--resume` continues from: the latest complete checkpoint, or 0 for a run
+    folder with no metrics yet. A folder whose `metrics.jsonl` has rows but no checkpoint is
+    refused (`ResumeError`): starting fresh would replace those rows."""
+    latest = checkpoints.latest()
+    if latest is not None:
+        return latest[0]
+    metrics = Path(run_dir) / METRICS_FILE
+    rows = read_metrics(metrics)
+    if rows:
+        last = max((r.get("step", 0) for r in rows), default=0)
+        raise ResumeError(
+            f"--resume: no complete checkpoint in {checkpoints.root}, but {metrics} holds "
+            f"{len(rows)} rows (up to step {last}) that a fresh start would replace; "
+            "run without --resume to start over (move the file away to keep it)"
+        )
+    log.warning("--resume: no checkpoint in %s yet; starting from step 0", checkpoints.root)
+    return 0

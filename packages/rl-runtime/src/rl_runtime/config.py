@@ -6,6 +6,12 @@ leaf names must be unique across sections. The help text comes from `field(metad
 
 Precedence, highest first: command-line flag, environment variable (the app passes the mapping
 and the aliases; this module never reads `os.environ`), preset, dataclass default.
+
+Every value is checked where it is parsed, before anything starts: a field declares its range
+and choices once, next to its default (`option(8, "...", ge=1)`); a float is always finite; a
+section (or the whole config) may add a `check()` method for combinations of fields. A bad
+value is a `ConfigError` whose one-line message names the flag, environment variable or preset
+it came from.
 """
 
 from __future__ import annotations
@@ -14,9 +20,11 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
+import operator
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 log = logging.getLogger(__name__)
@@ -31,14 +39,68 @@ class ConfigError(ValueError):
     """A flag, environment variable or preset value that does not fit the config."""
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "", **kwargs: Any) -> Any:
-    """`dataclasses.field` with a help text (and a mutable default made safe)."""
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """What a value must satisfy: numeric bounds and/or a set of choices (a sequence, or a
+    function returning one, for registries that are imported only when checked)."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    choices: Sequence[Any] | Callable[[], Sequence[Any]] | None = None
+
+    def describe(self) -> str:
+        """`>= 1`, `> 0 and < 1`, ...: appended to the help text."""
+        parts = [
+            f"{op} {_num(bound)}"
+            for op, bound in ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
+            if bound is not None
+        ]
+        return " and ".join(parts)
+
+    def problem(self, value: Any) -> str | None:
+        """Why `value` does not fit, or None."""
+        if self.choices is not None:
+            choices = list(self.choices() if callable(self.choices) else self.choices)
+            if value not in choices:
+                return f"expected one of {choices}"
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            for bound, holds in (
+                (self.ge, operator.ge),
+                (self.gt, operator.gt),
+                (self.le, operator.le),
+                (self.lt, operator.lt),
+            ):
+                if bound is not None and not holds(value, bound):
+                    return f"must be {self.describe()}"
+        return None
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def option(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    choices: Sequence[Any] | Callable[[], Sequence[Any]] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """`dataclasses.field` with a help text, the value's bounds or choices (checked by
+    `validate`; None always passes for an optional field), and a mutable default made safe."""
+    metadata = {"help": help, "bounds": Bounds(ge, gt, le, lt, choices)}
     if isinstance(default, list | dict):
         value = default
         return dataclasses.field(
-            default_factory=lambda: type(value)(value), metadata={"help": help}, **kwargs
+            default_factory=lambda: type(value)(value), metadata=metadata, **kwargs
         )
-    return dataclasses.field(default=default, metadata={"help": help}, **kwargs)
+    return dataclasses.field(default=default, metadata=metadata, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +112,7 @@ class Leaf:
     type: Any
     default: Any
     help: str
+    bounds: Bounds = Bounds()
 
     @property
     def flag(self) -> str:
@@ -74,9 +137,9 @@ def leaves(cls: type) -> list[Leaf]:
                 default = _default(g)
                 if section is not dataclasses.MISSING:
                     default = getattr(section, g.name)
-                out.append(Leaf(f.name, g.name, sub_hints[g.name], default, _help(g)))
+                out.append(Leaf(f.name, g.name, sub_hints[g.name], default, _help(g), _bounds(g)))
         else:
-            out.append(Leaf(None, f.name, tp, _default(f), _help(f)))
+            out.append(Leaf(None, f.name, tp, _default(f), _help(f), _bounds(f)))
     names = [leaf.name for leaf in out]
     dupes = {n for n in names if names.count(n) > 1}
     if dupes:
@@ -94,6 +157,10 @@ def _default(f: dataclasses.Field) -> Any:
 
 def _help(f: dataclasses.Field) -> str:
     return f.metadata.get("help", "")
+
+
+def _bounds(f: dataclasses.Field) -> Bounds:
+    return f.metadata.get("bounds", Bounds())
 
 
 def _strip_optional(tp: Any) -> tuple[Any, bool]:
@@ -146,6 +213,14 @@ def _type_name(tp: Any) -> str:
     return f"{name} or none" if optional else name
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose mistakes (an unknown flag, a flag without its value) are `ConfigError`s,
+    one line like every other configuration error, instead of a usage block and exit."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise ConfigError(f"{message} (see --help)")
+
+
 def build_parser(
     cls: type,
     *,
@@ -156,7 +231,7 @@ def build_parser(
 ) -> argparse.ArgumentParser:
     """An argparse parser with one flag per leaf field (plus `--print-config`)."""
     env_aliases = env_aliases or {}
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=prog,
         description=description,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -173,6 +248,8 @@ def build_parser(
             group = parser.add_argument_group(leaf.section or "general")
             groups[leaf.section] = group
         help_text = leaf.help or leaf.name
+        if leaf.bounds.describe():
+            help_text += f"; {leaf.bounds.describe()}"
         if leaf.name in env_aliases:
             help_text += f" [env: {', '.join(env_aliases[leaf.name])}]"
         if leaf.name == "preset" and presets:
@@ -189,8 +266,11 @@ def build_parser(
             )
             continue
         metavar = leaf.name.upper()
+        choices = leaf.bounds.choices
         if get_origin(base) is Literal:
-            metavar = "{" + ",".join(map(str, get_args(base))) + "}"
+            choices = get_args(base)
+        if choices is not None:
+            metavar = "{" + ",".join(map(str, choices() if callable(choices) else choices)) + "}"
         group.add_argument(
             leaf.flag,
             type=str,
@@ -224,13 +304,16 @@ def parse_config(
     all_leaves = {leaf.name: leaf for leaf in leaves(cls)}
 
     values: dict[str, Any] = {}
+    origins: dict[str, str] = {}  # where each value came from, for the error messages
     for name, leaf in all_leaves.items():
         if leaf.default is not dataclasses.MISSING:
             values[name] = leaf.default
+            origins[name] = f"{leaf.flag} (default)"
 
     def from_env(name: str) -> tuple[bool, Any]:
         for var in env_aliases.get(name, ()):
             if var in env and env[var] != "":
+                origins[name] = f"environment {var}={env[var]}"
                 return True, convert(env[var], all_leaves[name].type, f"environment {var}")
         return False, None
 
@@ -250,6 +333,7 @@ def parse_config(
                 if name not in all_leaves:
                     raise ConfigError(f"preset {preset!r} sets unknown field {name!r}")
                 values[name] = v
+                origins[name] = f"preset {preset!r} ({all_leaves[name].flag} {v!r})"
 
     for name in all_leaves:
         found, v = from_env(name)
@@ -259,13 +343,16 @@ def parse_config(
         leaf = all_leaves[name]
         if isinstance(raw, bool):
             values[name] = raw
+            origins[name] = leaf.flag if raw else "--no-" + leaf.flag[2:]
         else:
             values[name] = convert(raw, leaf.type, leaf.flag)
+            origins[name] = f"{leaf.flag} {raw}"
 
     missing = [all_leaves[n].flag for n in all_leaves if n not in values]
     if missing:
         parser.error(f"missing required values: {', '.join(missing)}")
     cfg = _build(cls, values)
+    validate(cfg, origins)
     if print_config:
         print(to_json(cfg))
         raise SystemExit(0)
@@ -282,6 +369,39 @@ def _build(cls: type[T], values: Mapping[str, Any]) -> T:
         else:
             kwargs[f.name] = values[f.name]
     return cls(**kwargs)
+
+
+def validate(cfg: Any, origins: Mapping[str, str] | None = None) -> None:
+    """Check every leaf against its bounds (floats must be finite), then each section's and the
+    config's own `check()` (combinations). `origins` maps a field to where its value came from
+    (`--lr nan`, `environment GEO3K_NUM_GPUS=-1`, `preset 'tiny' (...)`) for the message."""
+    origins = origins or {}
+    for leaf in leaves(type(cfg)):
+        section = getattr(cfg, leaf.section) if leaf.section else cfg
+        value = getattr(section, leaf.name)
+        problem = _problem(leaf, value)
+        if problem:
+            where = origins.get(leaf.name, f"{leaf.flag} {value!r}")
+            raise ConfigError(f"{where}: {problem}")
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(section) and hasattr(section, "check"):
+            section.check()
+    if hasattr(cfg, "check"):
+        cfg.check()
+
+
+def _problem(leaf: Leaf, value: Any) -> str | None:
+    if value is None:
+        return None
+    items = value if isinstance(value, list | tuple) else [value]
+    for item in items:
+        if isinstance(item, float) and not math.isfinite(item):
+            return "must be a finite number"
+        problem = leaf.bounds.problem(item)
+        if problem:
+            return problem
+    return None
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import torch
 
 from rl_algos import compute_grpo_advantages, filter_zero_variance_groups
 from rl_runtime.checkpoint import CheckpointManager
-from rl_runtime.config import option
+from rl_runtime.config import ConfigError, option
 from rl_runtime.data import PromptSampler
 from rl_runtime.evaluation import eval_prompts, evaluate
 from rl_runtime.metrics import RunLogger
@@ -30,27 +30,45 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class GrpoLoopConfig:
-    num_rollout: int = option(300, "training steps (rollouts)")
-    rollout_batch_size: int = option(64, "prompts per rollout")
-    n_samples_per_prompt: int = option(8, "responses sampled per prompt (the GRPO group)")
-    global_batch_size: int = option(512, "samples per optimizer step")
-    rollout_temperature: float = option(0.8, "sampling temperature")
-    rollout_top_p: float = option(1.0, "top-p of sampling")
-    rollout_max_response_len: int = option(4096, "max new tokens per response")
+    num_rollout: int = option(300, "training steps (rollouts)", ge=1)
+    rollout_batch_size: int = option(64, "prompts per rollout", ge=1)
+    n_samples_per_prompt: int = option(
+        8, "responses sampled per prompt (the GRPO group; one alone has no advantage)", ge=2
+    )
+    global_batch_size: int = option(
+        512, "samples per optimizer step (must divide rollout batch x samples per prompt)", ge=1
+    )
+    rollout_temperature: float = option(0.8, "sampling temperature", gt=0)
+    rollout_top_p: float = option(1.0, "top-p of sampling", gt=0, le=1)
+    rollout_max_response_len: int = option(4096, "max new tokens per response", ge=1)
     std_normalization: bool = option(True, "divide advantages by the group std (off: Dr. GRPO)")
-    reward_dtype: str = option("float32", "dtype rewards are rounded to (float32|float16|...)")
+    reward_dtype: str = option(
+        "float32",
+        "dtype rewards are rounded to",
+        choices=("float32", "float16", "bfloat16", "float64"),
+    )
     dynamic_sampling: bool = option(False, "drop groups whose rewards are all equal (DAPO)")
     use_ref_logprobs: bool = option(False, "compute reference log-probs (needed for KL)")
-    eval_interval: int = option(20, "evaluate every N steps (0: never)")
-    eval_max_prompts: int | None = option(None, "evaluate on at most this many prompts")
-    n_samples_per_eval_prompt: int = option(1, "samples per eval prompt (pass@1 over them)")
+    eval_interval: int = option(20, "evaluate every N steps (0: never)", ge=0)
+    eval_max_prompts: int | None = option(None, "evaluate on at most this many prompts", ge=1)
+    n_samples_per_eval_prompt: int = option(1, "samples per eval prompt (pass@1 over them)", ge=1)
     eval_temperature: float | None = option(
-        None, "eval sampling temperature (default: the rollout's; 0: greedy)"
+        None, "eval sampling temperature (default: the rollout's; 0: greedy)", ge=0
     )
-    save_interval: int = option(20, "checkpoint every N steps (0: only at the end)")
-    keep_checkpoints: int = option(2, "how many checkpoints to keep")
-    weight_bucket_mb: int = option(512, "weight sync bucket size (MiB)")
-    rollout_seed: int = option(1234, "seed of prompt order and sampling")
+    save_interval: int = option(20, "checkpoint every N steps (0: only at the end)", ge=0)
+    keep_checkpoints: int = option(2, "how many checkpoints to keep (0: all)", ge=0)
+    weight_bucket_mb: int = option(512, "weight sync bucket size (MiB)", ge=1)
+    rollout_seed: int = option(1234, "seed of prompt order and sampling", ge=0)
+
+    def check(self) -> None:
+        """Each rollout splits into whole optimizer steps (the schedule counts them)."""
+        samples = self.rollout_batch_size * self.n_samples_per_prompt
+        if samples % self.global_batch_size:
+            raise ConfigError(
+                f"--global-batch-size {self.global_batch_size} must divide the {samples} samples "
+                f"of a rollout (--rollout-batch-size {self.rollout_batch_size} x "
+                f"--n-samples-per-prompt {self.n_samples_per_prompt})"
+            )
 
 
 @dataclass

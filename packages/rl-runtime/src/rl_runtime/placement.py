@@ -11,8 +11,15 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from rl_runtime import ray_reaper
+from rl_runtime.preflight import PreflightError
 
 log = logging.getLogger(__name__)
 
@@ -23,9 +30,16 @@ def init_ray(
     num_cpus: int | None = None,
     num_gpus: int | None = None,
     log_to_driver: bool = True,
+    attempts: int = 4,
+    retry_wait_s: float = 5.0,
 ) -> None:
     """Connect to an existing cluster (`address`, e.g. "auto" or "ray://host:10001") or start a
-    local Ray. No dashboard; nothing is uploaded: workers use this machine's Python."""
+    local Ray. No dashboard; nothing is uploaded: workers use this machine's Python.
+
+    On a busy machine Ray's start can time out ("The current node timed out during startup"):
+    it is tried `attempts` times, `retry_wait_s` apart (growing), then a `PreflightError` says
+    what failed in one line. A local Ray gets a reaper process (`ray_reaper.py`) that removes
+    every process of its session once this driver is gone, even after a SIGKILL."""
     import ray
 
     if ray.is_initialized():
@@ -34,10 +48,82 @@ def init_ray(
     kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": log_to_driver}
     if address:
         log.info("connecting to the Ray cluster at %s", address)
-        ray.init(address=address, **kwargs)
+        kwargs["address"] = address
     else:
-        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
+        kwargs |= {"num_cpus": num_cpus, "num_gpus": num_gpus}
+    for attempt in range(1, attempts + 1):
+        before = ray_reaper.descendants(os.getpid())
+        try:
+            ray.init(**kwargs)
+            break
+        except Exception as err:  # Ray raises bare Exceptions for start-up time-outs
+            # Stop what half-started (a GCS, a raylet and its agents stay up otherwise, and
+            # load the machine further) before the next try.
+            ray.shutdown()
+            ray_reaper.kill_all(ray_reaper.descendants(os.getpid()) - before)
+            first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            if attempt == attempts:
+                what = f"connect to Ray at {address}" if address else "start a local Ray"
+                raise PreflightError(
+                    f"could not {what} in {attempts} attempts ({first_line}); on a busy "
+                    "machine retry later or with fewer --ray-num-cpus, or start Ray yourself "
+                    "(ray start --head) and pass --external-ray"
+                ) from err
+            log.warning(
+                "Ray start-up failed (%s); trying again (%d/%d)", first_line, attempt, attempts
+            )
+            time.sleep(retry_wait_s * attempt)
+    if not address:
+        _start_reaper()
     log.info("Ray resources: %s", ray.cluster_resources())
+
+
+_reaper: subprocess.Popen | None = None
+
+
+def _start_reaper() -> None:
+    """The local Ray's reaper: a small process that waits for this one to close its pipe."""
+    global _reaper
+    import ray
+
+    _stop_reaper()
+    try:  # Ray has no public name for the session folder
+        session_dir = ray._private.worker._global_node.get_session_dir_path()
+    except AttributeError:
+        log.warning("no Ray session folder found: a killed driver may leave Ray processes")
+        return
+    _reaper = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("ray_reaper.py")),
+            session_dir,
+            str(os.getpid()),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # a kill of this process group spares it
+    )
+
+
+def _stop_reaper() -> None:
+    """Close the pipe: the reaper removes whatever the session left, then exits."""
+    global _reaper
+    if _reaper is not None:
+        _reaper.stdin.close()
+        try:
+            _reaper.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            log.warning("the Ray reaper (pid %d) is still running", _reaper.pid)
+        _reaper = None
+
+
+def shutdown_ray() -> None:
+    """`ray.shutdown()`, then let the reaper remove what is left of a local Ray."""
+    import ray
+
+    ray.shutdown()
+    _stop_reaper()
 
 
 def _no_uv_runtime_env() -> None:

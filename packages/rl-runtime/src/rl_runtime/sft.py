@@ -25,11 +25,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class SftLoopConfig:
-    sft_num_steps: int = option(500, "SFT optimizer steps")
-    sft_batch_size: int = option(64, "conversations per SFT step")
-    sft_save_interval: int = option(100, "checkpoint every N SFT steps (0: only at the end)")
-    sft_keep_checkpoints: int = option(2, "how many SFT checkpoints to keep")
-    sft_seed: int = option(1234, "seed of the SFT data order")
+    sft_num_steps: int = option(500, "SFT optimizer steps", ge=1)
+    sft_batch_size: int = option(64, "conversations per SFT step", ge=1)
+    sft_save_interval: int = option(100, "checkpoint every N SFT steps (0: only at the end)", ge=0)
+    sft_keep_checkpoints: int = option(2, "how many SFT checkpoints to keep (0: all)", ge=0)
+    sft_seed: int = option(1234, "seed of the SFT data order", ge=0)
 
 
 def sft_batch(samples: Sequence[Any]) -> TrainBatch:

@@ -2,12 +2,19 @@
 
 Rows come back with canonical column names (`problem`, `answer`, `images`) whatever the source
 calls them, and with images left undecoded (`{"bytes", "path"}` dicts, strings, ...) so that a
-corrupt image fails one row in `PromptBuilder`, not the whole iteration.
+corrupt image fails one row in `PromptBuilder`, not the whole iteration. Likewise a JSONL line
+that is not a JSON object is skipped, named (file and line) and counted, instead of failing the
+whole file.
 """
 
 from __future__ import annotations
 
+import gzip
+import json
 import logging
+import shutil
+import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,12 +44,15 @@ def load_rows(
     prompt_key: str = PROMPT_KEY,
     answer_key: str = ANSWER_KEY,
     image_key: str = IMAGE_KEY,
+    stats: Counter[str] | None = None,
 ) -> datasets.Dataset:
     """Load one split as a `datasets.Dataset` with columns `problem`, `answer`, `images`.
 
     source: a local `.parquet`/`.jsonl` file; a folder holding `{split}.parquet`,
     `{split}-*.parquet`, `data/{split}-*.parquet` or `{split}.jsonl`; or a hub dataset name
     (`hiyouga/geometry3k`). Relative image file paths in rows resolve inside the file's folder.
+    Malformed JSONL lines are skipped with a warning naming file and line, and counted in
+    `stats["malformed_line"]` (pass a builder's `stats` to report them with its other skips).
     """
     import datasets
 
@@ -50,8 +60,14 @@ def load_rows(
     if path.exists():
         files = _split_files(path, split)
         base_dir = files[0].parent
-        kind = "json" if files[0].name.endswith(_JSONL) else "parquet"
-        dataset = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
+        if files[0].name.endswith(_JSONL):
+            dataset, skipped = _load_jsonl(files)
+            if stats is not None and skipped:
+                stats["malformed_line"] += skipped
+        else:
+            dataset = datasets.load_dataset(
+                "parquet", data_files=[str(f) for f in files], split="train"
+            )
         logger.info("loaded %d rows of %s from %s", len(dataset), split, path)
     else:
         base_dir = None
@@ -61,6 +77,80 @@ def load_rows(
     if base_dir is not None:
         dataset = _absolute_image_paths(dataset, base_dir)
     return dataset
+
+
+MAX_LINE_WARNINGS = 10
+"""Malformed lines named one by one per file; the rest are only counted."""
+
+
+def _open_text(path: Path):
+    return gzip.open(path, "rt") if path.name.endswith(".gz") else open(path)
+
+
+def _malformed_lines(path: Path) -> list[tuple[int, str]]:
+    """(line number, reason) of each non-empty line that is not a JSON object. A `.json` file
+    that is one JSON document (an array of rows) has none: it is not line-delimited."""
+    if not path.name.endswith((".jsonl", ".jsonl.gz")):
+        try:
+            with _open_text(path) as f:
+                json.load(f)
+            return []
+        except ValueError:
+            pass  # not one document: read it line by line
+    bad = []
+    with _open_text(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line.strip())
+            except ValueError as err:
+                bad.append((number, f"not JSON ({err})"))
+                continue
+            if not isinstance(row, dict):
+                bad.append((number, f"a JSON {type(row).__name__}, not an object"))
+    return bad
+
+
+def _load_jsonl(files: list[Path]) -> tuple[datasets.Dataset, int]:
+    """Load JSONL files; files with malformed lines are loaded from a copy without them."""
+    import datasets
+
+    workdir = None
+    clean: list[str] = []
+    skipped = 0
+    try:
+        for path in files:
+            bad = _malformed_lines(path)
+            if not bad:
+                clean.append(str(path))
+                continue
+            for number, reason in bad[:MAX_LINE_WARNINGS]:
+                logger.warning("%s:%d: skipping a malformed line: %s", path, number, reason)
+            logger.warning("%s: skipped %d malformed line(s)", path, len(bad))
+            skipped += len(bad)
+            workdir = workdir or Path(tempfile.mkdtemp(prefix="vlm_data_jsonl_"))
+            copy = workdir / f"{len(clean)}.jsonl"
+            drop = {number for number, _ in bad}
+            with _open_text(path) as src, open(copy, "w") as dst:
+                for number, line in enumerate(src, 1):
+                    if number not in drop and line.strip():
+                        dst.write(line if line.endswith("\n") else line + "\n")
+            clean.append(str(copy))
+        if workdir is None:
+            return datasets.load_dataset("json", data_files=clean, split="train"), 0
+        # The copies live only as long as this call: load them into memory, cache apart.
+        dataset = datasets.load_dataset(
+            "json",
+            data_files=clean,
+            split="train",
+            keep_in_memory=True,
+            cache_dir=str(workdir / "cache"),
+        )
+        return dataset, skipped
+    finally:
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _split_files(path: Path, split: str) -> list[Path]:

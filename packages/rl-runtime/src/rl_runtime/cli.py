@@ -1,0 +1,41 @@
+"""The launchers' error boundary: a mistake in the configuration or the environment is one line
+on stderr naming what to change, and exit status 2; `--log-level DEBUG` shows the traceback."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from rl_runtime.config import ConfigError
+from rl_runtime.preflight import PreflightError
+
+#: Errors that mean "the user asked for something that cannot be", never a bug.
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, PreflightError)
+
+
+def wants_traceback(argv: Sequence[str]) -> bool:
+    """`--log-level DEBUG` (or `--log-level=DEBUG`) among the arguments."""
+    args = list(argv)
+    for i, arg in enumerate(args):
+        value = arg.partition("=")[2] if arg.startswith("--log-level=") else None
+        if arg == "--log-level" and i + 1 < len(args):
+            value = args[i + 1]
+        if value is not None and value.upper() == "DEBUG":
+            return True
+    return False
+
+
+@contextmanager
+def user_errors(
+    prog: str, argv: Sequence[str], extra: tuple[type[BaseException], ...] = ()
+) -> Iterator[None]:
+    """Turn a `USER_ERRORS` (or `extra`) exception into `prog: error: <one line>`, exit 2."""
+    try:
+        yield
+    except (*USER_ERRORS, *extra) as err:
+        if wants_traceback(argv):
+            raise
+        message = getattr(err, "message", None) or str(err) or type(err).__name__
+        print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)
+        raise SystemExit(2) from None
