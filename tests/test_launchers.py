@@ -191,7 +191,6 @@ def test_grpo_settings_are_checked_at_parse(argv, message):
         (["--weight-decay", "nan"], {}, "--weight-decay nan: must be a finite number"),
         ([], {"GEO3K_NUM_GPUS": "-1"}, "environment GEO3K_NUM_GPUS=-1: must be >= 0"),
         ([], {"SLIME_SCRIPT_NUM_GPUS": "x"}, "environment SLIME_SCRIPT_NUM_GPUS: cannot read"),
-        (["--lr-schedule", "cosine", "--backend", "megatron"], {}, "constant learning rate"),
     ],
 )
 def test_sft_settings_are_checked_at_parse(argv, env, message):

@@ -176,7 +176,7 @@ class DataSection:
 
 @dataclass
 class OptimSection:
-    lr: float = option(1e-6, "learning rate (constant schedule)", gt=0)
+    lr: float = option(1e-6, "learning rate (the peak, after any warm-up)", gt=0)
     lr_schedule: Literal["constant", "cosine"] = option("constant", "learning-rate schedule")
     lr_warmup_steps: int = option(0, "linear warm-up steps", ge=0)
     adam_beta1: float = option(0.9, "Adam beta1", ge=0, lt=1)
@@ -200,11 +200,6 @@ def check_backend_options(
         raise ConfigError(
             f"--kl-coef {kl_coef} needs a reference model, which the megatron backend does not "
             "keep yet: use --backend fsdp"
-        )
-    if opt.lr_schedule != "constant" or opt.lr_warmup_steps:
-        raise ConfigError(
-            "the megatron backend has a constant learning rate only: use --lr-schedule "
-            "constant --lr-warmup-steps 0, or --backend fsdp"
         )
 
 
