@@ -32,6 +32,8 @@ def main(case_path: str, out_dir: str) -> None:
         result = {"before": actor.compute_logprobs(batch)}
         result["metrics"] = actor.train_step(batch, loss="grpo")
         result["after"] = actor.compute_logprobs(batch)
+        if actor.ref_model is not None:  # the frozen initial weights, after the update
+            result["reference_after"] = actor.compute_logprobs(batch, reference=True)
         if scenario.get("sft"):
             result["sft"] = actor.train_step(batch, loss="sft")
         if scenario.get("resume"):

@@ -30,7 +30,7 @@ COMMON = dict(
     model="qwen3-vl-tiny", lr=LR, weight_decay=0.0, max_grad_norm=1.0, export_dtype="float32"
 )
 SCENARIOS = {
-    "tp2_sp": dict(config=dict(tp=2, sp=True), share=True, resume=True),
+    "tp2_sp": dict(config=dict(tp=2, sp=True, reference_model=True), share=True, resume=True),
     "dp2": dict(config=dict(tp=1), share=False, sft=True),
 }
 
@@ -200,3 +200,12 @@ def test_export_has_hf_names(run):
     ref, results = run
     expected = sorted(k for k in ref["state"] if k != "lm_head.weight")
     assert results[0]["tp2_sp"]["exported_keys"] == expected
+
+
+def test_reference_model_keeps_the_initial_weights(run):
+    """After the update the reference still scores as the policy did before it."""
+    ref, results = run
+    for r in range(2):
+        res = results[r]["tp2_sp"]
+        assert _close(res["reference_after"], res["before"], ref["masks"]) == 0.0
+        assert _close(res["reference_after"], res["after"], ref["masks"]) > 1e-3

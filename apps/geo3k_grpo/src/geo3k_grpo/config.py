@@ -109,7 +109,7 @@ class Geo3kGrpoConfig:
     warmup: WarmupSection = field(default_factory=WarmupSection)
 
     def check(self) -> None:
-        check_backend_options(self.run, self.model, self.optim, kl_coef=self.loss.kl_coef)
+        check_backend_options(self.run, self.model)
 
 
 PRESETS: dict[str, dict[str, Any]] = {

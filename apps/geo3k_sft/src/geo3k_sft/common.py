@@ -185,21 +185,12 @@ class OptimSection:
     clip_grad: float = option(1.0, "gradient-norm clip (0: report the norm, do not clip)", ge=0)
 
 
-def check_backend_options(
-    run: RunSection, model: ModelSection, opt: OptimSection, *, kl_coef: float = 0.0
-) -> None:
+def check_backend_options(run: RunSection, model: ModelSection) -> None:
     """Options one backend has and the other lacks, checked before anything starts."""
     if run.backend == "fsdp" and (model.tensor_parallel > 1 or model.sequence_parallel):
         raise ConfigError(
             "--tensor-parallel / --sequence-parallel are for --backend megatron; "
             "the fsdp backend shards instead"
-        )
-    if run.backend != "megatron":
-        return
-    if kl_coef > 0:
-        raise ConfigError(
-            f"--kl-coef {kl_coef} needs a reference model, which the megatron backend does not "
-            "keep yet: use --backend fsdp"
         )
 
 
@@ -434,11 +425,6 @@ def megatron_config(
 ) -> Any:
     from trainers_megatron import MegatronConfig
 
-    if reference_model:
-        raise SystemExit(
-            "--kl-coef > 0 needs a reference model, which the megatron backend "
-            "does not keep yet: use --backend fsdp"
-        )
     kwargs: dict[str, Any] = {}
     if grpo is not None:
         kwargs["grpo"] = grpo
@@ -448,6 +434,7 @@ def megatron_config(
         sp=model.sequence_parallel,
         param_dtype=model.param_dtype,
         recompute=model.gradient_checkpointing,
+        reference_model=reference_model,
         max_tokens_per_gpu=model.max_tokens_per_gpu,
         temperature=temperature,
         lr=opt.lr,

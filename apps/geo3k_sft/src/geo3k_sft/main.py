@@ -60,7 +60,7 @@ class Geo3kSftConfig:
     sft: SftLoopConfig = field(default_factory=SftLoopConfig)
 
     def check(self) -> None:
-        check_backend_options(self.run, self.model, self.optim)
+        check_backend_options(self.run, self.model)
 
 
 PRESETS: dict[str, dict[str, Any]] = {

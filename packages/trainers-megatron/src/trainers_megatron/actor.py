@@ -11,9 +11,9 @@ are reduced by hand (no Megatron DDP wrapper): sequence-parallel norms and QK-no
 group, everything over the data-parallel group. With ``param_dtype`` below float32 the
 optimizer (torch AdamW) keeps float32 master weights.
 
-Limits of this first version: no pipeline parallelism, no expert parallelism, no reference
-model (pass ``ref_logprobs`` computed elsewhere), no distributed optimizer. Log-probs use
-Megatron's vocab-parallel cross entropy, so full-vocabulary logits are never gathered.
+Limits of this first version: no pipeline parallelism, no expert parallelism, no distributed
+optimizer. Log-probs use Megatron's vocab-parallel cross entropy, so full-vocabulary logits are
+never gathered; ``reference_model=True`` keeps a frozen copy of the initial weights for KL.
 """
 
 from __future__ import annotations
@@ -171,6 +171,13 @@ class MegatronActor:
             **recompute,
         )
         self._load_initial_weights()
+        self.ref_model = None
+        if config.reference_model:  # the initial policy, frozen: the KL penalty's reference
+            self.ref_model = build_megatron_model(
+                self.hf_config, Parallelism(tp=config.tp, sp=config.sp), params_dtype=self.dtype
+            )
+            self.ref_model.load_state_dict(self.model.state_dict())
+            self.ref_model.requires_grad_(False).eval()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # float32 master weights when the model computes in a lower precision
         self.masters = (
@@ -268,7 +275,7 @@ class MegatronActor:
                 loss_positions=loss_positions,
             )
 
-    def _logprobs(self, mb: MicroBatch) -> Tensor:
+    def _logprobs(self, mb: MicroBatch, model: torch.nn.Module | None = None) -> Tensor:
         """Aligned log-probs ``[T_real]`` (float32) of a packed micro-batch.
 
         Only the rows that predict loss tokens go through the output layer; other positions
@@ -285,7 +292,7 @@ class MegatronActor:
         positions = mb.loss_positions
         if positions is not None and positions.numel() == 0:
             positions = None  # nothing to score: the plain path keeps the graph whole
-        logits = self.model(
+        logits = (model or self.model)(
             mb.input_ids[None],
             mb.position_ids[:, None, :],
             pixel_values=mb.pixel_values,
@@ -317,15 +324,17 @@ class MegatronActor:
     # ----------------------------------------------------------------------------- protocol
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, *, reference: bool = False) -> list[Tensor]:
-        """Per-sample log-probs ``[L_i]`` (float32, CPU) of this rank's samples."""
-        if reference:
-            raise NotImplementedError("MegatronActor has no reference model yet")
+        """Per-sample log-probs ``[L_i]`` (float32, CPU) of this rank's samples, under the
+        policy or (``reference=True``) the frozen initial weights."""
+        model = self.ref_model if reference else self.model
+        if model is None:
+            raise ValueError("reference=True needs MegatronConfig(reference_model=True)")
         self._require_onloaded()
         batch = self._group_batch(batch)
-        self.model.eval()
+        model.eval()
         out: list[Tensor | None] = [None] * len(batch)
         for mb in self._micro_batches(batch):
-            lp = self._logprobs(mb).cpu()
+            lp = self._logprobs(mb, model).cpu()
             for i, part in zip(mb.indices, lp.split(mb.lengths), strict=True):
                 out[i] = part
         return out  # type: ignore[return-value]
@@ -552,6 +561,8 @@ class MegatronActor:
             return
         with torch.no_grad():
             self.model.to(device)  # parameters and buffers (rotary tables, vision embeddings)
+            if self.ref_model is not None:
+                self.ref_model.to(device)
             for t in {id(x): x for x in [*self.params, *self.masters]}.values():
                 t.data = t.data.to(device)
                 if t.grad is not None:
