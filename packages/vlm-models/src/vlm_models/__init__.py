@@ -19,6 +19,7 @@ from vlm_models.flops import (
     vision_flops,
     vision_matmul_params_per_patch,
 )
+from vlm_models.hub import ModelSourceError, has_weights, resolve_model_source
 from vlm_models.packing import (
     cu_seqlens_from_lengths,
     mm_token_types,
@@ -45,12 +46,14 @@ __all__ = [
     "TINY_PRESETS",
     "Conv3dPatchEmbed",
     "LinearPatchEmbed",
+    "ModelSourceError",
     "VisionInputs",
     "build_model",
     "check_attn_implementation",
     "count_parameters",
     "cu_seqlens_from_lengths",
     "flops_per_token",
+    "has_weights",
     "hf_named_tensors",
     "iter_weight_buckets",
     "lm_matmul_params",
@@ -61,6 +64,7 @@ __all__ = [
     "preset_config",
     "remove_host_syncs",
     "resolve_config",
+    "resolve_model_source",
     "sample_position_ids",
     "set_fast_patch_embed",
     "set_vision_trainable",
