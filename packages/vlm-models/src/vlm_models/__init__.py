@@ -16,8 +16,10 @@ from vlm_models.flops import (
     count_parameters,
     flops_per_token,
     lm_matmul_params,
+    parameter_counts,
     vision_flops,
     vision_matmul_params_per_patch,
+    vision_params,
 )
 from vlm_models.hub import ModelSourceError, has_weights, resolve_model_source
 from vlm_models.packing import (
@@ -61,6 +63,7 @@ __all__ = [
     "mm_token_types",
     "packed_inputs",
     "packed_position_ids",
+    "parameter_counts",
     "preset_config",
     "remove_host_syncs",
     "resolve_config",
@@ -74,5 +77,6 @@ __all__ = [
     "to_checkpoint_layout",
     "vision_flops",
     "vision_matmul_params_per_patch",
+    "vision_params",
     "vision_tower",
 ]
