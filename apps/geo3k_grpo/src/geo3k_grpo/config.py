@@ -20,6 +20,7 @@ from geo3k_sft.common import (
     OptimSection,
     RunSection,
 )
+from geo3k_sft.preflight import layout_report
 from rl_runtime import GrpoLoopConfig, option, parse_config
 
 DESCRIPTION = """GRPO on Geometry3K (the miles / slime geo3k VLM recipe), `uv run apps/geo3k_grpo`.
@@ -118,4 +119,5 @@ def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = Non
         presets=PRESETS,
         description=DESCRIPTION,
         prog="geo3k_grpo",
+        print_extra=lambda cfg: {"layout": layout_report(cfg.model, cfg.run)},
     )

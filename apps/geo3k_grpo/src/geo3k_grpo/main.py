@@ -36,14 +36,15 @@ from geo3k_sft.common import (
     vision_token_ids,
     write_config,
 )
+from geo3k_sft.preflight import prepare_model
 from rl_runtime import (
     CheckpointManager,
     GrpoParts,
+    PreflightError,
     RolloutGroup,
     RunLogger,
     SftLoopConfig,
     check_backend,
-    check_gpus,
     run_grpo,
     setup_logging,
     to_json,
@@ -145,9 +146,9 @@ def reward_options(loss) -> dict[str, float]:
 
 
 def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
-    check_gpus(cfg.run.num_gpus, preset=cfg.run.preset)
     check_backend(cfg.run.backend)
     rewards = reward_options(cfg.loss)
+    cfg = dataclasses.replace(cfg, model=prepare_model(cfg.model, cfg.run))
     run_dir = Path(cfg.run.output_dir)
     write_config(cfg, run_dir)
     if cfg.run.load is None and cfg.warmup.warmup_sft_steps > 0:
@@ -271,7 +272,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg = parse(argv)
     setup_logging(cfg.run.log_level)
     log.info("geo3k_grpo configuration:\n%s", to_json(cfg))
-    run(cfg)
+    try:
+        run(cfg)
+    except PreflightError as err:  # the machine or the model cannot run this: one line, no trace
+        print(f"geo3k_grpo: {err.message}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -86,6 +86,11 @@ class RunSection:
     wandb_project: str = option("glimpse-geo3k", "W&B project")
     seed: int = option(1234, "global seed (model init, data order, sampling)")
     log_level: str = option("INFO", "logging level")
+    gpu_memory_gib: float | None = option(
+        None,
+        "memory per GPU for the layout check (default: what the GPU reports, read without "
+        "allocating; 0: no check)",
+    )
 
 
 @dataclass
@@ -100,7 +105,11 @@ class ModelSection:
     )
     attn_implementation: str = option("packed", "trainer attention (packed | sdpa | ...)")
     param_dtype: str | None = option(None, "compute dtype (default: bfloat16 on GPU, fp32 on CPU)")
-    gradient_checkpointing: bool = option(False, "activation checkpointing in the trainer")
+    gradient_checkpointing: bool | None = option(
+        None,
+        "activation checkpointing (recompute) in the trainer (default: off, or on where the "
+        "memory estimate needs it)",
+    )
     freeze_vision: bool = option(False, "keep the vision tower frozen")
     compile: bool | None = option(
         None,
@@ -114,8 +123,14 @@ class ModelSection:
         "and one all-reduce averages the gradients, instead of FSDP sharding; for models that "
         "fit on one GPU",
     )
-    tensor_parallel: int = option(1, "megatron backend: tensor-parallel size")
-    sequence_parallel: bool = option(False, "megatron backend: sequence parallel (needs TP > 1)")
+    tensor_parallel: int | None = option(
+        None,
+        "megatron backend: tensor-parallel size (default: 1, or the smallest that fits by the "
+        "memory estimate when this, --sequence-parallel and --gradient-checkpointing are unset)",
+    )
+    sequence_parallel: bool | None = option(
+        None, "megatron backend: sequence parallel (needs TP > 1; default: on with TP > 1 chosen)"
+    )
 
 
 @dataclass
@@ -342,7 +357,7 @@ def fsdp_config(
         freeze_vision=model.freeze_vision,
         device="cuda" if run.num_gpus > 0 else "cpu",
         param_dtype=model.param_dtype,
-        activation_checkpointing=model.gradient_checkpointing,
+        activation_checkpointing=bool(model.gradient_checkpointing),
         compile=model.compile,
         max_tokens_per_gpu=model.max_tokens_per_gpu,
         replicate=model.fsdp_replicate,
@@ -381,10 +396,10 @@ def megatron_config(
         kwargs["grpo"] = grpo
     return MegatronConfig(
         model=source,
-        tp=model.tensor_parallel,
-        sp=model.sequence_parallel,
+        tp=model.tensor_parallel or 1,
+        sp=bool(model.sequence_parallel),
         param_dtype=model.param_dtype,
-        recompute=model.gradient_checkpointing,
+        recompute=bool(model.gradient_checkpointing),
         max_tokens_per_gpu=model.max_tokens_per_gpu,
         temperature=temperature,
         lr=opt.lr,
@@ -417,7 +432,7 @@ def trainer_factory(run: RunSection, actor_config: Any) -> Any:
 
 
 def tp_size(run: RunSection, model: ModelSection) -> int:
-    return model.tensor_parallel if run.backend == "megatron" else 1
+    return (model.tensor_parallel or 1) if run.backend == "megatron" else 1
 
 
 # ---------------------------------------------------------------------------------- Ray

@@ -7,6 +7,7 @@ the processor beside it, which `uv run apps/geo3k_grpo --load <run folder>` star
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -33,12 +34,13 @@ from geo3k_sft.common import (
     use_wandb,
     write_config,
 )
+from geo3k_sft.preflight import layout_report, prepare_model
 from rl_runtime import (
     CheckpointManager,
+    PreflightError,
     RunLogger,
     SftLoopConfig,
     check_backend,
-    check_gpus,
     parse_config,
     run_sft,
     setup_logging,
@@ -79,13 +81,15 @@ def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = Non
         presets=PRESETS,
         description=__doc__,
         prog="geo3k_sft",
+        print_extra=lambda cfg: {"layout": layout_report(cfg.model, cfg.run, with_engines=False)},
     )
 
 
 def run(cfg: Geo3kSftConfig) -> Path:
     """Train; return the exported HF folder."""
-    check_gpus(cfg.run.num_gpus, preset=cfg.run.preset)
     check_backend(cfg.run.backend)
+    model = prepare_model(cfg.model, cfg.run, with_engines=False)
+    cfg = dataclasses.replace(cfg, model=model)
     run_dir = Path(cfg.run.output_dir)
     write_config(cfg, run_dir)
     processor = build_processor(cfg.model, cfg.run, cfg.data)
@@ -153,7 +157,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg = parse(argv)
     setup_logging(cfg.run.log_level)
     log.info("geo3k_sft configuration:\n%s", to_json(cfg))
-    run(cfg)
+    try:
+        run(cfg)
+    except PreflightError as err:  # the machine or the model cannot run this: one line, no trace
+        print(f"geo3k_sft: {err.message}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
