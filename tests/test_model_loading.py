@@ -14,6 +14,7 @@ import pytest
 
 from geo3k_grpo.main import parse as parse_grpo
 from geo3k_grpo.main import run as run_grpo
+from geo3k_sft.common import model_source
 from geo3k_sft.preflight import model_config, model_shape, plan_layout, resolve_model
 from rl_runtime import PreflightError, TrainLayout, estimate_memory
 from vlm_models import parameter_counts, preset_config
@@ -68,6 +69,7 @@ def test_names_resolve_to_presets_folders_and_run_folders(tmp_path, qwen3vl_dir)
     cfg = parse_grpo(["--model-name", "qwen3-vl-2b", "--tokenizer", str(qwen3vl_dir)], env={})
     resolved = resolve_model(cfg.model, cfg.run)
     assert (resolved.model_name, resolved.tokenizer) == ("qwen3-vl-2b", str(qwen3vl_dir))
+    assert model_source(resolved, cfg.run, None) == "qwen3-vl-2b"  # the trainers' random init
     with pytest.raises(PreflightError, match=r"shape preset.*--tokenizer"):
         resolve_model(parse_grpo(["--model-name", "qwen3-vl-2b"], env={}).model, cfg.run)
     # the shared folder has a config but no weights: never a silent random model

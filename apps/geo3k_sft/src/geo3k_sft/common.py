@@ -195,7 +195,7 @@ def model_source(model: ModelSection, run: RunSection, processor: Any) -> Any:
     if run.load:
         return resolve_load(run.load)
     name = model.model_name
-    from vlm_models import TINY_PRESETS, tiny_config
+    from vlm_models import PRESETS, TINY_PRESETS, tiny_config
 
     if name in TINY_PRESETS:
         tok = processor.tokenizer
@@ -210,6 +210,8 @@ def model_source(model: ModelSection, run: RunSection, processor: Any) -> Any:
             bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
             eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
         )
+    if name in PRESETS:  # a shape preset: random weights, asked for by name
+        return name
     if Path(name).expanduser().exists():
         return str(Path(name).expanduser())
     return name if "/" in name else f"Qwen/{name}"
