@@ -154,7 +154,7 @@ def plan_layout(
             shape = model_shape(config)
             requested = _requested(model, run, layout(run, with_engines=with_engines).num_trainers)
             if unset:
-                requested, estimate = choose_layout(shape, requested, gpu)
+                requested, _ = choose_layout(shape, requested, gpu)
             estimate = check_layout(shape, requested, gpu, model=model.model_name)
             log.info(
                 "layout: %s; about %.1f GiB per GPU of %.1f (%s)",
@@ -182,12 +182,12 @@ def layout_report(model: ModelSection, run: RunSection, *, with_engines: bool = 
     """For ``--print-config``: the layout the run would use and its memory estimate, or why
     there is none; a layout that cannot fit is reported, not raised."""
     if run.num_gpus <= 0:
-        return {"layout": f"CPU run, {run.backend}, {run.cpu_trainers} trainer rank(s)"}
+        return {"description": f"CPU run, {run.backend}, {run.cpu_trainers} trainer rank(s)"}
     config = model_config(model, run)
     gpu = gpu_memory_bytes(run)
     if config is None or gpu is None:
         missing = "the model's config" if config is None else "the GPU memory (--gpu-memory-gib)"
-        return {"layout": f"not estimated: {missing} is not known before the run"}
+        return {"description": f"not estimated: {missing} is not known before the run"}
     try:
         _, estimate = plan_layout(model, run, with_engines=with_engines)
     except PreflightError as err:
