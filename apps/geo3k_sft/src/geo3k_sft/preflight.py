@@ -112,8 +112,9 @@ def model_shape(config: Any) -> ModelShape:
 
 
 def gpu_memory_bytes(run: RunSection) -> float | None:
-    """Memory of the smallest visible GPU: ``--gpu-memory-gib``, else the device properties
-    (read without creating a CUDA context, so nothing is allocated); None: no check."""
+    """Memory of the smallest visible GPU: ``--gpu-memory-gib``, else its total memory from
+    ``torch.cuda.get_device_properties``, which allocates nothing (``mem_get_info`` would need
+    a CUDA context, hundreds of MiB, in the driver); None: no check."""
     if run.gpu_memory_gib is not None:
         return run.gpu_memory_gib * GiB if run.gpu_memory_gib > 0 else None
     import torch
