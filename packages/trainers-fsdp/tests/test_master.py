@@ -18,26 +18,41 @@ def _run(actor: FsdpActor, batch) -> tuple[list, list[dict], dict]:
     return before, steps, actor.full_parameters()
 
 
-def test_masters_equal_fsdp_on_one_rank_exactly(make_config, batch):
-    """The flat master weights compute what FSDP's mixed precision does on one rank, bit for
-    bit: the same bf16 casts, float32 gradient accumulation over micro-batches and AdamW."""
+def test_masters_equal_fsdp_on_one_rank(make_config, batch):
+    """The flat master weights compute what FSDP's mixed precision does on one rank: the same
+    bf16 casts, float32 gradient accumulation over micro-batches and AdamW.
+
+    Everything computed before the first update runs the same kernels in the same order on the
+    same bf16 weights, so it is compared bit for bit. The gradient norm is a float32 sum over
+    one flat buffer here and over per-tensor norms under FSDP: a different summation order,
+    which on some CPUs moves it by an ulp (2.6092946529 against 2.6092948914), so it gets a
+    relative 1e-6 (float32 epsilon is 1.2e-7). That ulp reaches the clipping factor, so a few
+    master weights may round to the other side of a bf16 boundary and the second step sees
+    slightly different weights: its metrics get 1e-5, and the weights 1% of one update (lr
+    1e-2), far below what a lost micro-batch or a wrong gradient scale would move them.
+    """
     fsdp = FsdpActor(make_config(shard_single_rank=True, **BF16))
     ours = FsdpActor(make_config(optim=PER_TENSOR, **BF16))
     assert type(fsdp.model).__name__.startswith("FSDP")
     assert not type(ours.model).__name__.startswith("FSDP")
+    initial = ours.full_parameters()
     lp_ref, steps_ref, params_ref = _run(fsdp, batch)
     lp, steps, params = _run(ours, batch)
     assert steps_ref[0]["num_micro_batches"] >= 3
     for a, b in zip(lp, lp_ref, strict=True):
         assert torch.equal(a, b)
-    for got, ref in zip(steps, steps_ref, strict=True):
-        for key in ("loss", "grad_norm", "entropy", "clip_frac"):
-            if key in ref:
-                assert got[key] == ref[key], key
+    first, second = steps
+    for key in ("loss", "entropy", "clip_frac"):
+        assert first[key] == steps_ref[0][key], key
+    assert first["grad_norm"] == pytest.approx(steps_ref[0]["grad_norm"], rel=1e-6, abs=0)
+    for key in ("loss", "grad_norm", "entropy"):
+        assert second[key] == pytest.approx(steps_ref[1][key], rel=1e-5, abs=0), key
     assert params.keys() == params_ref.keys()
+    lr = PER_TENSOR.lr
     for name, p in params_ref.items():
         assert p.dtype == params[name].dtype == torch.float32, name
-        assert torch.equal(params[name], p), name
+        torch.testing.assert_close(params[name], p, rtol=0, atol=lr * 1e-2, msg=name)
+        assert (p - initial[name]).abs().max() > lr / 2, name  # both stepped
 
 
 @pytest.mark.parametrize("max_tokens", [64, 4096], ids=["micro-batches", "one micro-batch"])

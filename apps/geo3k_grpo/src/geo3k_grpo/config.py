@@ -21,6 +21,7 @@ from geo3k_sft.common import (
     RunSection,
     check_backend_options,
 )
+from geo3k_sft.preflight import layout_report
 from rl_algos.losses import KlType, LossAggMode
 from rl_runtime import ConfigError, GrpoLoopConfig, option, parse_config
 
@@ -149,4 +150,5 @@ def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = Non
         presets=PRESETS,
         description=DESCRIPTION,
         prog="geo3k_grpo",
+        print_extra=lambda cfg: {"layout": layout_report(cfg.model, cfg.run)},
     )

@@ -36,6 +36,7 @@ from geo3k_sft.common import (
     vision_token_ids,
     write_config,
 )
+from geo3k_sft.preflight import prepare_model
 from rl_runtime import (
     CheckpointManager,
     GrpoParts,
@@ -44,7 +45,6 @@ from rl_runtime import (
     RunLogger,
     SftLoopConfig,
     check_backend,
-    check_gpus,
     resume_step,
     run_grpo,
     setup_logging,
@@ -138,9 +138,9 @@ def uses_sglang(cfg: Geo3kGrpoConfig, use_gpu: bool) -> bool:
 
 
 def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
-    check_gpus(cfg.run.num_gpus, preset=cfg.run.preset)
     check_backend(cfg.run.backend)
     rewards = reward_options(cfg.loss)
+    cfg = dataclasses.replace(cfg, model=prepare_model(cfg.model, cfg.run))
     run_dir = Path(cfg.run.output_dir)
     checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.loop.keep_checkpoints)
     start_step = resume_step(checkpoints, run_dir) if cfg.run.resume else None

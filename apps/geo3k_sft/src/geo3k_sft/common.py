@@ -102,6 +102,12 @@ class RunSection:
     wandb: bool = option(False, "log to W&B (also on when WANDB_API_KEY is set)")
     wandb_project: str = option("glimpse-geo3k", "W&B project")
     seed: int = option(1234, "global seed (model init, data order, sampling)", ge=0)
+    gpu_memory_gib: float | None = option(
+        None,
+        "memory per GPU for the layout check (default: what the GPU reports, read without "
+        "allocating; 0: no check)",
+        ge=0,
+    )
     log_level: str = option(
         "INFO", "logging level (DEBUG: tracebacks for errors)", choices=LOG_LEVELS
     )
@@ -127,7 +133,11 @@ class ModelSection:
     )
     attn_implementation: str = option("packed", "trainer attention (packed | sdpa | ...)")
     param_dtype: str | None = option(None, "compute dtype (default: bfloat16 on GPU, fp32 on CPU)")
-    gradient_checkpointing: bool = option(False, "activation checkpointing in the trainer")
+    gradient_checkpointing: bool | None = option(
+        None,
+        "activation checkpointing (recompute) in the trainer (default: off, or on where the "
+        "memory estimate needs it)",
+    )
     freeze_vision: bool = option(False, "keep the vision tower frozen")
     compile: bool | None = option(
         None,
@@ -141,11 +151,18 @@ class ModelSection:
         "and one all-reduce averages the gradients, instead of FSDP sharding; for models that "
         "fit on one GPU",
     )
-    tensor_parallel: int = option(1, "megatron backend: tensor-parallel size", ge=1)
-    sequence_parallel: bool = option(False, "megatron backend: sequence parallel (needs TP > 1)")
+    tensor_parallel: int | None = option(
+        None,
+        "megatron backend: tensor-parallel size (default: 1, or the smallest that fits by the "
+        "memory estimate when this, --sequence-parallel and --gradient-checkpointing are unset)",
+        ge=1,
+    )
+    sequence_parallel: bool | None = option(
+        None, "megatron backend: sequence parallel (needs TP > 1; default: on with TP > 1 chosen)"
+    )
 
     def check(self) -> None:
-        if self.sequence_parallel and self.tensor_parallel < 2:
+        if self.sequence_parallel and (self.tensor_parallel or 1) < 2:
             raise ConfigError("--sequence-parallel needs --tensor-parallel of 2 or more")
 
 
@@ -187,7 +204,7 @@ class OptimSection:
 
 def check_backend_options(run: RunSection, model: ModelSection) -> None:
     """Options one backend has and the other lacks, checked before anything starts."""
-    if run.backend == "fsdp" and (model.tensor_parallel > 1 or model.sequence_parallel):
+    if run.backend == "fsdp" and ((model.tensor_parallel or 1) > 1 or model.sequence_parallel):
         raise ConfigError(
             "--tensor-parallel / --sequence-parallel are for --backend megatron; "
             "the fsdp backend shards instead"
@@ -226,7 +243,7 @@ def model_source(model: ModelSection, run: RunSection, processor: Any) -> Any:
     if run.load:
         return resolve_load(run.load)
     name = model.model_name
-    from vlm_models import TINY_PRESETS, tiny_config
+    from vlm_models import PRESETS, TINY_PRESETS, tiny_config
 
     if name in TINY_PRESETS:
         tok = processor.tokenizer
@@ -241,6 +258,8 @@ def model_source(model: ModelSection, run: RunSection, processor: Any) -> Any:
             bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
             eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
         )
+    if name in PRESETS:  # a shape preset: random weights, asked for by name
+        return name
     if Path(name).expanduser().exists():
         return str(Path(name).expanduser())
     return name if "/" in name else f"Qwen/{name}"
@@ -400,7 +419,7 @@ def fsdp_config(
         freeze_vision=model.freeze_vision,
         device="cuda" if run.num_gpus > 0 else "cpu",
         param_dtype=model.param_dtype,
-        activation_checkpointing=model.gradient_checkpointing,
+        activation_checkpointing=bool(model.gradient_checkpointing),
         compile=model.compile,
         max_tokens_per_gpu=model.max_tokens_per_gpu,
         replicate=model.fsdp_replicate,
@@ -430,10 +449,10 @@ def megatron_config(
         kwargs["grpo"] = grpo
     return MegatronConfig(
         model=source,
-        tp=model.tensor_parallel,
-        sp=model.sequence_parallel,
+        tp=model.tensor_parallel or 1,
+        sp=bool(model.sequence_parallel),
         param_dtype=model.param_dtype,
-        recompute=model.gradient_checkpointing,
+        recompute=bool(model.gradient_checkpointing),
         reference_model=reference_model,
         max_tokens_per_gpu=model.max_tokens_per_gpu,
         temperature=temperature,
@@ -470,7 +489,7 @@ def trainer_factory(run: RunSection, actor_config: Any) -> Any:
 
 
 def tp_size(run: RunSection, model: ModelSection) -> int:
-    return model.tensor_parallel if run.backend == "megatron" else 1
+    return (model.tensor_parallel or 1) if run.backend == "megatron" else 1
 
 
 # ---------------------------------------------------------------------------------- Ray

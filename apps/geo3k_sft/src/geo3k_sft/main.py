@@ -7,6 +7,7 @@ the processor beside it, which `uv run apps/geo3k_grpo --load <run folder>` star
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -34,12 +35,12 @@ from geo3k_sft.common import (
     use_wandb,
     write_config,
 )
+from geo3k_sft.preflight import layout_report, prepare_model
 from rl_runtime import (
     CheckpointManager,
     RunLogger,
     SftLoopConfig,
     check_backend,
-    check_gpus,
     parse_config,
     resume_step,
     run_sft,
@@ -85,13 +86,15 @@ def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = Non
         presets=PRESETS,
         description=__doc__,
         prog="geo3k_sft",
+        print_extra=lambda cfg: {"layout": layout_report(cfg.model, cfg.run, with_engines=False)},
     )
 
 
 def run(cfg: Geo3kSftConfig) -> Path:
     """Train; return the exported HF folder."""
-    check_gpus(cfg.run.num_gpus, preset=cfg.run.preset)
     check_backend(cfg.run.backend)
+    model = prepare_model(cfg.model, cfg.run, with_engines=False)
+    cfg = dataclasses.replace(cfg, model=model)
     run_dir = Path(cfg.run.output_dir)
     checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.sft.sft_keep_checkpoints)
     start_step = resume_step(checkpoints, run_dir) if cfg.run.resume else None

@@ -9,6 +9,14 @@ from rl_runtime.data import PromptSampler
 from rl_runtime.evaluation import eval_prompts, evaluate
 from rl_runtime.gc_policy import PeriodicGC
 from rl_runtime.loop import GrpoLoopConfig, GrpoParts, run_grpo
+from rl_runtime.memory import (
+    MemoryEstimate,
+    ModelShape,
+    TrainLayout,
+    check_layout,
+    choose_layout,
+    estimate_memory,
+)
 from rl_runtime.metrics import RunLogger, plot_metrics, read_metrics
 from rl_runtime.placement import Placement, create_placement, init_ray, shutdown_ray
 from rl_runtime.preflight import PreflightError, check_backend, check_gpus, count_gpus
@@ -23,6 +31,8 @@ __all__ = [
     "EngineWorker",
     "GrpoLoopConfig",
     "GrpoParts",
+    "MemoryEstimate",
+    "ModelShape",
     "PeriodicGC",
     "Placement",
     "PreflightError",
@@ -35,12 +45,16 @@ __all__ = [
     "SftLoopConfig",
     "TrainActor",
     "TrainGroup",
+    "TrainLayout",
     "TrainWorker",
     "build_train_batch",
     "check_backend",
     "check_gpus",
+    "check_layout",
+    "choose_layout",
     "count_gpus",
     "create_placement",
+    "estimate_memory",
     "eval_prompts",
     "evaluate",
     "init_ray",

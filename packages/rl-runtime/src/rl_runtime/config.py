@@ -290,9 +290,11 @@ def parse_config(
     presets: Mapping[str, Mapping[str, Any]] | None = None,
     description: str = "",
     prog: str | None = None,
+    print_extra: Callable[[T], Mapping[str, Any]] | None = None,
 ) -> T:
     """Resolve `cls` from flags, then `env` (names in `env_aliases`, first set wins), then the
-    preset named by the `preset` field, then defaults. `--print-config` prints JSON and exits."""
+    preset named by the `preset` field, then defaults. `--print-config` prints JSON and exits;
+    `print_extra(cfg)` adds what the app derives from it (a training layout, say)."""
     env = env or {}
     env_aliases = env_aliases or {}
     presets = presets or {}
@@ -354,7 +356,8 @@ def parse_config(
     cfg = _build(cls, values)
     validate(cfg, origins)
     if print_config:
-        print(to_json(cfg))
+        extra = dict(print_extra(cfg)) if print_extra else {}
+        print(json.dumps({**to_dict(cfg), **extra}, indent=2, default=str))
         raise SystemExit(0)
     return cfg
 

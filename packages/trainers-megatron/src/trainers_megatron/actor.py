@@ -46,7 +46,13 @@ from rl_algos import (
     sft_loss,
 )
 from trainers_megatron.config import MegatronConfig
-from vlm_models import build_model, packed_position_ids, resolve_config
+from vlm_models import (
+    PRESETS,
+    build_model,
+    packed_position_ids,
+    resolve_config,
+    resolve_model_source,
+)
 from vlm_models.megatron import (
     Parallelism,
     SafetensorsReader,
@@ -145,6 +151,11 @@ class MegatronActor:
     """
 
     def __init__(self, config: MegatronConfig) -> None:
+        # Before any process group: a folder without weights, a missing one or an unreachable
+        # hub id stops here; only a preset name or a config object means random weights.
+        if isinstance(config.model, (str, os.PathLike)):
+            source = resolve_model_source(str(config.model), require_weights=True)
+            config = dataclasses.replace(config, model=source)
         self.config = config
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         default_dtype = "bfloat16" if self.device.type == "cuda" else "float32"
@@ -202,8 +213,9 @@ class MegatronActor:
         self._offloaded = False
 
     def _load_initial_weights(self) -> None:
+        """The folder's weights; random ones only for a preset name or a config object."""
         source = self.config.model
-        if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
+        if isinstance(source, str) and source not in PRESETS:
             with SafetensorsReader(source) as reader:
                 load_hf_weights(self.model, reader)
             return

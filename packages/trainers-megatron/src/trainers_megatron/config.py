@@ -13,7 +13,9 @@ class MegatronConfig:
     """Everything :class:`~trainers_megatron.MegatronActor` needs.
 
     ``model`` is a preset name (random init from ``seed``), an HF folder with safetensors
-    (streamed into the shards) or a config object (random init). Dtypes are names.
+    (streamed into the shards), a hub id (downloaded first; the launchers pass the folder) or a
+    config object (random init). Anything else is an error, never a random model. Dtypes are
+    names.
     """
 
     model: Any = "qwen3-vl-tiny"

@@ -16,9 +16,12 @@ from vlm_models.flops import (
     count_parameters,
     flops_per_token,
     lm_matmul_params,
+    parameter_counts,
     vision_flops,
     vision_matmul_params_per_patch,
+    vision_params,
 )
+from vlm_models.hub import ModelSourceError, has_weights, resolve_model_source
 from vlm_models.linear_attention import (
     has_linear_attention,
     linear_attention_packs,
@@ -50,6 +53,7 @@ __all__ = [
     "TINY_PRESETS",
     "Conv3dPatchEmbed",
     "LinearPatchEmbed",
+    "ModelSourceError",
     "VisionInputs",
     "build_model",
     "check_attn_implementation",
@@ -57,6 +61,7 @@ __all__ = [
     "cu_seqlens_from_lengths",
     "flops_per_token",
     "has_linear_attention",
+    "has_weights",
     "hf_named_tensors",
     "iter_weight_buckets",
     "linear_attention_packs",
@@ -66,9 +71,11 @@ __all__ = [
     "pack_linear_attention",
     "packed_inputs",
     "packed_position_ids",
+    "parameter_counts",
     "preset_config",
     "remove_host_syncs",
     "resolve_config",
+    "resolve_model_source",
     "sample_position_ids",
     "set_fast_patch_embed",
     "set_vision_trainable",
@@ -78,5 +85,6 @@ __all__ = [
     "to_checkpoint_layout",
     "vision_flops",
     "vision_matmul_params_per_patch",
+    "vision_params",
     "vision_tower",
 ]

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig
 
+from vlm_models.hub import resolve_model_source
 from vlm_models.patch_embed import set_fast_patch_embed
 from vlm_models.presets import PRESETS, apply_overrides, preset_config
 
@@ -78,7 +79,9 @@ def build_model(
 
     ``source`` is a preset name (``"qwen3-vl-4b"``, ``"qwen3-vl-tiny"``...; random init), a
     config object (random init), a local folder (weights loaded when it holds any, otherwise
-    random init from its ``config.json``) or a hub id (weights loaded).
+    random init from its ``config.json``, with a warning) or a hub id (downloaded once through
+    :func:`~vlm_models.hub.resolve_model_source`; a missing folder or an unreachable id raises
+    :class:`~vlm_models.hub.ModelSourceError`).
 
     ``attn_implementation`` applies to the language model, ``vision_attn_implementation``
     (default: the same) to the vision tower: "sdpa", "eager", "flash_attention_2",
@@ -95,6 +98,8 @@ def build_model(
         "vision_config": vision_attn,
     }
 
+    if not isinstance(source, PretrainedConfig) and str(source) not in PRESETS:
+        source = resolve_model_source(str(source))  # a missing folder or hub id fails here
     config = resolve_config(source, **config_overrides)
     load_weights = False
     if not isinstance(source, PretrainedConfig) and not (

@@ -89,6 +89,34 @@ def lm_matmul_params(config: PretrainedConfig, *, active: bool = True) -> int:
     return total + h * tc.vocab_size  # lm_head (tied or not, it is a matmul)
 
 
+def vision_params(config: PretrainedConfig) -> int:
+    """Parameters of the vision tower: patch and position embeddings, blocks, the merger and
+    the deepstack mergers (LayerNorms and biases included)."""
+    vc = config.vision_config
+    d, inter = vc.hidden_size, vc.intermediate_size
+    merged = d * vc.spatial_merge_size**2
+    patch_dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
+    block = (3 * d * d + 3 * d) + (d * d + d) + (2 * d * inter + inter + d) + 2 * 2 * d
+    fcs = merged * merged + merged + merged * vc.out_hidden_size + vc.out_hidden_size
+    deepstack = len(getattr(vc, "deepstack_visual_indexes", None) or [])
+    mergers = (2 * d + fcs) + deepstack * (2 * merged + fcs)  # norm over d, or over merged
+    return patch_dim * d + d + vc.num_position_embeddings * d + vc.depth * block + mergers
+
+
+def parameter_counts(config: PretrainedConfig) -> dict[str, int]:
+    """``language``, ``vision`` and ``total`` parameters from the config alone (all experts;
+    an untied ``lm_head`` counted beside the embedding), for memory estimates of shapes too
+    big to build. Exact for dense Qwen3-VL (tests compare with built models)."""
+    tc = _text(config)
+    hd = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    norms = tc.num_hidden_layers * (2 * tc.hidden_size + 2 * hd) + tc.hidden_size
+    tied = getattr(tc, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False))
+    embedding = 0 if tied else tc.vocab_size * tc.hidden_size  # the lm_head matmul is counted
+    language = lm_matmul_params(config, active=False) + embedding + norms
+    vision = vision_params(config) if hasattr(config, "vision_config") else 0
+    return {"language": language, "vision": vision, "total": language + vision}
+
+
 def _attention_flops_per_token(config: PretrainedConfig, seq_len: int) -> int:
     tc = _text(config)
     hd = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads

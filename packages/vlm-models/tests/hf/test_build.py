@@ -6,6 +6,7 @@ import torch
 
 from vlm_models import (
     TINY_PRESETS,
+    ModelSourceError,
     build_model,
     count_parameters,
     set_vision_trainable,
@@ -97,3 +98,8 @@ def test_config_object_source_is_not_mutated():
     model = build_model(cfg, num_hidden_layers=2)
     assert model.config.text_config.num_hidden_layers == 2
     assert cfg.text_config.num_hidden_layers == 4
+
+
+def test_missing_folder_is_an_error_before_any_download(tmp_path):
+    with pytest.raises(ModelSourceError, match="no such folder"):
+        build_model(str(tmp_path / "missing" / "model"))

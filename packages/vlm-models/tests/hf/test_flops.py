@@ -9,6 +9,7 @@ from vlm_models import (
     count_parameters,
     flops_per_token,
     lm_matmul_params,
+    parameter_counts,
     preset_config,
     vision_flops,
     vision_matmul_params_per_patch,
@@ -51,6 +52,21 @@ def test_matmul_counts_equal_the_built_modules(name):
     )
     others = _matmul_weights(visual) - mergers
     assert per_patch == pytest.approx(others + mergers / merge)
+
+
+@pytest.mark.parametrize(
+    "name", ["qwen3-vl-2b", "qwen3-vl-8b", "qwen3-vl-30b-a3b", "qwen3-vl-tiny"]
+)
+def test_parameter_counts_from_the_config_equal_the_built_model(name):
+    """The memory estimate's counts: exact for dense shapes, within 0.1% for MoE."""
+    config = preset_config(name)
+    built = count_parameters(_meta_model(config))
+    counts = parameter_counts(config)
+    assert counts["vision"] == built["vision"]
+    assert counts["language"] == pytest.approx(
+        built["language"], rel=0 if "a3b" not in name else 1e-3
+    )
+    assert counts["total"] == counts["language"] + counts["vision"]
 
 
 def test_moe_counts_only_routed_experts_as_active():

@@ -1,0 +1,242 @@
+"""Will the training layout fit? Memory per GPU, estimated before anything starts.
+
+Plain arithmetic on numbers the app passes in (rl-runtime imports no model or trainer code):
+the model's shape (:class:`ModelShape`), the layout (:class:`TrainLayout`) and the GPU's memory.
+The parts, per GPU, in bytes:
+
+- training state per parameter held: bf16 weights (2) and gradients (2), float32 masters (4),
+  float32 gradients (4: FSDP's reduce dtype; the flat masters' and Megatron's master grads)
+  and AdamW's two moments (8). FSDP shards all of it over the world (only the bf16 copies of
+  the units being gathered are whole); ``replicate`` and one rank hold it whole. Megatron
+  splits the language model by TP (the vision tower is whole on every rank) and keeps the whole
+  optimizer state on every data-parallel rank unless ``distributed_optimizer`` shards it.
+- activations of one micro-batch of ``max_tokens_per_gpu`` tokens, bf16: per decoder layer and
+  token ``2 * (8 h + 4 I)`` bytes (norm, attention and gated-MLP inputs and outputs), split by
+  TP under sequence parallelism; with recomputation only each layer's input (``2 h``) is kept,
+  plus one layer being recomputed. The vision tower's blocks are counted the same way for
+  ``vision_patches_per_token`` patches per token (Megatron does not recompute them).
+- logits of the micro-batch: bf16 and their gradient (FSDP, which chunks its float32 work);
+  Megatron's are bf16 plus a float32 copy in its vocab-parallel cross entropy.
+- a fixed reserve for the CUDA context, NCCL buffers and allocator fragmentation.
+
+Against the H200 runs of issue 19 and docs/performance.md (2B shape, 8 x 1,024 tokens with one
+image patch per token, one GPU; peak allocated, so without the reserve): FSDP's flat masters
+57.7 GiB measured, 62.8 estimated without the float32 gradient that run did not allocate;
+Megatron 69 GiB measured, 73.1 estimated. It is an estimate to refuse layouts that cannot work,
+slightly on the safe side, not a promise that a layout will.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+from rl_runtime.preflight import PreflightError
+
+GiB = 1 << 30
+RESERVE_BYTES = 3 * GiB
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs to know of a model (MoE: ``intermediate_size`` is what one token
+    passes through, ``language_params`` counts every expert)."""
+
+    language_params: int
+    vision_params: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    vocab_size: int
+    vision_hidden_size: int = 0
+    vision_intermediate_size: int = 0
+    vision_depth: int = 0
+
+
+@dataclass(frozen=True)
+class TrainLayout:
+    """How the trainer ranks hold the model."""
+
+    backend: Literal["fsdp", "megatron"]
+    world_size: int
+    max_tokens_per_gpu: int
+    tp: int = 1
+    sp: bool = False
+    recompute: bool = False
+    replicate: bool = False  # fsdp: the whole model on every rank
+    distributed_optimizer: bool = False  # megatron: masters and moments sharded over DP
+
+    def describe(self) -> str:
+        if self.backend == "megatron":
+            parts = [f"megatron TP{self.tp}", f"DP{max(1, self.world_size // self.tp)}"]
+            parts += ["SP"] * self.sp + ["distributed optimizer"] * self.distributed_optimizer
+        else:
+            how = "replicated" if self.replicate or self.world_size == 1 else "sharded"
+            parts = [f"fsdp {how} over {self.world_size} GPU(s)"]
+        parts.append("recompute" if self.recompute else "no recompute")
+        return ", ".join(parts) + f", {self.max_tokens_per_gpu} tokens per micro-batch"
+
+    def flags(self) -> str:
+        """The launcher flags that select this layout."""
+        out = [f"--backend {self.backend}"]
+        if self.backend == "megatron":
+            out.append(f"--tensor-parallel {self.tp}")
+            out += ["--sequence-parallel"] * self.sp
+        elif self.replicate:
+            out.append("--fsdp-replicate")
+        out += ["--gradient-checkpointing"] * self.recompute
+        out.append(f"--max-tokens-per-gpu {self.max_tokens_per_gpu}")
+        return " ".join(out)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU, by part."""
+
+    layout: TrainLayout
+    weights: float
+    gradients: float
+    optimizer: float  # float32 masters and AdamW moments
+    activations: float
+    logits: float
+    reserve: float = RESERVE_BYTES
+
+    @property
+    def total(self) -> float:
+        return (
+            self.weights
+            + self.gradients
+            + self.optimizer
+            + self.activations
+            + self.logits
+            + self.reserve
+        )
+
+    def breakdown(self) -> str:
+        parts = ("weights", "gradients", "optimizer", "activations", "logits", "reserve")
+        return ", ".join(f"{p} {getattr(self, p) / GiB:.1f}" for p in parts)
+
+    def to_dict(self, gpu_bytes: float | None = None) -> dict[str, object]:
+        """For ``--print-config``: the layout, the parts and the total in GiB."""
+        out: dict[str, object] = {"description": self.layout.describe()}
+        for part in ("weights", "gradients", "optimizer", "activations", "logits", "reserve"):
+            out[f"{part}_gib"] = round(getattr(self, part) / GiB, 1)
+        out["total_gib"] = round(self.total / GiB, 1)
+        if gpu_bytes:
+            out["gpu_gib"] = round(gpu_bytes / GiB, 1)
+            out["fits"] = self.total <= gpu_bytes
+        return out
+
+
+def estimate_memory(
+    shape: ModelShape, layout: TrainLayout, *, vision_patches_per_token: float = 0.25
+) -> MemoryEstimate:
+    """Peak memory per GPU of a training step (see the module docstring for the model)."""
+    tokens = layout.max_tokens_per_gpu
+    h, inter, layers = shape.hidden_size, shape.intermediate_size, shape.num_layers
+    total_params = shape.language_params + shape.vision_params
+    per_layer_token = 2 * (8 * h + 4 * inter)  # bf16 activations of a decoder layer, per token
+    if layout.backend == "megatron":
+        tp, dp = layout.tp, max(1, layout.world_size // layout.tp)
+        held = shape.language_params / tp + shape.vision_params
+        opt_held = held / dp if layout.distributed_optimizer else held
+        weights, gradients = 2 * held, 2 * held + 4 * opt_held
+        optimizer = 12 * opt_held
+        if layout.sp:
+            per_layer_token /= tp
+        elif tp > 1:  # norms and residuals whole, attention and MLP inner parts split
+            per_layer_token = 2 * (4 * h + (4 * h + 4 * inter) / tp)
+        saved_token = 2 * h / (tp if layout.sp else 1)
+        logits = tokens * shape.vocab_size / tp * (2 + 4)
+        vision_recompute = False
+    else:
+        shards = 1 if layout.replicate else max(1, layout.world_size)
+        weights = 2 * total_params / shards
+        gradients = 6 * total_params / shards  # bf16, and float32 for the masters / reduce
+        optimizer = 12 * total_params / shards
+        if shards > 1:  # the gathered bf16 units: a decoder layer, the next one, the embedding
+            unit = shape.language_params / max(1, layers)
+            weights += 2 * (2 * unit + shape.vocab_size * h)
+        saved_token = 2 * h
+        logits = tokens * shape.vocab_size * (2 + 2)
+        vision_recompute = layout.recompute
+    if layout.recompute:
+        activations = tokens * (layers * saved_token + per_layer_token)
+    else:
+        activations = tokens * layers * per_layer_token
+    d, vi = shape.vision_hidden_size, shape.vision_intermediate_size
+    patches = tokens * vision_patches_per_token
+    per_block_patch = 2 * (8 * d + 4 * vi)
+    if vision_recompute:
+        activations += patches * (shape.vision_depth * 2 * d + per_block_patch)
+    else:
+        activations += patches * shape.vision_depth * per_block_patch
+    return MemoryEstimate(layout, weights, gradients, optimizer, activations, logits)
+
+
+def candidate_layouts(layout: TrainLayout) -> list[TrainLayout]:
+    """Layouts to suggest instead of ``layout``, cheapest first: the same backend with more
+    tensor parallelism and recomputation, then the other backend, then fewer tokens."""
+    world, same = layout.world_size, layout.backend
+    megatron = [
+        TrainLayout("megatron", world, layout.max_tokens_per_gpu, tp, tp > 1, recompute)
+        for tp in (1, 2, 4, 8)
+        if tp <= world and world % tp == 0
+        for recompute in (False, True)
+    ]
+    fsdp = [
+        TrainLayout("fsdp", world, layout.max_tokens_per_gpu, recompute=recompute)
+        for recompute in (False, True)
+    ]
+    ordered = megatron + fsdp if same == "megatron" else fsdp + megatron
+    smaller = [
+        dataclasses.replace(c, max_tokens_per_gpu=layout.max_tokens_per_gpu // div)
+        for div in (2, 4)
+        for c in ordered
+        if layout.max_tokens_per_gpu // div >= 1024
+    ]
+    return [c for c in ordered + smaller if c != layout]
+
+
+def choose_layout(
+    shape: ModelShape, layout: TrainLayout, gpu_bytes: float
+) -> tuple[TrainLayout, MemoryEstimate]:
+    """``layout`` when it fits, else the first layout of the same backend and tokens that does
+    (more tensor parallelism, then recomputation), else ``layout`` (``check_layout`` refuses)."""
+    options = [layout] + [
+        c
+        for c in candidate_layouts(layout)
+        if c.backend == layout.backend and c.max_tokens_per_gpu == layout.max_tokens_per_gpu
+    ]
+    for option in options:
+        estimate = estimate_memory(shape, option)
+        if estimate.total <= gpu_bytes:
+            return option, estimate
+    return layout, estimate_memory(shape, layout)
+
+
+def check_layout(
+    shape: ModelShape, layout: TrainLayout, gpu_bytes: float, *, model: str = "the model"
+) -> MemoryEstimate:
+    """The estimate when it fits in ``gpu_bytes``; otherwise :class:`PreflightError` with the
+    numbers and the first candidate layout that fits."""
+    estimate = estimate_memory(shape, layout)
+    if estimate.total <= gpu_bytes:
+        return estimate
+    params = (shape.language_params + shape.vision_params) / 1e9
+    message = (
+        f"{model} ({params:.2f}B parameters) does not fit in {gpu_bytes / GiB:.1f} GiB per GPU "
+        f"as {layout.describe()}: about {estimate.total / GiB:.1f} GiB ({estimate.breakdown()})."
+    )
+    tries = []
+    for backend in dict.fromkeys((layout.backend, "megatron", "fsdp")):
+        for c in candidate_layouts(layout):
+            if c.backend == backend and (e := estimate_memory(shape, c)).total <= gpu_bytes:
+                tries.append(f"{c.flags()} (about {e.total / GiB:.1f} GiB)")
+                break
+    if tries:
+        message += " Try " + ", or ".join(tries) + "."
+    else:
+        message += " No layout on this many GPUs fits: use more GPUs (--num-gpus)."
+    raise PreflightError(message)

@@ -1,0 +1,87 @@
+"""The memory estimate's arithmetic, on plain numbers (the 2B and 8B Qwen3-VL shapes; the
+cross-package tests check these numbers against the real configs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rl_runtime import PreflightError, TrainLayout, check_layout, choose_layout, estimate_memory
+from rl_runtime.memory import GiB, ModelShape
+
+# vlm_models.parameter_counts of the qwen3-vl-2b / qwen3-vl-8b presets
+QWEN3_VL_2B = ModelShape(1_720_574_976, 406_957_056, 2048, 6144, 28, 151936, 1024, 4096, 24)
+QWEN3_VL_8B = ModelShape(8_190_735_360, 576_388_336, 4096, 12288, 36, 151936, 1152, 4304, 27)
+H200 = 141 * GiB
+
+
+def test_one_gpu_2b_matches_the_measured_h200_runs():
+    """docs/performance.md and issue 19: 8 x 1,024 tokens with one image patch per token on
+    one H200, peak allocated (so without the reserve). The estimate stays within 15%, above."""
+    fsdp = estimate_memory(QWEN3_VL_2B, TrainLayout("fsdp", 1, 8192), vision_patches_per_token=1)
+    megatron = estimate_memory(
+        QWEN3_VL_2B, TrainLayout("megatron", 1, 8192), vision_patches_per_token=1
+    )
+    params = QWEN3_VL_2B.language_params + QWEN3_VL_2B.vision_params
+    without_fp32_grads = fsdp.total - fsdp.reserve - 4 * params  # one micro-batch: none
+    assert 57.7 * GiB <= without_fp32_grads <= 1.15 * 57.7 * GiB
+    assert 69 * GiB <= megatron.total - megatron.reserve <= 1.15 * 69 * GiB
+
+
+def test_fsdp_shards_the_training_state_over_the_world():
+    one = estimate_memory(QWEN3_VL_8B, TrainLayout("fsdp", 1, 4096))
+    eight = estimate_memory(QWEN3_VL_8B, TrainLayout("fsdp", 8, 4096))
+    replicated = estimate_memory(QWEN3_VL_8B, TrainLayout("fsdp", 8, 4096, replicate=True))
+    assert eight.optimizer == pytest.approx(one.optimizer / 8)
+    assert eight.gradients == pytest.approx(one.gradients / 8)
+    assert eight.weights > one.weights / 8  # the gathered units are whole
+    assert replicated.optimizer == one.optimizer and eight.activations == one.activations
+
+
+def test_megatron_splits_the_language_model_by_tp_only():
+    """Today's Megatron actor: AdamW state whole on every data-parallel rank, the vision tower
+    whole on every tensor-parallel rank; a distributed optimizer would shard it over DP."""
+    tp1 = estimate_memory(QWEN3_VL_8B, TrainLayout("megatron", 8, 4096, tp=1))
+    tp4 = estimate_memory(QWEN3_VL_8B, TrainLayout("megatron", 8, 4096, tp=4))
+    shape = QWEN3_VL_8B
+    assert tp1.optimizer == 12 * (shape.language_params + shape.vision_params)
+    assert tp4.optimizer == 12 * (shape.language_params / 4 + shape.vision_params)
+    dist = TrainLayout("megatron", 8, 4096, tp=4, distributed_optimizer=True)
+    assert estimate_memory(shape, dist).optimizer == pytest.approx(tp4.optimizer / 2)
+
+
+def test_recompute_and_sequence_parallel_cut_activations():
+    base = TrainLayout("megatron", 8, 16384, tp=4)
+    plain = estimate_memory(QWEN3_VL_8B, base).activations
+    sp = estimate_memory(QWEN3_VL_8B, TrainLayout("megatron", 8, 16384, tp=4, sp=True))
+    both = TrainLayout("megatron", 8, 16384, tp=4, sp=True, recompute=True)
+    assert estimate_memory(QWEN3_VL_8B, both).activations < sp.activations < plain
+    fsdp = estimate_memory(QWEN3_VL_8B, TrainLayout("fsdp", 8, 16384))
+    fsdp_rc = estimate_memory(QWEN3_VL_8B, TrainLayout("fsdp", 8, 16384, recompute=True))
+    assert fsdp_rc.activations < fsdp.activations / 5
+
+
+def test_8b_at_tp1_is_refused_with_numbers_and_a_layout_that_fits():
+    """The issue's arithmetic: ~160 GB of training state per GPU at TP=1, more than an H200."""
+    layout = TrainLayout("megatron", 8, 16384)
+    with pytest.raises(PreflightError) as err:
+        check_layout(QWEN3_VL_8B, layout, H200, model="Qwen3-VL-8B-Instruct")
+    message = err.value.message
+    assert "Qwen3-VL-8B-Instruct (8.77B parameters) does not fit in 141.0 GiB" in message
+    assert "megatron TP1" in message and "optimizer 98.0" in message
+    assert "Try --backend megatron --tensor-parallel 2 --sequence-parallel" in message
+    assert "or --backend fsdp" in message
+    assert "\n" not in message
+    chosen, estimate = choose_layout(QWEN3_VL_8B, layout, H200)
+    assert (chosen.tp, chosen.sp, chosen.recompute) == (2, True, True)
+    assert estimate.total <= H200 and check_layout(QWEN3_VL_8B, chosen, H200) == estimate
+
+
+def test_80gb_gpus_get_the_recipes_tp4_layout():
+    """On 80 GB GPUs the first megatron layout that fits is the miles recipe's for 8B."""
+    chosen, _ = choose_layout(QWEN3_VL_8B, TrainLayout("megatron", 8, 16384), 80 * GiB)
+    assert (chosen.tp, chosen.sp, chosen.recompute) == (4, True, True)
+
+
+def test_nothing_fits_says_so():
+    with pytest.raises(PreflightError, match="No layout on this many GPUs fits"):
+        check_layout(QWEN3_VL_8B, TrainLayout("fsdp", 1, 16384), 24 * GiB)

@@ -1,0 +1,35 @@
+"""What the Megatron actor starts from: a folder's weights, or random ones only when a preset
+name asks for them. A missing folder, a folder without weights or an unreachable hub id stop
+the actor before it joins any process group (it used to train a random model silently)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+
+import torch.distributed as dist
+
+from trainers_megatron import MegatronActor, MegatronConfig
+from vlm_models import ModelSourceError, tiny_config
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("missing", r"no such folder"),
+        ("config_only", r"no weights.*preset"),
+        ("glimpse-tests/no-such-model-xyz", r"'glimpse-tests/no-such-model-xyz'.*local folder"),
+    ],
+)
+def test_unloadable_source_is_an_error_not_random_weights(tmp_path: Path, source, message):
+    if source == "missing":
+        source = str(tmp_path / "missing")
+    elif source == "config_only":
+        tiny_config().save_pretrained(tmp_path)
+        source = str(tmp_path)
+    with pytest.raises(ModelSourceError, match=message):
+        MegatronActor(MegatronConfig(model=source))
+    assert not dist.is_initialized()
