@@ -381,6 +381,9 @@ class HFEngine:
     def end_weight_update(self) -> None:
         """Nothing to close."""
 
+    def flush_cache(self) -> None:
+        """No prefix cache to drop."""
+
     def health(self) -> bool:
         return self.model is not None
 

@@ -127,6 +127,9 @@ class EngineRouter:
     def end_weight_update(self) -> None:
         self._all("end_weight_update")
 
+    def flush_cache(self) -> None:
+        self._all("flush_cache")
+
     def resume_memory(self) -> None:
         self._all("resume_memory")
 
