@@ -4,7 +4,10 @@ session rule of ``srt/managers/scheduler_components/weight_updater.py``."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,3 +94,11 @@ def test_refused_flush_is_an_error():
     like.running = 1
     with pytest.raises(RuntimeError, match="flush_cache failed"):
         engine.flush_cache()
+
+
+def test_smoke_script_help_runs_without_sglang():
+    script = Path(__file__).resolve().parents[3] / "tools" / "sglang_smoke.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and "--server-gpu" in done.stdout
