@@ -7,7 +7,7 @@ machine (sglang itself is not installed there), put the wheel's source and its l
 dependencies on PYTHONPATH, as docs/architecture.md ("SGLang contract") describes::
 
     pip download --no-deps sglang==0.5.23 -d /tmp/sgl && unzip -q /tmp/sgl/sglang-*.whl -d /tmp/sgl/src
-    pip install --no-deps --target /tmp/sgl/deps <the list in docs/architecture.md>
+    pip install --no-deps --target /tmp/sgl/deps <the packages docs/architecture.md lists>
     PYTHONPATH=/tmp/sgl/src:/tmp/sgl/deps uv run pytest -m sglang packages/rollout-sglang
 
 On a GPU machine, ``uv sync --extra gpu`` installs sglang and they run as they are.
