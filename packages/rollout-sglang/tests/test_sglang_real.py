@@ -16,6 +16,8 @@ On a GPU machine, ``uv sync --extra gpu`` installs sglang and they run as they a
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 import warnings
 from types import SimpleNamespace
 
@@ -167,3 +169,24 @@ def test_real_qwen3vl_loader_consumes_every_name_we_send(tiny_model):
     landed.clear()
     Qwen3VLForConditionalGeneration.load_weights(fake, iter([(renamed, torch.ones(1))]))
     assert landed == [] and check.unknown([renamed]) == [renamed]
+
+
+def test_cpu_tensors_cannot_reach_a_server_we_did_not_fork(tmp_path):
+    """Why ``SGLangClient`` never sends CPU tensors (issue #21, item 4): the real
+    ``MultiprocessingSerializer`` pickles a CPU tensor as a file descriptor that another
+    process fetches from ours with our multiprocessing authkey, which a separately launched
+    server does not have."""
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    tensor = torch.arange(4.0)
+    payload = tmp_path / "bucket.b64"
+    payload.write_text(MultiprocessingSerializer.serialize([("w", tensor)], output_str=True))
+    code = (
+        "import sys; from sglang.srt.utils import MultiprocessingSerializer as S; "
+        "print(S.deserialize(open(sys.argv[1]).read())[0][1].tolist())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(payload)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode != 0, done.stdout
+    assert "AuthenticationError" in done.stderr, done.stderr[-2000:]

@@ -383,8 +383,17 @@ def weight_update_session(engine: Any) -> Iterator[None]:
     engine.end_weight_update()
 
 
-def require_cuda_tensors(bucket: NamedTensors, where: str) -> None:
-    """Refuse tensors that cannot reach a process we did not start (see ``update_weights``)."""
+def cuda_bucket(bucket: NamedTensors, where: str) -> NamedTensors:
+    """The bucket as CUDA tensors, the only kind a process we did not start can open (by CUDA
+    IPC handle; see ``SGLangClient.update_weights``). CPU tensors are copied to this process's
+    GPU where it has one (a colocated engine worker), else refused."""
+    import torch
+
+    if all(t.device.type == "cuda" for _, t in bucket):
+        return bucket
+    if torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+        return [(name, t.to(device)) for name, t in bucket]
     for name, tensor in bucket:
         if tensor.device.type != "cuda":
             raise ValueError(
@@ -554,14 +563,15 @@ class SGLangClient(_CheckedGenerate):
         A CPU tensor pickled by ``MultiprocessingSerializer`` travels as a file descriptor
         that only a child of the sending process can open; a server launched on its own
         fails with an AuthenticationError (sglang 0.5.23 ``utils`` ``MultiprocessingSerializer``
-        uses ``torch.multiprocessing`` reductions). Such buckets are refused here, before
-        anything is sent: use :class:`~rollout_sglang.weight_sync.DistributedWeightSender`
-        (NCCL) for a server, or the in-process :class:`SGLangEngine`.
+        uses ``torch.multiprocessing`` reductions). CPU tensors are therefore copied to this
+        process's GPU first (a colocated worker has one) and refused where there is none,
+        before anything is sent: use :class:`~rollout_sglang.weight_sync.DistributedWeightSender`
+        (NCCL) for a server on other GPUs.
         """
         with weight_update_session(self):
             for bucket in buckets:
                 check_weight_names([name for name, _ in bucket], self.weight_names)
-                require_cuda_tensors(bucket, f"SGLang server {self.url}")
+                bucket = cuda_bucket(bucket, f"SGLang server {self.url}")
                 _check(
                     self._post(
                         "/update_weights_from_tensor",
