@@ -281,6 +281,21 @@ def test_issue21_item8_unknown_weight_name_fails_loudly(servers, tiny_model):
         client.update_weights_from_distributed(
             names=[renamed], dtypes=["float32"], shapes=[[2]], group_name="g"
         )
+    # the NCCL path checks before any engine waits for a broadcast, and closes the sessions
+    sender = DistributedWeightSender(
+        [client],
+        master_address="127.0.0.1",
+        backend="gloo",
+        timeout=SYNC_TIMEOUT,
+        weight_names=names,
+        group_name="names_check",  # a group of its own: the sync test below makes another
+    )
+    try:
+        with pytest.raises(ValueError, match="skipped by SGLang"):
+            sender.send([[(renamed, torch.ones(2))]])
+    finally:
+        sender.close()
+    assert stats(servers[1].url)["session"] is False
 
 
 def test_round_robin_router_splits_and_keeps_order(servers, requests_, limits):

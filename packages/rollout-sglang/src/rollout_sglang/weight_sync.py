@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rollout_sglang.types import NamedTensors
+from rollout_sglang.weight_names import WeightNameCheck, check_weight_names
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +158,8 @@ class DistributedWeightSender:
     (CUDA for NCCL, CPU for gloo).
 
     The trainer serves the rendezvous store before asking the engines to join; the default
-    ``master_port=0`` lets the OS pick a free port (``self.master_port``). ``timeout`` bounds
+    ``master_port=0`` lets the OS pick a free port (``self.master_port``). ``weight_names``
+    checks every bucket's names before the engines are told to receive it. ``timeout`` bounds
     the rendezvous, every broadcast and every engine's answer: a missing engine is an error
     after ``timeout``, never a hang. (SGLang's own side uses its default timeout.)
     """
@@ -172,8 +174,10 @@ class DistributedWeightSender:
         group_name: str = "glimpse_weight_sync",
         backend: str = "nccl",
         timeout: timedelta = timedelta(minutes=10),
+        weight_names: WeightNameCheck | None = None,
     ) -> None:
         self.engines = engines
+        self.weight_names = weight_names
         sizes = (
             [ranks_per_engine] * len(engines)
             if isinstance(ranks_per_engine, int)
@@ -247,6 +251,8 @@ class DistributedWeightSender:
     ) -> int:
         count = 0
         for bucket in buckets:
+            # before any engine is told to receive: a refused name must not strand a broadcast
+            check_weight_names([name for name, _ in bucket], self.weight_names)
             if to_device is not None:
                 bucket = [(name, to_device(t)) for name, t in bucket]
             spec = bucket_spec(bucket)
