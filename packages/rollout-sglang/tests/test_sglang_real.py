@@ -190,3 +190,29 @@ def test_cpu_tensors_cannot_reach_a_server_we_did_not_fork(tmp_path):
     )
     assert done.returncode != 0, done.stdout
     assert "AuthenticationError" in done.stderr, done.stderr[-2000:]
+
+
+def test_our_launch_flags_parse_with_sglangs_own_parser():
+    """``server_command`` through the real ``ServerArgs.add_cli_args`` parser: every flag is
+    SGLang's, the pixel bounds arrive as a dict (JSON, issue #21 item 6), and every
+    ``engine_kwargs`` key is a ``ServerArgs`` field."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    from rollout_sglang import SGLangConfig
+
+    config = SGLangConfig(
+        model_path="/models/qwen3-vl",
+        tp_size=2,
+        mm_attention_backend="sdpa",
+        min_pixels=4096,
+        max_pixels=16384,
+        enable_deterministic_inference=True,
+    )
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(config.server_command()[3:])
+    assert args.mm_process_config == {"image": {"min_pixels": 4096, "max_pixels": 16384}}
+    assert args.tp_size == 2 and args.enable_deterministic_inference and args.port == 30000
+    assert set(config.engine_kwargs()) <= set(ServerArgs.__struct_fields__)
