@@ -27,6 +27,7 @@ import torch
 from rollout_sglang import (
     GenerateRequest,
     SamplingParams,
+    SGLangConfig,
     WeightNameCheck,
     generate_payload,
 )
@@ -199,8 +200,6 @@ def test_our_launch_flags_parse_with_sglangs_own_parser():
     import argparse
 
     from sglang.srt.server_args import ServerArgs
-
-    from rollout_sglang import SGLangConfig
 
     config = SGLangConfig(
         model_path="/models/qwen3-vl",
