@@ -16,6 +16,9 @@ from rollout_sglang import (
     parse_output,
     sampling_params_payload,
 )
+from rollout_sglang.sglang_protocol import collapse_image_pads, wire_input_ids
+
+IMAGE_PAD = 151655  # <|image_pad|> of Qwen3-VL
 
 
 def test_payload_carries_ids_images_and_sampling(prompt_samples):
@@ -23,8 +26,11 @@ def test_payload_carries_ids_images_and_sampling(prompt_samples):
     params = SamplingParams(
         temperature=0.8, top_p=0.9, top_k=20, max_new_tokens=12, stop_token_ids=(5, 6), seed=3
     )
-    payload = generate_payload(requests, params)
-    assert payload["input_ids"] == [r.input_ids.tolist() for r in requests]
+    payload = generate_payload(requests, params, image_token_id=IMAGE_PAD)
+    for ids, request in zip(payload["input_ids"], requests, strict=True):
+        assert ids.count(IMAGE_PAD) == 1  # SGLang expands the one pad per image itself
+        expanded = request.input_ids.tolist()
+        assert [t for t in ids if t != IMAGE_PAD] == [t for t in expanded if t != IMAGE_PAD]
     assert payload["return_logprob"] is True
     assert payload["rid"] == ["0", "1"]
     for images, sample in zip(payload["image_data"], prompt_samples[:2], strict=True):
@@ -34,7 +40,7 @@ def test_payload_carries_ids_images_and_sampling(prompt_samples):
         decoded = Image.open(io.BytesIO(base64.b64decode(data)))
         assert decoded.size == sample.images[0].size
         assert decoded.convert("RGB").tobytes() == sample.images[0].convert("RGB").tobytes()
-    assert payload["sampling_params"] == {
+    common = {
         "temperature": 0.8,
         "top_p": 0.9,
         "top_k": 20,
@@ -43,8 +49,31 @@ def test_payload_carries_ids_images_and_sampling(prompt_samples):
         "skip_special_tokens": False,
         "no_stop_trim": True,
         "stop_token_ids": [5, 6],
-        "sampling_seed": 3,
     }
+    # one sampling_params per request, each with its own seed
+    assert payload["sampling_params"] == [{**common, "sampling_seed": 3 + i} for i in range(2)]
+
+
+def test_pads_collapse_per_image_run():
+    ids = torch.tensor([1, 2, IMAGE_PAD, IMAGE_PAD, IMAGE_PAD, 3, 2, IMAGE_PAD, IMAGE_PAD, 3, 9])
+    assert collapse_image_pads(ids, ids == IMAGE_PAD) == [1, 2, IMAGE_PAD, 3, 2, IMAGE_PAD, 3, 9]
+    image = Image.new("RGB", (4, 4))
+    by_id = GenerateRequest(input_ids=ids, images=[image, image])
+    by_mask = GenerateRequest(
+        input_ids=ids, images=[image, image], mm_token_type_ids=ids == IMAGE_PAD
+    )
+    assert wire_input_ids(by_id, IMAGE_PAD) == wire_input_ids(by_mask, None)
+    assert wire_input_ids(GenerateRequest(input_ids=ids), IMAGE_PAD) == ids.tolist()  # text only
+    with pytest.raises(ValueError, match="one image pad per image"):
+        wire_input_ids(GenerateRequest(input_ids=ids, images=[image, image]), None)
+
+
+def test_own_seed_wins_and_no_seed_means_none():
+    requests = [GenerateRequest(input_ids=[1]), GenerateRequest(input_ids=[1], seed=99)]
+    payload = generate_payload(requests, SamplingParams(seed=10))
+    assert [p["sampling_seed"] for p in payload["sampling_params"]] == [10, 99]
+    payload = generate_payload(requests[:1], SamplingParams())
+    assert "sampling_seed" not in payload["sampling_params"][0]
 
 
 def test_text_only_payload_has_no_image_data():

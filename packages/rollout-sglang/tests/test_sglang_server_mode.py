@@ -1,11 +1,16 @@
-"""Server mode, router and weight sync against real local HTTP servers (a stand-in speaking
-SGLang's JSON, launched as subprocesses by SGLangServer), plus build_engine's choice."""
+"""Server mode, router and weight sync against real local HTTP servers (a stand-in answering as
+sglang 0.5.23 does, launched as subprocesses by SGLangServer with the command line we would give
+SGLang), plus build_engine's choice. Tests named after an item of issue #21 fail on the code
+before that fix."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import socket
 import sys
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -24,10 +29,13 @@ from rollout_sglang import (
     SGLangClient,
     SGLangConfig,
     SGLangServer,
+    WeightNameCheck,
     build_engine,
+    generate_payload,
     sglang_available,
 )
 
+MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 16  # the bounds of conftest's processor
 SERVER_SCRIPT = Path(__file__).with_name("sglang_like_server.py")
 PARAMS = SamplingParams(max_new_tokens=4, seed=1)
 SYNC_TIMEOUT = timedelta(seconds=60)  # every process group here fails rather than hangs
@@ -39,21 +47,30 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def stand_in_command(config: SGLangConfig, processor_dir: Path) -> list[str]:
+    """The stand-in started with the flags we would pass ``sglang.launch_server``."""
+    flags = config.server_command(python=sys.executable)[3:]
+    timeout = ["--sync-timeout", str(SYNC_TIMEOUT.total_seconds())]
+    return [sys.executable, str(SERVER_SCRIPT), *flags, "--processor", str(processor_dir), *timeout]
+
+
+def server_config(**overrides) -> SGLangConfig:
+    fields = {
+        "model_path": "unused",
+        "port": free_port(),
+        "min_pixels": MIN_PIXELS,
+        "max_pixels": MAX_PIXELS,
+        "enable_deterministic_inference": True,
+    }
+    return SGLangConfig(**{**fields, **overrides})
+
+
 @pytest.fixture(scope="module")
-def servers():
+def servers(qwen3vl_dir):
     launched = []
     for _ in range(2):
-        config = SGLangConfig(model_path="unused", port=free_port())
-        command = [
-            sys.executable,
-            str(SERVER_SCRIPT),
-            "--host",
-            config.host,
-            "--port",
-            str(config.port),
-            "--sync-timeout",
-            str(SYNC_TIMEOUT.total_seconds()),
-        ]
+        config = server_config()
+        command = stand_in_command(config, qwen3vl_dir)
         launched.append(SGLangServer(config, command=command, wait=False))
     try:
         for server in launched:  # started together, waited for one by one
@@ -88,7 +105,81 @@ def test_server_binds_localhost_and_launch_command():
     assert command[command.index("--host") + 1] == "127.0.0.1"
     assert command[command.index("--mm-attention-backend") + 1] == "sdpa"
     assert "--enable-memory-saver" in command
+    assert "--mm-process-config" not in command  # no bounds: SGLang keeps its processor's
     assert config.engine_kwargs()["mm_attention_backend"] == "sdpa"
+
+
+def test_issue21_item6_pixel_bounds_reach_sglang_as_json():
+    config = SGLangConfig(
+        model_path="m",
+        min_pixels=MIN_PIXELS,
+        max_pixels=MAX_PIXELS,
+        extra_args={"mm_process_config": {"video": {"fps": 2}}, "json_model_override_args": {}},
+    )
+    command = config.server_command(python="python")
+    mm = json.loads(command[command.index("--mm-process-config") + 1])  # JSON, not str(dict)
+    assert mm == {
+        "video": {"fps": 2},
+        "image": {"min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS},
+    }
+    assert config.engine_kwargs()["mm_process_config"] == mm  # in-process: the dict itself
+    assert json.loads(command[command.index("--json-model-override-args") + 1]) == {}
+
+
+def test_issue21_item6_engine_sees_the_trainers_image_token_counts(servers, requests_, limits):
+    """The stand-in sizes images with the real HF image processor and the bounds from its
+    command line: its expanded prompt is exactly the trainer's."""
+    client = SGLangClient(servers[0].url, limits=limits)
+    assert all(c.ok for c in client.generate(requests_, PARAMS))
+    assert stats(servers[0].url)["expanded_lengths"] == [r.prompt_length for r in requests_]
+
+
+def test_issue21_item2_one_image_pad_per_image(servers, requests_, limits):
+    client = SGLangClient(servers[0].url, limits=limits)
+    out = client.generate(requests_, PARAMS)
+    assert all(c.ok for c in out), [c.error for c in out]
+    pad = limits.image_token_id
+    sent = stats(servers[0].url)["input_ids"]
+    assert [ids.count(pad) for ids in sent] == [len(r.images) for r in requests_]
+    # without limits the pads are found by mm_token_type_ids
+    out = SGLangClient(servers[0].url).generate(requests_[:2], PARAMS)
+    assert all(c.ok for c in out) and stats(servers[0].url)["input_ids"][0].count(pad) == 1
+
+
+def test_issue21_item2_two_images_in_one_prompt(servers, requests_, limits):
+    """Two images: expanded pads would fail SGLang's build_input_ids with AssertionError."""
+    a, b = requests_[0], requests_[1]
+    two = GenerateRequest(
+        input_ids=torch.cat([a.input_ids, b.input_ids]),
+        images=[*a.images, *b.images],
+        request_id="two",
+    )
+    out = SGLangClient(servers[0].url, limits=limits).generate([two], PARAMS)
+    assert out[0].ok, out[0].error
+    assert stats(servers[0].url)["expanded_lengths"] == [two.prompt_length]
+    expanded = http.post(
+        servers[0].url + "/generate",
+        json={
+            "input_ids": two.input_ids.tolist(),
+            "image_data": generate_payload([two], PARAMS, limits.image_token_id)["image_data"][0],
+            "sampling_params": {"max_new_tokens": 1},
+            "return_logprob": True,
+        },
+        timeout=30,
+    )
+    assert expanded.status_code == 400 and "AssertionError" in expanded.text
+
+
+def test_issue21_item5_each_sample_has_its_own_seed(servers, requests_, limits):
+    client = SGLangClient(servers[0].url, limits=limits)
+    group = [requests_[0]] * 4  # one prompt, n = 4 samples
+    params = SamplingParams(max_new_tokens=6, seed=5)
+    first = client.generate(group, params)
+    seeds = [p["sampling_seed"] for p in stats(servers[0].url)["sampling_params"]]
+    assert seeds == [5, 6, 7, 8]
+    assert len({tuple(c.token_ids) for c in first}) == 4  # the GRPO group is not n copies
+    again = client.generate(group, params)
+    assert [c.token_ids for c in again] == [c.token_ids for c in first]  # and reproducible
 
 
 def test_server_that_dies_at_start_is_reported():
@@ -134,16 +225,77 @@ def test_bad_requests_fail_alone_over_http(servers, requests_, limits):
     assert out[4].finish_reason == "abort" and "rejected" in out[4].error
     assert "no meta_info" in out[5].error
     assert "more than the limit 200" in out[6].error
-    alone = client.generate([good, requests_[1]], PARAMS)
+    # the one-by-one retry kept each request's seed (base seed + its place in the batch)
+    alone = client.generate([good, dataclasses.replace(requests_[1], seed=PARAMS.seed + 7)], PARAMS)
     assert [out[0].token_ids, out[7].token_ids] == [c.token_ids for c in alone]
 
 
-def test_release_resume_memory(servers):
-    client = SGLangClient(servers[1].url)
-    client.release_memory()
-    assert stats(servers[1].url)["released"] is True
+def test_issue21_item3_flush_text_release_null_and_idle(servers):
+    url = servers[1].url
+    client = SGLangClient(url)
+    before = stats(url)["flushes"]
+    client.flush_cache()  # a plain-text answer
+    assert stats(url)["flushes"] == before + 1
+    client.release_memory()  # answers null
+    assert stats(url)["released"] is True
     client.resume_memory()
-    assert stats(servers[1].url)["released"] is False
+    assert stats(url)["released"] is False
+    # a request in flight: SGLang refuses to release, and so does the client, before asking
+    held = GenerateRequest(input_ids=[1, 2, 999996])
+    worker = threading.Thread(target=client.generate, args=([held], PARAMS))
+    worker.start()
+    try:
+        while stats(url)["running"] == 0:
+            pass
+        with pytest.raises(RuntimeError, match="still running"):
+            client.release_memory()
+        answer = http.post(url + "/release_memory_occupation", json={}, timeout=10)
+        assert answer.status_code == 400 and "idle" in answer.json()["error"]["message"]
+        with pytest.raises(RuntimeError, match="HTTP 400"):
+            SGLangClient(url).flush_cache()
+    finally:
+        http.post(url + "/test_unblock", json={}, timeout=10)
+        worker.join()
+    assert stats(url)["released"] is False
+
+
+def test_issue21_item4_server_mode_refuses_cpu_tensors(servers):
+    url = servers[1].url
+    client = SGLangClient(url)
+    before = stats(url)
+    with pytest.raises(ValueError, match=r"CUDA tensors .* or the NCCL path"):
+        client.update_weights([[("model.language_model.norm.weight", torch.ones(4))]])
+    after = stats(url)
+    assert after["updates"] == before["updates"] and after["session"] is False
+
+
+def test_issue21_item8_unknown_weight_name_fails_loudly(servers, tiny_model):
+    from vlm_models.weights import hf_named_tensors
+
+    names = WeightNameCheck.from_names(n for n, _ in hf_named_tensors(tiny_model))
+    client = SGLangClient(servers[1].url, weight_names=names)
+    renamed = "model.language_model.layers.0.mlp.gate_projection.weight"
+    with pytest.raises(ValueError, match=r"gate_projection.*skipped by SGLang"):
+        client.update_weights([[(renamed, torch.ones(2))]])
+    with pytest.raises(ValueError, match="skipped by SGLang"):
+        client.update_weights_from_distributed(
+            names=[renamed], dtypes=["float32"], shapes=[[2]], group_name="g"
+        )
+    # the NCCL path checks before any engine waits for a broadcast, and closes the sessions
+    sender = DistributedWeightSender(
+        [client],
+        master_address="127.0.0.1",
+        backend="gloo",
+        timeout=SYNC_TIMEOUT,
+        weight_names=names,
+        group_name="names_check",  # a group of its own: the sync test below makes another
+    )
+    try:
+        with pytest.raises(ValueError, match="skipped by SGLang"):
+            sender.send([[(renamed, torch.ones(2))]])
+    finally:
+        sender.close()
+    assert stats(servers[1].url)["session"] is False
 
 
 def test_round_robin_router_splits_and_keeps_order(servers, requests_, limits):
@@ -154,7 +306,7 @@ def test_round_robin_router_splits_and_keeps_order(servers, requests_, limits):
     routed = router.generate(requests_, PARAMS)
     after = [stats(s.url)["requests"] for s in servers]
     assert [a - b for a, b in zip(after, before, strict=True)] == [2, 2]
-    assert [c.token_ids for c in routed] == [c.token_ids for c in direct]
+    assert [c.token_ids for c in routed] == [c.token_ids for c in direct]  # seeds by position
     assert router.assign(requests_[:3], PARAMS) == [[2], [0, 1]]  # next call starts at engine 1
     assert router.health()
 
@@ -181,7 +333,7 @@ def test_router_isolates_a_failing_engine(servers, requests_):
     assert "engine down" in out[2].error
 
 
-def test_distributed_weight_sync_to_two_servers(servers):
+def test_issue21_item1_distributed_weight_sync_to_two_servers_in_a_session(servers):
     clients = [SGLangClient(s.url) for s in servers]
     # master_port=0: the sender's store picks a free port itself (no race for a port)
     sender = DistributedWeightSender(
@@ -196,8 +348,12 @@ def test_distributed_weight_sync_to_two_servers(servers):
             "lm_head.bias": torch.arange(5, dtype=torch.float32),
         }
         buckets = [list(weights.items())[:2], list(weights.items())[2:]]
-        assert sender.send(buckets) == 3
-        for url in (s.url for s in servers):
+        before = [stats(s.url) for s in servers]
+        assert sender.send(buckets) == 3  # refused outside a session by sglang 0.5.23
+        for url, old in zip((s.url for s in servers), before, strict=True):
+            new = stats(url)
+            assert new["updates"] == old["updates"] + 2 and new["refused_updates"] == 0
+            assert new["session"] is False and new["flushes"] == old["flushes"] + 1
             for name, tensor in weights.items():
                 got = http.post(
                     url + "/get_weights_by_name", json={"name": name}, timeout=10

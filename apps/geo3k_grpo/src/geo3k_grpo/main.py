@@ -127,8 +127,25 @@ def _sglang_config(cfg: Geo3kGrpoConfig, source: Any) -> Any:
         backend="sglang",
         tp_size=cfg.rollout.rollout_num_gpus_per_engine,
         mem_fraction_static=cfg.rollout.sglang_mem_fraction_static,
-        base_gpu_id=0,  # Ray shows each engine only its own GPU(s)
+        base_gpu_id=0,  # an engine sees only its own GPU(s): Ray or its worker set them
         mm_attention_backend=cfg.rollout.sglang_mm_attention_backend,
+        # the prompt processor's bounds, so SGLang expands each image to the same token count
+        min_pixels=cfg.data.min_pixels,
+        max_pixels=cfg.data.max_pixels,
+    )
+
+
+def engine_layout(lay: Any, gpus_per_engine: int) -> Any:
+    """One engine per ``gpus_per_engine`` rollout GPUs (SGLang tensor parallel)."""
+    if not lay.use_gpu or gpus_per_engine == 1:
+        return lay
+    if lay.num_engines % gpus_per_engine:
+        raise SystemExit(
+            f"--rollout-num-gpus-per-engine {gpus_per_engine} does not divide the "
+            f"{lay.num_engines} rollout GPUs"
+        )
+    return dataclasses.replace(
+        lay, num_engines=lay.num_engines // gpus_per_engine, gpus_per_engine=gpus_per_engine
     )
 
 
@@ -194,7 +211,7 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
         reference_model=loss.kl_coef > 0,
     )
     loop_cfg = dataclasses.replace(cfg.loop, use_ref_logprobs=loss.kl_coef > 0)
-    lay = layout(cfg.run)
+    lay = engine_layout(layout(cfg.run), cfg.rollout.rollout_num_gpus_per_engine)
     ray_handle = start_ray(cfg.run, lay)
     scorer = BatchScorer(loss.reward_type, num_workers=loss.reward_workers, **rewards)
     try:

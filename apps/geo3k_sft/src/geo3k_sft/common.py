@@ -503,6 +503,7 @@ class Layout:
     num_engines: int
     colocate: bool
     use_gpu: bool
+    gpus_per_engine: int = 1  # SGLang tensor parallel: each engine's GPUs
 
 
 def layout(run: RunSection, *, with_engines: bool = True) -> Layout:
@@ -549,6 +550,7 @@ def start_ray(run: RunSection, lay: Layout) -> RayHandle:
         colocate=lay.colocate,
         use_gpu=lay.use_gpu,
         cpus_per_bundle=2.0 if lay.use_gpu else 0.5,
+        gpus_per_engine=lay.gpus_per_engine,
     )
     return RayHandle(placement, owns)
 

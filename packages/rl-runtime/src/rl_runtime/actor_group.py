@@ -148,8 +148,13 @@ class EngineWorker:
         request_fn: Callable[[Any], Any],
         params_fn: Callable[..., Any],
         log_level: str = "WARNING",
+        cuda_visible_devices: str | None = None,
     ) -> None:
         _configure_worker_logging(log_level)
+        if cuda_visible_devices is not None:
+            # a colocated engine of several GPUs: its TP ranks (processes SGLang starts)
+            # inherit these GPUs and use cuda:0..N-1 (base_gpu_id=0)
+            os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
         self.engine = factory()
         self.request_fn = request_fn
         self.params_fn = params_fn
@@ -170,9 +175,13 @@ class EngineWorker:
         return self.engine.update_weights_from_distributed(**kwargs)
 
     def flush_cache(self) -> None:
-        flush = getattr(self.engine, "flush_cache", None)
-        if flush is not None:
-            flush()
+        self.engine.flush_cache()  # only engines with a broadcast group get here (SGLang)
+
+    def begin_weight_update(self) -> None:
+        self.engine.begin_weight_update()
+
+    def end_weight_update(self) -> None:
+        self.engine.end_weight_update()
 
     def release_memory(self) -> None:
         self.engine.release_memory()
@@ -201,6 +210,12 @@ class _RemoteEngine:
 
     def flush_cache(self) -> None:
         ray.get(self.handle.flush_cache.remote())
+
+    def begin_weight_update(self) -> None:
+        ray.get(self.handle.begin_weight_update.remote())
+
+    def end_weight_update(self) -> None:
+        ray.get(self.handle.end_weight_update.remote())
 
 
 def _split(items: Sequence[Any], parts: int) -> list[list[int]]:
@@ -345,12 +360,19 @@ class RolloutGroup:
         self.ranks_per_engine = ranks_per_engine
         self.sync_backend = sync_backend
         remote_cls = ray.remote(EngineWorker)
+        devices = placement.engine_devices
         self.workers = [
             remote_cls.options(
                 num_cpus=num_cpus,
                 num_gpus=placement.engine_gpus,
                 scheduling_strategy=placement.strategy(placement.engine_bundles[i]),
-            ).remote(factory, request_fn, params_fn, log_level)
+            ).remote(
+                factory,
+                request_fn,
+                params_fn,
+                log_level,
+                ",".join(devices[i]) if devices else None,
+            )
             for i in range(num_engines)
         ]
         ray.get([w.health.remote() for w in self.workers])

@@ -2,7 +2,11 @@
 
 On GPUs a bundle is one GPU (plus a few CPUs); in colocated mode trainer rank i and engine i
 share bundle i (each asks for a fraction of the GPU), in separate mode the trainer takes the
-first bundles and the engines the rest. On CPU the same code runs with CPU-only bundles that ask
+first bundles and the engines the rest. An engine with N GPUs (SGLang tensor parallel,
+``gpus_per_engine``) gets, in separate mode, one bundle of N GPUs (Ray then shows it exactly
+those); colocated, the N one-GPU bundles ``e*N .. e*N+N-1``: it lives in the first and is told
+the GPUs of all N (``engine_devices``, probed from Ray), which its worker exports as
+``CUDA_VISIBLE_DEVICES`` before SGLang starts its TP ranks on ``cuda:0..N-1``. On CPU the same code runs with CPU-only bundles that ask
 for a fraction of a CPU: a placement group holding every CPU would starve the reward workers and
 anything else that needs a CPU.
 """
@@ -149,6 +153,9 @@ class Placement:
     colocate: bool
     trainer_bundles: list[int]
     engine_bundles: list[int]
+    gpus_per_engine: int = 1
+    # colocated engines of several GPUs: each engine's GPU ids (CUDA_VISIBLE_DEVICES), else None
+    engine_devices: list[list[str]] | None = None
 
     @property
     def trainer_gpus(self) -> float:
@@ -161,7 +168,7 @@ class Placement:
     def engine_gpus(self) -> float:
         if not self.use_gpu:
             return 0.0
-        return 0.4 if self.colocate else 1.0
+        return 0.4 if self.colocate else float(self.gpus_per_engine)
 
     def strategy(self, bundle: int) -> Any:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -186,6 +193,7 @@ def create_placement(
     use_gpu: bool,
     cpus_per_bundle: float = 0.5,
     timeout_s: float = 120.0,
+    gpus_per_engine: int = 1,
 ) -> Placement:
     """Reserve the bundles for `num_trainers` ranks and `num_engines` engines.
 
@@ -196,18 +204,26 @@ def create_placement(
     import ray
     from ray.util.placement_group import placement_group
 
+    if gpus_per_engine < 1:
+        raise ValueError(f"gpus_per_engine must be >= 1, got {gpus_per_engine}")
+    per_engine = gpus_per_engine if use_gpu else 1
+    bundle: dict[str, float] = {"CPU": cpus_per_bundle}
+    if use_gpu:
+        bundle["GPU"] = 1.0
     if colocate:
-        n = max(num_trainers, num_engines)
+        n = max(num_trainers, num_engines * per_engine)
         trainer_bundles = list(range(num_trainers))
-        engine_bundles = list(range(num_engines))
+        engine_bundles = [e * per_engine for e in range(num_engines)]
+        bundles = [dict(bundle) for _ in range(n)]
     else:
         n = num_trainers + num_engines
         trainer_bundles = list(range(num_trainers))
         engine_bundles = list(range(num_trainers, n))
-    bundle: dict[str, float] = {"CPU": cpus_per_bundle}
-    if use_gpu:
-        bundle["GPU"] = 1.0
-    pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+        engine_bundle = {**bundle, "GPU": float(per_engine)} if use_gpu else bundle
+        bundles = [dict(bundle) for _ in trainer_bundles] + [
+            dict(engine_bundle) for _ in engine_bundles
+        ]
+    pg = placement_group(bundles, strategy="PACK")
     ready = pg.wait(timeout_seconds=timeout_s)
     if not ready:
         remove = ray.util.remove_placement_group
@@ -217,11 +233,35 @@ def create_placement(
             f"cluster has {ray.available_resources()}"
         )
     log.info(
-        "placement group: %d bundles of %s (%s), trainer bundles %s, engine bundles %s",
-        n,
-        bundle,
+        "placement group: %s (%s), trainer bundles %s, engine bundles %s",
+        bundles,
         "colocated" if colocate else "separate",
         trainer_bundles,
         engine_bundles,
     )
-    return Placement(pg, n, use_gpu, colocate, trainer_bundles, engine_bundles)
+    devices = None
+    if colocate and use_gpu and per_engine > 1:
+        ids = _bundle_gpu_ids(pg, n)
+        devices = [[i for k in range(per_engine) for i in ids[b + k]] for b in engine_bundles]
+    return Placement(pg, n, use_gpu, colocate, trainer_bundles, engine_bundles, per_engine, devices)
+
+
+def _bundle_gpu_ids(pg: Any, n: int) -> list[list[str]]:
+    """The GPU ids Ray gives each one-GPU bundle of ``pg`` (a tiny task in each)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=0, num_gpus=0.01)
+    def gpu_ids() -> list[str]:
+        return [str(i) for i in ray.get_gpu_ids()]
+
+    return ray.get(
+        [
+            gpu_ids.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=b
+                )
+            ).remote()
+            for b in range(n)
+        ]
+    )

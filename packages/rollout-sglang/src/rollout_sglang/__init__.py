@@ -34,7 +34,13 @@ from rollout_sglang.types import (
     SamplingParams,
 )
 from rollout_sglang.validation import RequestLimits, request_error
-from rollout_sglang.weight_sync import DistributedWeightSender, init_weight_sync_group
+from rollout_sglang.weight_names import WeightNameCheck, check_weight_names, sglang_param_name
+from rollout_sglang.weight_sync import (
+    DistributedWeightSender,
+    EngineTransport,
+    WeightTransport,
+    init_weight_sync_group,
+)
 from rollout_sglang.weights import WeightLoader
 
 __all__ = [
@@ -42,6 +48,7 @@ __all__ = [
     "Completion",
     "DistributedWeightSender",
     "EngineRouter",
+    "EngineTransport",
     "FinishReason",
     "GenerateRequest",
     "HFEngine",
@@ -55,7 +62,10 @@ __all__ = [
     "SGLangServer",
     "SamplingParams",
     "WeightLoader",
+    "WeightNameCheck",
+    "WeightTransport",
     "build_engine",
+    "check_weight_names",
     "encode_image",
     "generate_payload",
     "init_weight_sync_group",
@@ -65,4 +75,5 @@ __all__ = [
     "resolve_backend",
     "sampling_params_payload",
     "sglang_available",
+    "sglang_param_name",
 ]

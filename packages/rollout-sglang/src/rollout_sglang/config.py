@@ -25,6 +25,7 @@ from rollout_sglang.sglang_engine import (
 )
 from rollout_sglang.types import RolloutEngine
 from rollout_sglang.validation import RequestLimits
+from rollout_sglang.weight_names import WeightNameCheck
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,10 @@ class RolloutConfig:
     port: int = 30000
     server_urls: list[str] = field(default_factory=list)
     flatten_buckets: bool = False
+    min_pixels: int | None = None  # the prompt processor's bounds: SGLang must use the same
+    max_pixels: int | None = None
+    enable_deterministic_inference: bool = False  # SGLang honours seeds only with it
+    check_weight_names: bool = True  # refuse names SGLang's loader would skip
     extra_sglang_args: dict[str, Any] = field(default_factory=dict)
     # HF engine
     device: str | None = None
@@ -78,8 +83,16 @@ class RolloutConfig:
             enable_memory_saver=self.enable_memory_saver,
             host=self.host,
             port=self.port + index,
+            min_pixels=self.min_pixels,
+            max_pixels=self.max_pixels,
+            enable_deterministic_inference=self.enable_deterministic_inference,
             extra_args=dict(self.extra_sglang_args),
         )
+
+    def weight_name_check(self) -> WeightNameCheck | None:
+        if not self.check_weight_names or not self.model_path:
+            return None
+        return WeightNameCheck.from_checkpoint(self.model_path)
 
 
 def resolve_backend(backend: Backend) -> Backend:
@@ -132,22 +145,28 @@ def build_engine(config: RolloutConfig, *, model: torch.nn.Module | None = None)
         return HFEngine(model, device=config.device, max_batch_size=config.max_batch_size)
 
     limits = _limits(config, getattr(model, "config", None))
+    names = config.weight_name_check()
+    client = {
+        "limits": limits,
+        "tp_size": config.tp_size,
+        "weight_names": names,
+        "deterministic": config.enable_deterministic_inference,
+    }
     if backend == "sglang":
         engines = [
             SGLangEngine(
-                config.sglang_config(i), limits=limits, flatten_buckets=config.flatten_buckets
+                config.sglang_config(i),
+                limits=limits,
+                flatten_buckets=config.flatten_buckets,
+                weight_names=names,
             )
             for i in range(config.num_engines)
         ]
     elif config.server_urls:
-        engines = [
-            SGLangClient(url, limits=limits, tp_size=config.tp_size) for url in config.server_urls
-        ]
+        engines = [SGLangClient(url, **client) for url in config.server_urls]
     else:
         engines = [
-            SGLangClient(
-                server=SGLangServer(config.sglang_config(i)), limits=limits, tp_size=config.tp_size
-            )
+            SGLangClient(server=SGLangServer(config.sglang_config(i)), **client)
             for i in range(config.num_engines)
         ]
     return engines[0] if len(engines) == 1 else EngineRouter(engines, config.router_policy)

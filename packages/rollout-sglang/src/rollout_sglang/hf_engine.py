@@ -375,6 +375,15 @@ class HFEngine:
             self.model.to(self.device)
         self._released = False
 
+    def begin_weight_update(self) -> None:
+        """Nothing to open: weights load in place at any time."""
+
+    def end_weight_update(self) -> None:
+        """Nothing to close."""
+
+    def flush_cache(self) -> None:
+        """No prefix cache to drop."""
+
     def health(self) -> bool:
         return self.model is not None
 

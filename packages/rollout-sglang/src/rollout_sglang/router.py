@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
+from rollout_sglang.sglang_protocol import with_sample_seeds
 from rollout_sglang.types import (
     Completion,
     GenerateRequest,
@@ -75,6 +76,7 @@ class EngineRouter:
     def generate(
         self, requests: Sequence[GenerateRequest], params: SamplingParams
     ) -> list[Completion]:
+        requests = with_sample_seeds(requests, params)  # seeds by position before the split
         parts = self.assign(requests, params)
         futures = {
             e: self._pool.submit(self._run, e, [requests[i] for i in part], params)
@@ -118,6 +120,15 @@ class EngineRouter:
 
     def release_memory(self) -> None:
         self._all("release_memory")
+
+    def begin_weight_update(self) -> None:
+        self._all("begin_weight_update")
+
+    def end_weight_update(self) -> None:
+        self._all("end_weight_update")
+
+    def flush_cache(self) -> None:
+        self._all("flush_cache")
 
     def resume_memory(self) -> None:
         self._all("resume_memory")

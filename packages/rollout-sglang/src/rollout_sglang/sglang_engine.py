@@ -9,20 +9,24 @@ fails alone instead of failing SGLang's whole batch.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollout_sglang.sglang_protocol import generate_payload, parse_output
+from rollout_sglang.sglang_protocol import generate_payload, parse_output, with_sample_seeds
 from rollout_sglang.types import Completion, GenerateRequest, NamedTensors, SamplingParams
 from rollout_sglang.validation import RequestLimits, request_error
+from rollout_sglang.weight_names import WeightNameCheck, check_weight_names
 
 if TYPE_CHECKING:
     import requests
@@ -55,7 +59,14 @@ class SGLangConfig:
     ``mm_attention_backend`` picks the vision tower's attention kernel ("sdpa" on B200, where
     fa3 is missing; "fa3" on H100/H200). ``enable_memory_saver`` is needed for
     :meth:`release_memory` to free weights and KV cache while colocated training runs.
-    ``extra_args`` passes any other SGLang server argument through unchanged.
+    ``min_pixels`` / ``max_pixels`` must be those of the processor that built the prompts:
+    they reach SGLang's image processor as ``mm_process_config={"image": {...}}`` (sglang
+    0.5.23 ``arg_groups/fields/mm.py``; ``multimodal/processors/base_processor.py`` passes
+    ``image_config`` as the HF processor's ``images_kwargs``), so both see the same grids.
+    ``enable_deterministic_inference`` is what makes SGLang honour ``sampling_seed``
+    (``sampling/sampling_batch_info.py`` builds seeds only then); without it seeds are ignored.
+    ``extra_args`` passes any other SGLang server argument through unchanged (dicts and
+    lists become JSON on a command line).
     """
 
     model_path: str
@@ -71,7 +82,19 @@ class SGLangConfig:
     host: str = "127.0.0.1"  # servers bind to localhost unless asked otherwise
     port: int = 30000
     log_level: str = "warning"
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    enable_deterministic_inference: bool = False
     extra_args: dict[str, Any] = field(default_factory=dict)
+
+    def mm_process_config(self) -> dict[str, Any] | None:
+        """SGLang's ``mm_process_config`` with our pixel bounds merged into its ``image``."""
+        config = dict(self.extra_args.get("mm_process_config") or {})
+        bounds = {"min_pixels": self.min_pixels, "max_pixels": self.max_pixels}
+        image = {**config.get("image", {}), **{k: v for k, v in bounds.items() if v}}
+        if image:
+            config["image"] = image
+        return config or None
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``sglang.Engine`` (= ``ServerArgs`` fields)."""
@@ -83,6 +106,7 @@ class SGLangConfig:
             "base_gpu_id": self.base_gpu_id,
             "enable_memory_saver": self.enable_memory_saver,
             "log_level": self.log_level,
+            "enable_deterministic_inference": self.enable_deterministic_inference,
         }
         optional = {
             "mm_attention_backend": self.mm_attention_backend,
@@ -92,6 +116,9 @@ class SGLangConfig:
         }
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         kwargs.update(self.extra_args)
+        mm_config = self.mm_process_config()
+        if mm_config is not None:
+            kwargs["mm_process_config"] = mm_config
         return kwargs
 
     def server_command(self, python: str = sys.executable) -> list[str]:
@@ -103,6 +130,8 @@ class SGLangConfig:
                 command.append(flag)
             elif value is False or value is None:
                 continue
+            elif isinstance(value, dict | list | tuple):  # parsed with json.loads by SGLang
+                command += [flag, json.dumps(value)]
             else:
                 command += [flag, str(value)]
         return command
@@ -121,6 +150,31 @@ class _CheckedGenerate:
     and if SGLang refuses the batch, retry one by one so the culprit fails alone."""
 
     limits: RequestLimits | None
+    _in_flight: int = 0
+    _in_flight_lock = threading.Lock()
+
+    @property
+    def image_token_id(self) -> int | None:
+        return self.limits.image_token_id if self.limits else None
+
+    @contextmanager
+    def _busy(self) -> Iterator[None]:
+        with self._in_flight_lock:
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._in_flight_lock:
+                self._in_flight -= 1
+
+    def _require_idle(self, what: str) -> None:
+        """SGLang releases memory only when idle (sglang 0.5.23
+        ``managers/scheduler_components/weight_updater.py`` asserts ``is_fully_idle``)."""
+        if self._in_flight:
+            raise RuntimeError(
+                f"{what}: {self._in_flight} generate call(s) still running; SGLang needs an "
+                "idle engine"
+            )
 
     def _send(
         self, requests: Sequence[GenerateRequest], params: SamplingParams
@@ -144,9 +198,11 @@ class _CheckedGenerate:
                     error, prompt_length=request.prompt_length, request_id=request.request_id
                 )
         if valid:
+            requests = with_sample_seeds(requests, params)  # a retry keeps each seed
             batch = [requests[i] for i in valid]
             try:
-                outputs = self._send(batch, params)
+                with self._busy():
+                    outputs = self._send(batch, params)
             except Exception as exc:
                 if len(batch) == 1:
                     outputs = [_failed(batch[0], valid[0], exc)]
@@ -155,7 +211,8 @@ class _CheckedGenerate:
                     outputs = []
                     for i in valid:
                         try:
-                            outputs += self._send([requests[i]], params)
+                            with self._busy():
+                                outputs += self._send([requests[i]], params)
                         except Exception as single_exc:
                             outputs.append(_failed(requests[i], i, single_exc))
             for i, completion in zip(valid, outputs, strict=True):
@@ -190,57 +247,78 @@ class SGLangEngine(_CheckedGenerate):
         *,
         limits: RequestLimits | None = None,
         flatten_buckets: bool = False,
+        weight_names: WeightNameCheck | None = None,
+        engine: Any | None = None,
     ) -> None:
-        sglang = require_sglang()
         self.config = config
         self.limits = limits
         self.flatten_buckets = flatten_buckets
+        self.weight_names = weight_names
         logger.info(
             "rollout engine: SGLang in-process (%s, tp %d)", config.model_path, config.tp_size
         )
-        self.engine = sglang.Engine(**config.engine_kwargs())
+        # ``engine``: an ``sglang.Engine`` built elsewhere (the smoke script, tests' stand-in)
+        self.engine = (
+            engine if engine is not None else require_sglang().Engine(**config.engine_kwargs())
+        )
 
     def _send(
         self, requests: Sequence[GenerateRequest], params: SamplingParams
     ) -> list[Completion]:
-        outputs = self.engine.generate(**generate_payload(requests, params))
+        _warn_ignored_seed(params, self.config)
+        outputs = self.engine.generate(**generate_payload(requests, params, self.image_token_id))
         if isinstance(outputs, dict):
             outputs = [outputs]
         return [parse_output(o, r) for o, r in zip(outputs, requests, strict=True)]
 
     def update_weights(self, buckets: Iterable[NamedTensors]) -> None:
+        """Every bucket inside one weight-update session, then one cache flush."""
         count = 0
-        for bucket in buckets:
-            if self.flatten_buckets:
-                payloads, load_format = (
-                    flattened_bucket_payloads(bucket, self.config.tp_size),
-                    "flattened_bucket",
+        with weight_update_session(self):
+            for bucket in buckets:
+                check_weight_names([name for name, _ in bucket], self.weight_names)
+                if self.flatten_buckets:
+                    payloads, load_format = (
+                        flattened_bucket_payloads(bucket, self.config.tp_size),
+                        "flattened_bucket",
+                    )
+                else:
+                    payloads, load_format = bucket, None
+                _check(
+                    self.engine.update_weights_from_tensor(
+                        named_tensors=payloads, load_format=load_format, flush_cache=False
+                    ),
+                    "update_weights_from_tensor",
                 )
-            else:
-                payloads, load_format = bucket, None
-            _check(
-                self.engine.update_weights_from_tensor(
-                    named_tensors=payloads, load_format=load_format, flush_cache=False
-                ),
-                "update_weights_from_tensor",
-            )
-            count += len(bucket)
+                count += len(bucket)
         self.flush_cache()
         logger.info("SGLang: updated %d tensors", count)
+
+    def begin_weight_update(self) -> None:
+        _check(self.engine.begin_weight_update(), "begin_weight_update")
+
+    def end_weight_update(self) -> None:
+        _check(self.engine.end_weight_update(), "end_weight_update")
 
     def init_weights_update_group(self, **kwargs: Any) -> Any:
         return _check(self.engine.init_weights_update_group(**kwargs), "init_weights_update_group")
 
     def update_weights_from_distributed(self, **kwargs: Any) -> Any:
+        check_weight_names(kwargs.get("names", []), self.weight_names)
         return _check(
             self.engine.update_weights_from_distributed(**kwargs), "update_weights_from_distributed"
         )
 
     def flush_cache(self) -> None:
-        self.engine.flush_cache()
+        """``Engine.flush_cache`` answers a ``FlushCacheReqOutput`` (sglang 0.5.23
+        ``managers/io_struct.py``); refused while requests run."""
+        result = self.engine.flush_cache()
+        if getattr(result, "success", True) is False:
+            raise RuntimeError(f"SGLang flush_cache failed: {getattr(result, 'message', '')}")
 
     def release_memory(self) -> None:
-        self.engine.release_memory_occupation()
+        self._require_idle("release_memory")
+        self.engine.release_memory_occupation()  # answers None (ReleaseMemoryOccupationReqOutput)
 
     def resume_memory(self) -> None:
         self.engine.resume_memory_occupation()
@@ -285,6 +363,61 @@ def _check(result: Any, what: str) -> Any:
     if success is False:
         raise RuntimeError(f"SGLang {what} failed: {message}")
     return result
+
+
+@contextmanager
+def weight_update_session(engine: Any) -> Iterator[None]:
+    """``begin_weight_update`` ... ``end_weight_update`` around a weight update: sglang 0.5.23
+    refuses ``update_weights_from_tensor`` / ``_from_distributed`` outside one
+    (``managers/scheduler_components/weight_updater.py``). The session is closed even when a
+    bucket fails, so the next update can open one; the bucket's error is the one raised."""
+    engine.begin_weight_update()
+    try:
+        yield
+    except BaseException:
+        try:
+            engine.end_weight_update()
+        except Exception:  # the first error is the one worth reporting
+            logger.warning("end_weight_update after a failed update also failed", exc_info=True)
+        raise
+    engine.end_weight_update()
+
+
+def cuda_bucket(bucket: NamedTensors, where: str) -> NamedTensors:
+    """The bucket as CUDA tensors, the only kind a process we did not start can open (by CUDA
+    IPC handle; see ``SGLangClient.update_weights``). CPU tensors are copied to this process's
+    GPU where it has one (a colocated engine worker), else refused."""
+    import torch
+
+    if all(t.device.type == "cuda" for _, t in bucket):
+        return bucket
+    if torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+        return [(name, t.to(device)) for name, t in bucket]
+    for name, tensor in bucket:
+        if tensor.device.type != "cuda":
+            raise ValueError(
+                f"{where}: weight {name!r} is on {tensor.device}; a separately launched SGLang "
+                "server takes CUDA tensors (CUDA IPC, same node) or the NCCL path "
+                "(DistributedWeightSender), never CPU tensors (their file descriptors open "
+                "only in child processes)"
+            )
+
+
+_seed_warned = False
+
+
+def _warn_ignored_seed(params: SamplingParams, config: SGLangConfig | None) -> None:
+    """Say once that SGLang ignores ``sampling_seed`` without deterministic inference."""
+    global _seed_warned
+    if params.seed is None or _seed_warned:
+        return
+    if config is None or not config.enable_deterministic_inference:
+        _seed_warned = True
+        logger.warning(
+            "SamplingParams.seed is ignored by SGLang unless it runs with "
+            "--enable-deterministic-inference (SGLangConfig.enable_deterministic_inference)"
+        )
 
 
 # ------------------------------------------------------------------------------- server mode
@@ -381,6 +514,8 @@ class SGLangClient(_CheckedGenerate):
         limits: RequestLimits | None = None,
         tp_size: int = 1,
         timeout: float = 3600.0,
+        weight_names: WeightNameCheck | None = None,
+        deterministic: bool | None = None,
     ) -> None:
         if (url is None) == (server is None):
             raise ValueError("give exactly one of url= or server=")
@@ -389,21 +524,30 @@ class SGLangClient(_CheckedGenerate):
         self.limits = limits
         self.tp_size = tp_size
         self.timeout = timeout
+        self.weight_names = weight_names
+        self.deterministic = deterministic
         self.session = _session()
         logger.info("rollout engine: SGLang server at %s", self.url)
 
     def _post(self, path: str, payload: dict[str, Any] | None = None) -> Any:
+        """POST and decode the answer: JSON where SGLang answers JSON (``null`` included), the
+        text where it answers plain text (``/flush_cache``, sglang 0.5.23
+        ``entrypoints/http_server.py``). A non-200 answer raises with its body."""
         response = self.session.post(self.url + path, json=payload or {}, timeout=self.timeout)
         if response.status_code != 200:
             raise RuntimeError(
                 f"{path} answered HTTP {response.status_code}: {response.text[:500]}"
             )
-        return response.json() if response.content else None
+        if "json" in response.headers.get("content-type", ""):
+            return response.json()
+        return response.text
 
     def _send(
         self, requests: Sequence[GenerateRequest], params: SamplingParams
     ) -> list[Completion]:
-        outputs = self._post("/generate", generate_payload(requests, params))
+        if self.deterministic is False:
+            _warn_ignored_seed(params, None)
+        outputs = self._post("/generate", generate_payload(requests, params, self.image_token_id))
         if isinstance(outputs, dict):
             outputs = [outputs]
         if not isinstance(outputs, list) or len(outputs) != len(requests):
@@ -414,37 +558,62 @@ class SGLangClient(_CheckedGenerate):
         return [parse_output(o, r) for o, r in zip(outputs, requests, strict=True)]
 
     def update_weights(self, buckets: Iterable[NamedTensors]) -> None:
-        for bucket in buckets:
-            _check(
-                self._post(
-                    "/update_weights_from_tensor",
-                    {
-                        "serialized_named_tensors": serialized_named_tensors(bucket, self.tp_size),
-                        "load_format": None,
-                        "flush_cache": False,
-                    },
-                ),
-                "update_weights_from_tensor",
-            )
+        """CUDA tensors only, by CUDA IPC handle (trainer and server on the same node).
+
+        A CPU tensor pickled by ``MultiprocessingSerializer`` travels as a file descriptor
+        that only a child of the sending process can open; a server launched on its own
+        fails with an AuthenticationError (sglang 0.5.23 ``utils`` ``MultiprocessingSerializer``
+        uses ``torch.multiprocessing`` reductions). CPU tensors are therefore copied to this
+        process's GPU first (a colocated worker has one) and refused where there is none,
+        before anything is sent: use :class:`~rollout_sglang.weight_sync.DistributedWeightSender`
+        (NCCL) for a server on other GPUs.
+        """
+        with weight_update_session(self):
+            for bucket in buckets:
+                check_weight_names([name for name, _ in bucket], self.weight_names)
+                bucket = cuda_bucket(bucket, f"SGLang server {self.url}")
+                _check(
+                    self._post(
+                        "/update_weights_from_tensor",
+                        {
+                            "serialized_named_tensors": serialized_named_tensors(
+                                bucket, self.tp_size
+                            ),
+                            "load_format": None,
+                            "flush_cache": False,
+                        },
+                    ),
+                    "update_weights_from_tensor",
+                )
         self.flush_cache()
+
+    def begin_weight_update(self) -> None:
+        _check(self._post("/begin_weight_update", {"selector": "all"}), "begin_weight_update")
+
+    def end_weight_update(self) -> None:
+        _check(self._post("/end_weight_update"), "end_weight_update")
 
     def init_weights_update_group(self, **kwargs: Any) -> Any:
         return _check(self._post("/init_weights_update_group", kwargs), "init_weights_update_group")
 
     def update_weights_from_distributed(self, **kwargs: Any) -> Any:
+        check_weight_names(kwargs.get("names", []), self.weight_names)
         return _check(
             self._post("/update_weights_from_distributed", kwargs),
             "update_weights_from_distributed",
         )
 
     def flush_cache(self) -> None:
+        """``/flush_cache`` answers plain text, 200 when flushed, 400 when requests run."""
         self._post("/flush_cache")
 
     def release_memory(self) -> None:
-        _check(self._post("/release_memory_occupation"), "release_memory_occupation")
+        """``/release_memory_occupation`` answers ``null`` (an error: ``{"error": ...}``)."""
+        self._require_idle("release_memory")
+        self._post("/release_memory_occupation")
 
     def resume_memory(self) -> None:
-        _check(self._post("/resume_memory_occupation"), "resume_memory_occupation")
+        self._post("/resume_memory_occupation")
 
     def health(self) -> bool:
         try:

@@ -2,17 +2,28 @@
 
 Shared by the in-process engine (``sglang.Engine.generate`` takes the same fields as keyword
 arguments) and the HTTP client (``POST /generate`` takes them as JSON). Prompts go as
-``input_ids`` (image placeholders already expanded by our processor) plus ``image_data`` (the
-original images, PNG in base64 data URLs); log-probs come back in
-``meta_info.output_token_logprobs`` as ``[logprob, token_id, text]`` triples.
+``input_ids`` with ONE ``<|image_pad|>`` per image plus ``image_data`` (the original images, PNG
+in base64 data URLs): SGLang expands each pad itself from the grid its own image processor
+computes (sglang 0.5.23 ``multimodal/processors/base_processor.py`` ``build_input_ids``: every
+id followed by a pad counts as an image start, so an already expanded run of pads fails there,
+IndexError for one image, AssertionError for two). Our processor's expanded ids stay what the
+trainer sees; only the wire form collapses them. Each request gets its own ``sampling_params``
+with its own ``sampling_seed`` (SGLang seeds a row by ``(seed, position)`` only:
+``layers/sampler.py`` ``multinomial_with_seed``; one seed for a GRPO group would give n equal
+samples). Log-probs come back in ``meta_info.output_token_logprobs`` as
+``[logprob, token_id, text]`` triples.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
 
 from rollout_sglang.types import Completion, GenerateRequest, SamplingParams
 
@@ -27,8 +38,9 @@ def encode_image(image: Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def sampling_params_payload(params: SamplingParams) -> dict[str, Any]:
-    """Our :class:`SamplingParams` as SGLang's ``sampling_params`` dict."""
+def sampling_params_payload(params: SamplingParams, seed: int | None = None) -> dict[str, Any]:
+    """Our :class:`SamplingParams` as SGLang's ``sampling_params`` dict; ``seed`` is this
+    request's own seed (default ``params.seed``)."""
     payload: dict[str, Any] = {
         "temperature": params.temperature,
         "top_p": params.top_p,
@@ -40,16 +52,65 @@ def sampling_params_payload(params: SamplingParams) -> dict[str, Any]:
     }
     if params.stop_token_ids:
         payload["stop_token_ids"] = list(params.stop_token_ids)
-    if params.seed is not None:
-        payload["sampling_seed"] = params.seed
+    seed = params.seed if seed is None else seed
+    if seed is not None:
+        payload["sampling_seed"] = int(seed)
     return payload
 
 
-def generate_payload(requests: Sequence[GenerateRequest], params: SamplingParams) -> dict[str, Any]:
-    """Fields of one batched ``/generate`` call (or ``Engine.generate`` keyword arguments)."""
+def with_sample_seeds(
+    requests: Sequence[GenerateRequest], params: SamplingParams
+) -> list[GenerateRequest]:
+    """Requests with a seed each: their own, else ``params.seed + position`` (none without a
+    base seed). Set before a batch is split, so routing does not change what is sampled."""
+    if params.seed is None:
+        return list(requests)
+    return [
+        r if r.seed is not None else dataclasses.replace(r, seed=params.seed + i)
+        for i, r in enumerate(requests)
+    ]
+
+
+def collapse_image_pads(input_ids: Tensor, is_pad: Tensor) -> list[int]:
+    """``input_ids`` with each run of pads (``is_pad``) cut to its first: SGLang's form."""
+    ids = input_ids.reshape(-1)
+    is_pad = is_pad.reshape(-1).bool()
+    repeat = torch.zeros_like(is_pad)
+    repeat[1:] = is_pad[1:] & is_pad[:-1]
+    return ids[~repeat].tolist()
+
+
+def wire_input_ids(request: GenerateRequest, image_token_id: int | None) -> list[int]:
+    """``input_ids`` as sent to SGLang: image pads collapsed when the request has images.
+    The pads are found by ``image_token_id``, else by the request's ``mm_token_type_ids``."""
+    if not request.images:
+        return request.input_ids.tolist()
+    if image_token_id is not None:
+        return collapse_image_pads(request.input_ids, request.input_ids == image_token_id)
+    mask = request.mm_token_type_ids
+    if mask is None or mask.numel() != request.input_ids.numel():
+        raise ValueError(
+            f"request {request.request_id}: images given but neither the image token id nor "
+            "mm_token_type_ids: cannot send SGLang one image pad per image"
+        )
+    return collapse_image_pads(request.input_ids, mask != 0)
+
+
+def generate_payload(
+    requests: Sequence[GenerateRequest],
+    params: SamplingParams,
+    image_token_id: int | None = None,
+) -> dict[str, Any]:
+    """Fields of one batched ``/generate`` call (or ``Engine.generate`` keyword arguments).
+
+    ``image_token_id`` (``config.image_token_id``) finds the pads to collapse; without it the
+    requests' ``mm_token_type_ids`` mark them. ``sampling_params`` is a list, one per request
+    (``GenerateReqInput`` in sglang 0.5.23 ``managers/io_struct.py`` takes a list for a batch).
+    """
+    requests = with_sample_seeds(requests, params)
     payload: dict[str, Any] = {
-        "input_ids": [r.input_ids.tolist() for r in requests],
-        "sampling_params": sampling_params_payload(params),
+        "input_ids": [wire_input_ids(r, image_token_id) for r in requests],
+        "sampling_params": [sampling_params_payload(params, r.seed) for r in requests],
         "return_logprob": True,
     }
     if any(r.images for r in requests):

@@ -28,7 +28,8 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy decoding. ``top_k <= 0`` and ``top_p == 1`` disable those
     filters. Generation stops at any of ``stop_token_ids`` and at the engine's EOS ids unless
-    ``ignore_eos`` (benchmarks). ``seed`` makes sampling reproducible for the same requests.
+    ``ignore_eos`` (benchmarks). ``seed`` is the batch's base seed: request ``i`` samples with
+    ``seed + i`` (or its own ``GenerateRequest.seed``), so identical prompts still differ.
     """
 
     temperature: float = 1.0
@@ -64,6 +65,9 @@ class GenerateRequest:
     mm_token_type_ids: Tensor | None = None  # LongTensor[L], 1 at image tokens
     images: list[Image.Image] = field(default_factory=list)
     request_id: str | None = None
+    # This sample's own seed. Unset, an engine derives one from ``SamplingParams.seed`` and
+    # the request's position in the batch, so the n samples of a GRPO group never share one.
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         self.input_ids = torch.as_tensor(self.input_ids, dtype=torch.long).reshape(-1)
@@ -139,10 +143,24 @@ class RolloutEngine(Protocol):
         ...
 
     def release_memory(self) -> None:
-        """Free accelerator memory (weights and KV cache) while the trainer runs."""
+        """Free accelerator memory (weights and KV cache) while the trainer runs. Engines
+        with nothing to free do nothing. Call it only when no generate call is running."""
         ...
 
     def resume_memory(self) -> None: ...
+
+    def begin_weight_update(self) -> None:
+        """Open a weight-update session (SGLang refuses weights outside one); engines that
+        need none do nothing. ``update_weights`` opens and closes its own."""
+        ...
+
+    def end_weight_update(self) -> None:
+        """Close the session opened by :meth:`begin_weight_update`."""
+        ...
+
+    def flush_cache(self) -> None:
+        """Drop cached prefixes computed with the old weights (``update_weights`` does it)."""
+        ...
 
     def health(self) -> bool: ...
 

@@ -5,7 +5,15 @@ group of their own, apart from the trainer's default group. SGLang builds its si
 through ``init_weights_update_group``; :func:`init_weight_sync_group` builds the trainer's side
 the same way (a TCP rendezvous, a store prefixed by the group name, a fresh backend), so the
 two meet. Then, per bucket, the engine is told the names, dtypes and shapes to expect
-(``update_weights_from_distributed``) while the trainer broadcasts the tensors in that order.
+(``update_weights_from_distributed``) while the trainer broadcasts the tensors in that order,
+all inside one weight-update session per engine (``begin_weight_update`` /
+``end_weight_update``; sglang 0.5.23 refuses the update outside one, and the trainer's
+broadcast would then wait until the group times out).
+
+Every transport speaks :class:`WeightTransport`: ``send(buckets)`` of HF-named buckets (made
+once, by ``vlm_models.iter_weight_buckets``), ``close()``. :class:`EngineTransport` hands each
+bucket to the engines' ``update_weights`` (in process, or CUDA IPC for colocated SGLang);
+:class:`DistributedWeightSender` broadcasts it (NCCL, engines on GPUs of their own).
 """
 
 from __future__ import annotations
@@ -16,15 +24,45 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from rollout_sglang.types import NamedTensors
+from rollout_sglang.weight_names import WeightNameCheck, check_weight_names
 
 logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class WeightTransport(Protocol):
+    """How HF-named weight buckets reach the rollout engines."""
+
+    def send(self, buckets: Iterable[NamedTensors]) -> int:
+        """Deliver every bucket to every engine; returns the number of tensors sent."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class EngineTransport:
+    """Buckets through the engines' own ``update_weights`` (HF engine: in place; SGLang
+    in-process: ``update_weights_from_tensor``, CUDA IPC handles for CUDA tensors). Each
+    engine's update is one weight-update session, opened and closed by the engine."""
+
+    def __init__(self, engines: list[Any]) -> None:
+        self.engines = engines
+
+    def send(self, buckets: Iterable[NamedTensors]) -> int:
+        buckets = list(buckets)
+        for engine in self.engines:
+            engine.update_weights(buckets)
+        return sum(len(b) for b in buckets)
+
+    def close(self) -> None:
+        """Nothing held."""
 
 
 def init_weight_sync_group(
@@ -111,15 +149,17 @@ def bucket_spec(bucket: NamedTensors) -> dict[str, list[Any]]:
 class DistributedWeightSender:
     """The trainer's side of weight sync to engines in a separate placement.
 
-    ``engines`` are objects with ``init_weights_update_group(...)`` and
-    ``update_weights_from_distributed(names, dtypes, shapes, group_name, flush_cache)``
+    ``engines`` are objects with ``init_weights_update_group(...)``,
+    ``update_weights_from_distributed(names, dtypes, shapes, group_name, flush_cache)``,
+    ``begin_weight_update()``, ``end_weight_update()`` and ``flush_cache()``
     (:class:`~rollout_sglang.sglang_engine.SGLangEngine` and
-    :class:`~rollout_sglang.sglang_engine.SGLangClient` both have them). ``ranks_per_engine``
+    :class:`~rollout_sglang.sglang_engine.SGLangClient` have them all). ``ranks_per_engine``
     is each engine's tensor-parallel size. Tensors must be on a device the backend can send
     (CUDA for NCCL, CPU for gloo).
 
     The trainer serves the rendezvous store before asking the engines to join; the default
-    ``master_port=0`` lets the OS pick a free port (``self.master_port``). ``timeout`` bounds
+    ``master_port=0`` lets the OS pick a free port (``self.master_port``). ``weight_names``
+    checks every bucket's names before the engines are told to receive it. ``timeout`` bounds
     the rendezvous, every broadcast and every engine's answer: a missing engine is an error
     after ``timeout``, never a hang. (SGLang's own side uses its default timeout.)
     """
@@ -134,8 +174,10 @@ class DistributedWeightSender:
         group_name: str = "glimpse_weight_sync",
         backend: str = "nccl",
         timeout: timedelta = timedelta(minutes=10),
+        weight_names: WeightNameCheck | None = None,
     ) -> None:
         self.engines = engines
+        self.weight_names = weight_names
         sizes = (
             [ranks_per_engine] * len(engines)
             if isinstance(ranks_per_engine, int)
@@ -185,9 +227,32 @@ class DistributedWeightSender:
         *,
         to_device: Callable[[Tensor], Tensor] | None = None,
     ) -> int:
-        """Send every bucket to every engine; returns the number of tensors sent."""
+        """Send every bucket to every engine, inside one weight-update session per engine;
+        returns the number of tensors sent."""
+        self._on_all("begin_weight_update")
+        try:
+            count = self._broadcast_all(buckets, to_device)
+        except BaseException:
+            try:
+                self._on_all("end_weight_update")
+            except Exception:  # the broadcast's error is the one to report
+                logger.warning("end_weight_update after a failed send also failed", exc_info=True)
+            raise
+        self._on_all("end_weight_update")
+        self._on_all("flush_cache")
+        return count
+
+    def _on_all(self, method: str) -> None:
+        futures = [self._pool.submit(getattr(engine, method)) for engine in self.engines]
+        _wait(futures, method, self.timeout)
+
+    def _broadcast_all(
+        self, buckets: Iterable[NamedTensors], to_device: Callable[[Tensor], Tensor] | None
+    ) -> int:
         count = 0
         for bucket in buckets:
+            # before any engine is told to receive: a refused name must not strand a broadcast
+            check_weight_names([name for name, _ in bucket], self.weight_names)
             if to_device is not None:
                 bucket = [(name, to_device(t)) for name, t in bucket]
             spec = bucket_spec(bucket)
@@ -203,10 +268,6 @@ class DistributedWeightSender:
             broadcast_bucket(bucket, self.group)
             _wait(futures, "update_weights_from_distributed", self.timeout)
             count += len(bucket)
-        for engine in self.engines:
-            flush = getattr(engine, "flush_cache", None)
-            if flush is not None:
-                flush()
         return count
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ from vlm_models.megatron.convert import (
     unshard,
 )
 from vlm_models.megatron.model import Qwen3VLMegatronModel
+from vlm_models.weights import iter_weight_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +111,9 @@ def iter_hf_weights(
 ) -> Iterator[list[tuple[str, Tensor]]]:
     """Buckets of ``(hf_name, full tensor)`` of the whole model, on every rank.
 
-    Must be called on all ranks of the TP x PP group together. A bucket closes once it holds
-    at least ``bucket_bytes`` (a single larger tensor makes a bucket of its own). Tensors are
+    Must be called on all ranks of the TP x PP group together. Buckets are made by
+    :func:`vlm_models.iter_weight_buckets` (at most ``bucket_bytes``; a single larger tensor
+    makes a bucket of its own), as for the FSDP trainer. Tensors are
     in transformers' in-memory layout, or with ``file_layout`` in the released checkpoint files'
     layout (MoE experts transposed), which is what engines loading released files expect.
     """
@@ -150,9 +152,7 @@ def iter_hf_weights(
                 out.append((pmap.hf[0], stacked))
         return out
 
-    def local_buckets() -> Iterator[list[tuple[str, Tensor]]]:
-        bucket: list[tuple[str, Tensor]] = []
-        size = 0
+    def local_tensors() -> Iterator[tuple[str, Tensor]]:
         stacker = ExpertStacker()
         for pmap in maps:
             if (
@@ -161,15 +161,11 @@ def iter_hf_weights(
             ):
                 continue  # tied: the first stage's embedding is the HF tensor
             for name, full in full_tensors(pmap, stacker):
-                if file_layout:
-                    full = to_file_layout(name, full)
-                bucket.append((name, full))
-                size += full.numel() * full.element_size()
-            if size >= bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
+                yield name, to_file_layout(name, full) if file_layout else full
+
+    def local_buckets() -> Iterator[list[tuple[str, Tensor]]]:
+        # the one bucketer of weight sync, shared with the FSDP trainer
+        yield from iter_weight_buckets(local_tensors(), bucket_bytes)
 
     if pp_size == 1:
         yield from local_buckets()
