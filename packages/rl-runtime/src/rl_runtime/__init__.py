@@ -6,6 +6,7 @@ from rl_runtime.checkpoint import CheckpointManager
 from rl_runtime.config import ConfigError, option, parse_config, to_dict, to_json
 from rl_runtime.data import PromptSampler
 from rl_runtime.evaluation import eval_prompts, evaluate
+from rl_runtime.faults import CheckpointFailed, NonFiniteStop, RunStopped, WorkerDied
 from rl_runtime.gc_policy import PeriodicGC
 from rl_runtime.loop import GrpoLoopConfig, GrpoParts, run_grpo
 from rl_runtime.metrics import RunLogger, plot_metrics, read_metrics
@@ -17,11 +18,13 @@ from rl_runtime.rollout_batch import build_train_batch
 from rl_runtime.sft import SftLoopConfig, run_sft, sft_batch
 
 __all__ = [
+    "CheckpointFailed",
     "CheckpointManager",
     "ConfigError",
     "EngineWorker",
     "GrpoLoopConfig",
     "GrpoParts",
+    "NonFiniteStop",
     "PeriodicGC",
     "Placement",
     "PreflightError",
@@ -30,10 +33,12 @@ __all__ = [
     "RewardFn",
     "RolloutGroup",
     "RunLogger",
+    "RunStopped",
     "SftLoopConfig",
     "TrainActor",
     "TrainGroup",
     "TrainWorker",
+    "WorkerDied",
     "build_train_batch",
     "check_backend",
     "check_gpus",
