@@ -31,7 +31,7 @@ COMMON = dict(
 )
 SCENARIOS = {
     "tp2_sp": dict(config=dict(tp=2, sp=True), share=True, resume=True),
-    "dp2": dict(config=dict(tp=1), share=False, sft=True),
+    "dp2": dict(config=dict(tp=1), share=False, sft=True, nonfinite=True),
 }
 
 
@@ -195,3 +195,19 @@ def test_export_has_hf_names(run):
     ref, results = run
     expected = sorted(k for k in ref["state"] if k != "lm_head.weight")
     assert results[0]["tp2_sp"]["exported_keys"] == expected
+
+
+def test_nonfinite_loss_skips_the_update(run):
+    _, results = run
+    for r in range(2):
+        res = results[r]["dp2"]
+        assert res["nonfinite"]["update_skipped"] == 1.0
+        assert res["nonfinite"]["grad_norm"] != res["nonfinite"]["grad_norm"]  # NaN
+        assert not res["nonfinite_moved"]
+
+
+def test_tampered_checkpoint_is_refused_without_running_code(run):
+    _, results = run
+    for r in range(2):
+        assert results[r]["tp2_sp"]["tampered"] == "refused"
+        assert not results[r]["tp2_sp"]["tampered_code_ran"]
