@@ -12,6 +12,7 @@ transformers engine and real processes that really die (`os._exit` inside the ac
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import math
@@ -85,9 +86,9 @@ def _tiny():
 
 
 class FaultyTrainer:
-    """The real FSDP actor; `train_step` or `save_checkpoint` fails on its `at`-th call (in
-    this rank's process) while the `trigger` file exists: the process exits, or the save runs
-    out of disk after writing part of a shard."""
+    """The real FSDP actor, with a fault from its `at`-th call on (in this rank's process,
+    while the `trigger` file exists): "die" exits the process in `train_step`, "nan" makes the
+    loss NaN from then on (NaN advantages), "enospc" runs out of disk part-way through a save."""
 
     def __init__(self, cfg, fault: str | None, rank: int, at: int, trigger: str) -> None:
         from rl_algos import GrpoLossConfig
@@ -110,17 +111,21 @@ class FaultyTrainer:
     def __getattr__(self, name):
         return getattr(self.actor, name)
 
-    def _due(self, method: str) -> bool:
+    def _due(self, method: str, fault: str) -> bool:
         self.calls[method] += 1
-        return self.armed and self.calls[method] == self.at and self.trigger.exists()
+        armed = self.fault == fault and self.armed and self.trigger.exists()
+        return armed and self.calls[method] == self.at
 
     def train_step(self, batch, *, loss="grpo"):
-        if self.fault == "die" and self._due("train_step"):
+        if self._due("train_step", "die"):
             os._exit(1)
+        if self.fault == "nan" and self.armed and self.calls["train_step"] >= self.at:
+            nan = float("nan")
+            batch = dataclasses.replace(batch, advantages=[a * nan for a in batch.advantages])
         return self.actor.train_step(batch, loss=loss)
 
     def save_checkpoint(self, path):
-        if self.fault == "enospc" and self._due("save_checkpoint"):
+        if self._due("save_checkpoint", "enospc"):
             shard = Path(path) / "__0_0.distcp"
             with open(shard, "wb") as f:
                 f.write(b"\0" * 4096)  # the disk fills part-way through the first shard
@@ -316,16 +321,12 @@ def test_dead_trainer_rank_stops_the_run_naming_it(tiny, tmp_path):
 
 
 def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(tiny, tmp_path):
-    calls = []
-
-    def reward(texts, answers):
-        calls.append(1)
-        good = _color_reward(texts, answers)
-        return good if len(calls) == 1 else [math.nan] * len(good)  # a reward gone bad
-
+    trigger = tmp_path / "nan"
+    trigger.touch()
     out = tmp_path / "run"
+    trainer = dict(fault="nan", rank=0, at=2, trigger=str(trigger))  # NaN loss from step 2 on
     with pytest.raises(NonFiniteStop) as err:
-        run(tiny, out, score=reward, num_rollout=5, max_nonfinite_steps=2)
+        run(tiny, out, trainer=trainer, num_rollout=5, max_nonfinite_steps=2)
     assert "2 steps in a row had a non-finite loss or gradient" in str(err.value)
     assert "step_000002 is intact" in str(err.value)
     rows = read_metrics(out / "metrics.jsonl")
