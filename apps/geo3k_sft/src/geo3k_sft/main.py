@@ -36,6 +36,7 @@ from geo3k_sft.common import (
 from rl_runtime import (
     CheckpointManager,
     RunLogger,
+    RunStopped,
     SftLoopConfig,
     check_backend,
     check_gpus,
@@ -153,7 +154,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg = parse(argv)
     setup_logging(cfg.run.log_level)
     log.info("geo3k_sft configuration:\n%s", to_json(cfg))
-    run(cfg)
+    try:
+        run(cfg)
+    except RunStopped as err:  # a fault the run cannot go past: one line, the checkpoint kept
+        log.debug("stopped", exc_info=True)
+        log.error("%s", err)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":
