@@ -136,10 +136,12 @@ class FaultyTrainer:
 class DyingEngine:
     """The real transformers engine; its process exits in `generate` when asked for
     `die_seed` while the `trigger` file exists (`once`: the file is removed first, so the
-    restarted engine lives)."""
+    restarted engine lives), or, with `die_in_sync`, in the first weight update after a
+    rollout."""
 
-    def __init__(self, engine, die_seed: int | None, trigger: str, once: bool) -> None:
+    def __init__(self, engine, die_seed, trigger: str, once: bool, die_in_sync: bool) -> None:
         self.engine, self.die_seed, self.trigger, self.once = engine, die_seed, Path(trigger), once
+        self.die_in_sync, self.generated = die_in_sync, False
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -149,14 +151,20 @@ class DyingEngine:
             if self.once:
                 self.trigger.unlink()
             os._exit(1)
+        self.generated = True
         return self.engine.generate(requests, params)
+
+    def update_weights(self, buckets):
+        if self.die_in_sync and self.generated and self.trigger.exists():
+            os._exit(1)
+        return self.engine.update_weights(buckets)
 
 
 def make_trainer(cfg, fault=None, rank=0, at=0, trigger="/nonexistent"):
     return FaultyTrainer(cfg, fault, rank, at, trigger)
 
 
-def make_engine(cfg, eos, die_seed=None, trigger="/nonexistent", once=True):
+def make_engine(cfg, eos, die_seed=None, trigger="/nonexistent", once=True, die_in_sync=False):
     import torch
 
     from rollout_sglang import HFEngine
@@ -164,7 +172,7 @@ def make_engine(cfg, eos, die_seed=None, trigger="/nonexistent", once=True):
 
     torch.manual_seed(0)
     engine = HFEngine(build_model(cfg), device="cpu", eos_token_ids=eos, max_batch_size=8)
-    return DyingEngine(engine, die_seed, trigger, once)
+    return DyingEngine(engine, die_seed, trigger, once, die_in_sync)
 
 
 # ------------------------------------------------------------------------ the driver side
@@ -304,6 +312,20 @@ def test_dead_engine_is_restarted_or_the_run_stops_and_resumes_exactly(tiny, tmp
     assert _same(retried, uninterrupted)
 
 
+def test_engine_dying_during_the_weight_sync_stops_with_one_line(tiny, tmp_path):
+    """The trainer's push fails because the engine it sends to died: the line says so, and
+    does not blame the trainer rank as dead."""
+    trigger = tmp_path / "die"
+    trigger.touch()
+    engine = dict(trigger=str(trigger), die_in_sync=True)
+    with pytest.raises(RunStopped) as err:
+        run(tiny, tmp_path / "run", engine=engine, num_rollout=1)
+    message = str(err.value)
+    assert message.startswith("trainer rank 0 failed during push_weights: an actor it called")
+    assert "no checkpoint was saved yet" in message and "\n" not in message
+    assert not isinstance(err.value, WorkerDied)
+
+
 def test_dead_trainer_rank_stops_the_run_naming_it(tiny, tmp_path):
     trigger = tmp_path / "die"
     trigger.touch()
@@ -333,7 +355,7 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(tiny, tmp_path):
     assert [r["nonfinite_updates"] for r in rows] == [0, 1, 1]
     assert [r["nonfinite_steps_in_row"] for r in rows] == [0, 1, 2]
     assert [r["update_skipped"] for r in rows] == [0.0, 1.0, 1.0]
-    assert not math.isfinite(rows[1]["grad_norm"])
+    assert math.isfinite(rows[0]["grad_norm"]) and rows[1]["grad_norm"] is None  # NaN: null
     # Step 2 (skipped) saved a checkpoint, step 3 (the second in a row) did not.
     assert _steps(out) == [1, 2]
 

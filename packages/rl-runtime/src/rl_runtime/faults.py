@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,8 @@ def gather(futures: Sequence[Any], names: Sequence[str], what: str) -> list[Any]
 
     On the first failure, waits up to :data:`SETTLE_S` for the other calls; if any actor died,
     raises :class:`WorkerDied` naming it (peers that failed because of it are left out of the
-    blame), otherwise re-raises the first error as it came.
+    blame); if the call failed because an actor *it* called died (a trainer pushing weights to
+    a dead engine), raises :class:`RunStopped`; otherwise re-raises the first error as it came.
     """
     index = {ref: i for i, ref in enumerate(futures)}
     results: list[Any] = [None] * len(futures)
@@ -68,6 +69,11 @@ def gather(futures: Sequence[Any], names: Sequence[str], what: str) -> list[Any]
         except Exception as first:
             done, _ = ray.wait(pending, num_returns=len(pending), timeout=SETTLE_S)
             dead = [index[r] for r in [ready[0], *done] if _died(r)]
+            if not dead and isinstance(first, RayActorError):  # an actor it called died
+                raise RunStopped(
+                    f"{names[index[ready[0]]]} failed during {what}: an actor it called died "
+                    f"({short_error(first)})"
+                ) from first
             if not dead:
                 raise
             who = ", ".join(names[i] for i in sorted(dead))
@@ -78,8 +84,13 @@ def gather(futures: Sequence[Any], names: Sequence[str], what: str) -> list[Any]
 
 
 def _died(ref: Any) -> bool:
+    """Whether the actor behind this finished call died. A task that failed because an actor
+    it called died (a trainer pushing to a dead engine) raises a `RayTaskError` that is also a
+    `RayActorError`; that actor is alive."""
     try:
         ray.get(ref, timeout=0)
+    except RayTaskError:
+        return False
     except RayActorError:
         return True
     except Exception:
