@@ -2,9 +2,10 @@
 
 Runs `apps/geo3k_grpo --preset tiny` (300 GRPO steps by default, a checkpoint every 10, three
 evaluations) as a child process and samples, from outside, the resident memory and open file
-descriptors of the driver and of every Ray actor process at a baseline step (20) and at the last
-step but one (the last is followed at once by the final save and the shutdown). It checks that each process's memory at the end is within `--tolerance` (10%) of the
-baseline, that no process holds more than a few more file descriptors than at the baseline, and that once the
+descriptors of the driver and of every Ray actor process at a baseline step (20) and at the
+last step but one (the last is followed at once by the final save and the shutdown). It checks
+that each process's memory at the end is within `--tolerance` (10%) of the baseline, that no
+process holds more than a few more file descriptors than at the baseline, and that once the
 launcher has exited no process it started is left running. Prints a table and writes JSON.
 
     uv run tools/soak.py                         # the full soak (about an hour on 2 cores)
