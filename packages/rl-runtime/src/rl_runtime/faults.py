@@ -135,6 +135,11 @@ class RestartingRollout:
             try:
                 return self.rollout.generate(prompts, **kwargs)
             except WorkerDied as err:
+                if getattr(self.rollout, "transport", None) == "distributed":
+                    # The NCCL weight group is set up once; a new engine could not join it.
+                    raise RunStopped(
+                        f"{err}; engines on GPUs of their own are not restarted"
+                    ) from err
                 if attempt >= self.retries:
                     raise RunStopped(
                         f"{err}; gave up after {attempt} restart(s) (--max-rollout-retries)"
