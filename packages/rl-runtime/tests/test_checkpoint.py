@@ -82,3 +82,27 @@ def test_resume_never_replaces_metrics_of_a_run_without_checkpoints(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == before
     mgr.save(2, {}, _writer("w2"))
     assert resume_step(mgr, tmp_path) == 2
+
+
+def test_disk_full_mid_save_removes_the_partial_save_and_keeps_the_previous(tmp_path):
+    import errno
+    import os
+
+    from rl_runtime import CheckpointFailed
+
+    mgr = CheckpointManager(tmp_path, keep_last=2)
+    mgr.save(10, {"x": 1}, _writer("good"))
+
+    def disk_full(path):
+        with open(path / "shard.bin", "wb") as f:
+            f.write(b"\0" * 4096)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path / "shard.bin"))
+
+    with pytest.raises(CheckpointFailed) as err:
+        mgr.save(20, {"x": 2}, disk_full)
+    message = str(err.value)
+    assert message.startswith("checkpoint of step 20 not saved (OSError: [Errno 28] No space")
+    assert f"the last checkpoint {tmp_path / 'step_000010'} is intact" in message
+    assert [p.name for p in tmp_path.iterdir()] == ["step_000010"]  # the space is given back
+    step, path = mgr.latest()
+    assert step == 10 and (path / "trainer" / "weights.txt").read_text() == "good"

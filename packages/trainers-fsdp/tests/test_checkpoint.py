@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 
 import pytest
 import torch
@@ -10,6 +11,16 @@ from safetensors import safe_open
 from transformers import Qwen3VLForConditionalGeneration
 
 from trainers_fsdp import FsdpActor, OptimConfig
+
+
+class RunsCode:
+    """What a hostile checkpoint file holds: unpickling it runs code (here: creates a file)."""
+
+    def __init__(self, marker) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').close()",))
 
 
 @pytest.mark.parametrize(
@@ -42,6 +53,23 @@ def test_resume_reproduces_next_step_exactly(make_config, batch, tmp_path, mode)
     ours = resumed.full_parameters()
     for name, p in actor.full_parameters().items():
         assert torch.equal(p, ours[name]), name
+
+
+@pytest.mark.parametrize("tampered", [".metadata", "trainer_state_rank0.pt"])
+def test_loading_a_tampered_checkpoint_runs_no_code(make_config, tmp_path, tampered):
+    """DCP's metadata pickle and the trainer state are read by loaders that build only
+    checkpoint data; torch's own DCP reader would run the payload."""
+    actor = FsdpActor(make_config())
+    actor.save_checkpoint(tmp_path / "ckpt")
+    marker = tmp_path / "code_ran"
+    target = tmp_path / "ckpt" / tampered
+    if tampered == ".metadata":
+        target.write_bytes(pickle.dumps(RunsCode(marker)))
+    else:
+        torch.save({"step": 1, "scheduler": RunsCode(marker)}, target)
+    with pytest.raises(pickle.UnpicklingError):
+        actor.load_checkpoint(tmp_path / "ckpt")
+    assert not marker.exists()
 
 
 def test_export_hf_loads_with_from_pretrained(make_config, batch, tmp_path):

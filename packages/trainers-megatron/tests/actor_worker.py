@@ -5,7 +5,9 @@ Usage: ``RANK=r WORLD_SIZE=2 MASTER_PORT=p python actor_worker.py case.pt out_di
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import pickle
 import sys
 from pathlib import Path
 
@@ -18,6 +20,16 @@ if not torch.cuda.is_available():
     _cpu_compat.apply()
 
 from trainers_megatron import MegatronActor, MegatronConfig
+
+
+class RunsCode:
+    """A hostile checkpoint file's content: unpickling it runs code (creates a file)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').close()",))
 
 
 def main(case_path: str, out_dir: str) -> None:
@@ -36,6 +48,16 @@ def main(case_path: str, out_dir: str) -> None:
             result["reference_after"] = actor.compute_logprobs(batch, reference=True)
         if scenario.get("sft"):
             result["sft"] = actor.train_step(batch, loss="sft")
+        if scenario.get("nonfinite"):  # a NaN loss: the update is skipped, the model unchanged
+            before = actor.compute_logprobs(batch)
+            bad = dataclasses.replace(
+                batch, advantages=[a * float("nan") for a in batch.advantages]
+            )
+            result["nonfinite"] = actor.train_step(bad, loss="grpo")
+            after = actor.compute_logprobs(batch)
+            result["nonfinite_moved"] = any(
+                not torch.equal(a, b) for a, b in zip(before, after, strict=True)
+            )
         if scenario.get("resume"):
             ckpt = Path(out_dir) / f"ckpt_{name}"
             actor.save_checkpoint(ckpt)
@@ -48,6 +70,14 @@ def main(case_path: str, out_dir: str) -> None:
             for bucket in actor.iter_hf_weights(bucket_bytes=1 << 20):
                 exported.update(bucket)
             result["exported_keys"] = sorted(exported)
+            marker = Path(out_dir) / f"code_ran_rank{rank}"
+            torch.save({"model": RunsCode(marker)}, ckpt / f"rank{rank:05d}.pt")
+            try:
+                actor.load_checkpoint(ckpt)
+                result["tampered"] = "loaded"
+            except pickle.UnpicklingError:
+                result["tampered"] = "refused"
+            result["tampered_code_ran"] = marker.exists()
         out[name] = result
     torch.save(out, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()

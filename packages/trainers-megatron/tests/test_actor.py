@@ -31,7 +31,7 @@ COMMON = dict(
 )
 SCENARIOS = {
     "tp2_sp": dict(config=dict(tp=2, sp=True, reference_model=True), share=True, resume=True),
-    "dp2": dict(config=dict(tp=1), share=False, sft=True),
+    "dp2": dict(config=dict(tp=1), share=False, sft=True, nonfinite=True),
 }
 
 
@@ -209,3 +209,19 @@ def test_reference_model_keeps_the_initial_weights(run):
         res = results[r]["tp2_sp"]
         assert _close(res["reference_after"], res["before"], ref["masks"]) == 0.0
         assert _close(res["reference_after"], res["after"], ref["masks"]) > 1e-3
+
+
+def test_nonfinite_loss_skips_the_update(run):
+    _, results = run
+    for r in range(2):
+        res = results[r]["dp2"]
+        assert res["nonfinite"]["update_skipped"] == 1.0
+        assert res["nonfinite"]["grad_norm"] != res["nonfinite"]["grad_norm"]  # NaN
+        assert not res["nonfinite_moved"]
+
+
+def test_tampered_checkpoint_is_refused_without_running_code(run):
+    _, results = run
+    for r in range(2):
+        assert results[r]["tp2_sp"]["tampered"] == "refused"
+        assert not results[r]["tp2_sp"]["tampered_code_ran"]

@@ -3,8 +3,10 @@ from __future__ import annotations
 import base64
 import http.server
 import io
+import struct
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -76,7 +78,23 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
     def do_GET(self):
         if self.path.startswith("/slow"):
             time.sleep(3)
+        if self.path.startswith(("/drip", "/endless")):
+            return self._hostile()
         super().do_GET()
+
+    def _hostile(self):
+        """/drip: a small body, one byte every 0.1 s (each read is quick, the whole is not);
+        /endless: an unbounded body with no Content-Length."""
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        if self.path.startswith("/drip"):
+            self.send_header("Content-Length", "600")
+        self.end_headers()
+        for _ in range(600 if self.path.startswith("/drip") else 10**6):
+            self.wfile.write(b"\0" if self.path.startswith("/drip") else b"\0" * 4096)
+            self.wfile.flush()
+            if self.path.startswith("/drip"):
+                time.sleep(0.1)
 
     def log_message(self, *args):
         pass
@@ -134,3 +152,34 @@ def test_partly_transparent_image_keeps_opaque_pixels(loader):
     assert rgb.getpixel((1, 1)) == (0, 0, 255) and rgb.getpixel((0, 0)) == (255, 255, 255)
     opaque = loader.load(_png(color=(5, 6, 7, 255), mode="RGBA"))
     assert opaque.mode == "RGB" and opaque.getpixel((2, 2)) == (5, 6, 7)
+
+
+def test_hostile_servers_are_cut_off_by_size_and_total_time(tmp_path, http_root):
+    """A server that trickles a small image a byte at a time never trips the per-read timeout;
+    the whole download has a deadline. A body without a length stops at the size cap."""
+    _, base = http_root
+    loader = ImageLoader(
+        cache_dir=tmp_path / "c", max_bytes=1024, timeout_s=2.0, total_timeout_s=1.0
+    )
+    with pytest.raises(ImageError, match="took longer than 1 s to download"):
+        loader.load(f"{base}/drip.png")
+    with pytest.raises(ImageError, match="exceeds the size cap of 1024 bytes"):
+        loader.load(f"{base}/endless.png")
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
+
+
+def _png_header_only(width: int, height: int) -> bytes:
+    """A PNG that declares `width` x `height` pixels (decoding it would need gigabytes)."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        )
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
+
+
+def test_decompression_bomb_is_refused_as_an_image_error(loader):
+    with pytest.raises(ImageError, match="image refused"):
+        loader.load(_png_header_only(40_000, 40_000))

@@ -7,6 +7,7 @@ from rl_runtime.cli import user_errors
 from rl_runtime.config import ConfigError, option, parse_config, to_dict, to_json, validate
 from rl_runtime.data import PromptSampler
 from rl_runtime.evaluation import eval_prompts, evaluate
+from rl_runtime.faults import CheckpointFailed, NonFiniteStop, RunStopped, WorkerDied
 from rl_runtime.gc_policy import PeriodicGC
 from rl_runtime.loop import GrpoLoopConfig, GrpoParts, run_grpo
 from rl_runtime.memory import (
@@ -26,6 +27,7 @@ from rl_runtime.rollout_batch import build_train_batch
 from rl_runtime.sft import SftLoopConfig, run_sft, sft_batch
 
 __all__ = [
+    "CheckpointFailed",
     "CheckpointManager",
     "ConfigError",
     "EngineWorker",
@@ -33,6 +35,7 @@ __all__ = [
     "GrpoParts",
     "MemoryEstimate",
     "ModelShape",
+    "NonFiniteStop",
     "PeriodicGC",
     "Placement",
     "PreflightError",
@@ -42,11 +45,13 @@ __all__ = [
     "RewardFn",
     "RolloutGroup",
     "RunLogger",
+    "RunStopped",
     "SftLoopConfig",
     "TrainActor",
     "TrainGroup",
     "TrainLayout",
     "TrainWorker",
+    "WorkerDied",
     "build_train_batch",
     "check_backend",
     "check_gpus",

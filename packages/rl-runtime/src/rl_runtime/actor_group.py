@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 
+from rl_runtime.faults import gather
 from rl_runtime.gc_policy import PeriodicGC
 from rl_runtime.placement import Placement
 
@@ -265,8 +266,18 @@ class TrainGroup:
                     rank, world_size, addr, port, factory, log_level, gc_every
                 )
             )
-        ray.get([w.address.remote() for w in self.workers])  # surface construction errors now
+        self._call("address")  # surface construction errors now
         log.info("trainer group: %d rank(s) ready", world_size)
+
+    def _call(self, method: str, *args_per_rank: Sequence[Any], **kwargs: Any) -> list[Any]:
+        """`method` on every rank (rank r gets `args[r]` of each list), results in rank order;
+        a rank that dies stops the call at once with its number (:func:`faults.gather`)."""
+        futures = [
+            getattr(w, method).remote(*(a[r] for a in args_per_rank), **kwargs)
+            for r, w in enumerate(self.workers)
+        ]
+        names = [f"trainer rank {r}" for r in range(len(self.workers))]
+        return gather(futures, names, method)
 
     def _shard(self, batch: Any) -> list[Any]:
         """One shard per data-parallel rank, repeated over the ranks of its TP group."""
@@ -277,55 +288,42 @@ class TrainGroup:
         return [parts[rank // self.tp_size] for rank in range(self.world_size)]
 
     def compute_logprobs(self, batch: Any, *, reference: bool = False) -> list[Any]:
-        shards = self._shard(batch)
-        outs = ray.get(
-            [
-                w.compute_logprobs.remote(s, reference)
-                for w, s in zip(self.workers, shards, strict=True)
-            ]
-        )
+        outs = self._call("compute_logprobs", self._shard(batch), reference=reference)
         # the first rank of each TP group speaks for its shard
         return [lp for out in outs[:: self.tp_size] for lp in out]
 
     def train_step(self, batch: Any, *, loss: str = "grpo") -> dict[str, float]:
-        shards = self._shard(batch)
-        outs = ray.get(
-            [w.train_step.remote(s, loss) for w, s in zip(self.workers, shards, strict=True)]
-        )
-        return outs[0]
+        return self._call("train_step", self._shard(batch), loss=loss)[0]
 
     def save_checkpoint(self, path: str | Path) -> None:
-        ray.get([w.save_checkpoint.remote(str(path)) for w in self.workers])
+        self._call("save_checkpoint", [str(path)] * len(self.workers))
 
     def load_checkpoint(self, path: str | Path) -> None:
-        ray.get([w.load_checkpoint.remote(str(path)) for w in self.workers])
+        self._call("load_checkpoint", [str(path)] * len(self.workers))
 
     def export_hf(self, path: str | Path) -> None:
-        ray.get([w.export_hf.remote(str(path)) for w in self.workers])
+        self._call("export_hf", [str(path)] * len(self.workers))
 
     def offload(self) -> None:
-        ray.get([w.offload.remote() for w in self.workers])
+        self._call("offload")
 
     def onload(self) -> None:
-        ray.get([w.onload.remote() for w in self.workers])
+        self._call("onload")
 
     def release_cache(self) -> None:
-        ray.get([w.release_cache.remote() for w in self.workers])
+        self._call("release_cache")
 
     def push_weights(self, rollout: RolloutGroup, bucket_bytes: int = 256 << 20) -> int:
         """Send the current weights to every engine, by the rollout group's transport:
         "object_store" (Ray's object store, any placement) or "distributed" (a broadcast group
         between trainer rank 0 and the engines: NCCL for engines on their own GPUs)."""
+        n = len(self.workers)
         if rollout.transport == "distributed":
-            calls = [
-                w.push_weights_distributed.remote(
-                    rollout.workers, bucket_bytes, rollout.ranks_per_engine, rollout.sync_backend
-                )
-                for w in self.workers
-            ]
+            extra = [[rollout.ranks_per_engine] * n, [rollout.sync_backend] * n]
+            method = "push_weights_distributed"
         else:
-            calls = [w.push_weights.remote(rollout.workers, bucket_bytes) for w in self.workers]
-        return ray.get(calls)[0]
+            extra, method = [], "push_weights"
+        return self._call(method, [rollout.workers] * n, [bucket_bytes] * n, *extra)[0]
 
     def shutdown(self) -> None:
         for w in self.workers:
@@ -361,8 +359,9 @@ class RolloutGroup:
         self.sync_backend = sync_backend
         remote_cls = ray.remote(EngineWorker)
         devices = placement.engine_devices
-        self.workers = [
-            remote_cls.options(
+
+        def spawn(i: int) -> Any:
+            return remote_cls.options(
                 num_cpus=num_cpus,
                 num_gpus=placement.engine_gpus,
                 scheduling_strategy=placement.strategy(placement.engine_bundles[i]),
@@ -373,10 +372,28 @@ class RolloutGroup:
                 log_level,
                 ",".join(devices[i]) if devices else None,
             )
-            for i in range(num_engines)
-        ]
-        ray.get([w.health.remote() for w in self.workers])
+
+        self._spawn = spawn
+        self.workers = [spawn(i) for i in range(num_engines)]
+        self._call("health")
         log.info("rollout group: %d engine(s) ready", num_engines)
+
+    def _call(self, method: str) -> list[Any]:
+        futures = [getattr(w, method).remote() for w in self.workers]
+        return gather(futures, self._names(), method)
+
+    def _names(self) -> list[str]:
+        return [f"rollout engine {i}" for i in range(len(self.workers))]
+
+    def restart(self, indices: Sequence[int]) -> None:
+        """Replace the engines at `indices` (dead ones) by fresh actors in the same place.
+        They start from the model the factory builds: push the current weights next."""
+        for i in indices:
+            ray.kill(self.workers[i], no_restart=True)
+            self.workers[i] = self._spawn(i)
+        names = [self._names()[i] for i in indices]
+        gather([self.workers[i].health.remote() for i in indices], names, "restart")
+        log.info("rollout engine(s) %s restarted", list(indices))
 
     def generate(self, prompts: Sequence[Any], *, n: int, **sampling: Any) -> list[list[Any]]:
         """`n` completions for each prompt, grouped per prompt, in prompt order. A `seed` in
@@ -388,14 +405,14 @@ class RolloutGroup:
             if params.get("seed") is not None:
                 params["seed"] = int(params["seed"]) + 1000003 * i
             futures.append(w.generate.remote([prompts[j] for j in idx], n, params))
-        flat = [c for out in ray.get(futures) for c in out]
+        flat = [c for out in gather(futures, self._names(), "generate") for c in out]
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def release_memory(self) -> None:
-        ray.get([w.release_memory.remote() for w in self.workers])
+        self._call("release_memory")
 
     def resume_memory(self) -> None:
-        ray.get([w.resume_memory.remote() for w in self.workers])
+        self._call("resume_memory")
 
     def shutdown(self) -> None:
         for w in self.workers:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rl_runtime.faults import CheckpointFailed, last_checkpoint_note, short_error
 from rl_runtime.metrics import METRICS_FILE, read_metrics
 from rl_runtime.preflight import PreflightError
 
@@ -88,16 +89,16 @@ class CheckpointManager:
         final = self.path_for(step)
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        trainer_dir = tmp / TRAINER_DIR
-        trainer_dir.mkdir()
-        write_trainer(trainer_dir)
-        state_file = tmp / LOOP_STATE
-        with open(state_file, "w") as f:
-            json.dump({"step": step, **loop_state}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        try:
+            self._write(tmp, step, loop_state, write_trainer)
+        except Exception as err:
+            # A full disk (or any failure mid-write): free the space the partial save took now,
+            # keep the previous checkpoint, and stop with one line.
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointFailed(
+                f"checkpoint of step {step} not saved ({short_error(err)}); its unfinished "
+                f"folder was removed; {last_checkpoint_note(self)}"
+            ) from err
         if final.exists():
             # Re-saving a step (e.g. after a resume): move the old one aside first.
             old = final.with_name(final.name + ".old.tmp")
@@ -110,6 +111,20 @@ class CheckpointManager:
         log.info("checkpoint saved: %s", final)
         self._prune()
         return final
+
+    @staticmethod
+    def _write(
+        tmp: Path, step: int, loop_state: dict[str, Any], write_trainer: Callable[[Path], None]
+    ) -> None:
+        tmp.mkdir()
+        trainer_dir = tmp / TRAINER_DIR
+        trainer_dir.mkdir()
+        write_trainer(trainer_dir)
+        with open(tmp / LOOP_STATE, "w") as f:
+            json.dump({"step": step, **loop_state}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
 
     def load_state(self, path: Path) -> dict[str, Any]:
         with open(path / LOOP_STATE) as f:

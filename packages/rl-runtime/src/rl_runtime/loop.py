@@ -20,6 +20,7 @@ from rl_runtime.checkpoint import CheckpointManager
 from rl_runtime.config import ConfigError, option
 from rl_runtime.data import PromptSampler
 from rl_runtime.evaluation import eval_prompts, evaluate
+from rl_runtime.faults import NonFiniteStop, RestartingRollout, stop_with_checkpoint_note
 from rl_runtime.metrics import RunLogger
 from rl_runtime.progress import step_progress
 from rl_runtime.protocols import Decoder, PromptSource
@@ -59,6 +60,12 @@ class GrpoLoopConfig:
     keep_checkpoints: int = option(2, "how many checkpoints to keep (0: all)", ge=0)
     weight_bucket_mb: int = option(512, "weight sync bucket size (MiB)", ge=1)
     rollout_seed: int = option(1234, "seed of prompt order and sampling", ge=0)
+    max_rollout_retries: int = option(
+        2, "restarts of a dead rollout engine per rollout before the run stops", ge=0
+    )
+    max_nonfinite_steps: int = option(
+        3, "stop after this many steps in a row with a non-finite loss or gradient (0: never)", ge=0
+    )
 
     def check(self) -> None:
         """Each rollout splits into whole optimizer steps (the schedule counts them)."""
@@ -107,6 +114,7 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
     sampler = PromptSampler(p.train_prompts, seed=cfg.rollout_seed)
     rng = np.random.default_rng(cfg.rollout_seed)
     start = 0
+    p.checkpoints.clean_partial()  # a save cut short (killed, disk full) is never resumed from
     if p.resume and (latest := p.checkpoints.latest()):
         start, path = latest
         state = p.checkpoints.load_state(path)
@@ -120,14 +128,19 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
     p.train.push_weights(p.rollout, cfg.weight_bucket_mb << 20)  # engines start from the trainer
     if p.offload_between_phases:
         p.train.offload()  # colocated: the first rollout needs the GPU memory
-    with step_progress(cfg.num_rollout, start, "GRPO") as advance:
+    engines = RestartingRollout(p.rollout, lambda: _resync(p, cfg), cfg.max_rollout_retries)
+    nonfinite_in_row = 0
+    with (
+        stop_with_checkpoint_note(p.checkpoints),
+        step_progress(cfg.num_rollout, start, "GRPO") as advance,
+    ):
         for step in range(start + 1, cfg.num_rollout + 1):
             timer, t_step, row = Timer(), time.perf_counter(), {"step": step}
             # 1. Rollout: n responses for each prompt.
             with timer("rollout"):
                 prompts = sampler.next_batch(cfg.rollout_batch_size)
                 seed = cfg.rollout_seed * 1_000_003 + step
-                groups = p.rollout.generate(
+                groups = engines.generate(
                     prompts, n=cfg.n_samples_per_prompt, seed=seed, **sampling
                 )
             # 2. Reward, over every usable completion (engine errors are counted and dropped).
@@ -175,6 +188,9 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
                         batch.ref_logprobs = p.train.compute_logprobs(batch, reference=True)
                 with timer("train"):
                     row.update(_train(p.train, batch, cfg.global_batch_size, rng))
+                # A non-finite loss or gradient: the trainer skipped that update; count it.
+                nonfinite_in_row = nonfinite_in_row + 1 if row["nonfinite_updates"] else 0
+                row["nonfinite_steps_in_row"] = nonfinite_in_row
                 row["train_tokens_per_s"] = batch.num_tokens / max(
                     timer.times["time_train_s"], 1e-9
                 )
@@ -197,13 +213,20 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
                 and (step % cfg.eval_interval == 0 or step == cfg.num_rollout)
             ):
                 with timer("eval"):
-                    row.update(_evaluate(p, evals, cfg, step))
+                    row.update(_evaluate(p, engines, evals, cfg, step))
+            row["engine_restarts"] = engines.restarts
             row.update(timer.times)
             row["time_step_s"] = time.perf_counter() - t_step
             row["rollout_tokens_per_s"] = sum(lengths) / max(timer.times["time_rollout_s"], 1e-9)
             p.logger.log(row)
             if "eval_accuracy" in row:
                 p.logger.plot()
+            if cfg.max_nonfinite_steps and nonfinite_in_row >= cfg.max_nonfinite_steps:
+                raise NonFiniteStop(
+                    f"step {step}: {nonfinite_in_row} steps in a row had a non-finite loss or "
+                    f"gradient (--max-nonfinite-steps {cfg.max_nonfinite_steps}); stopping "
+                    "before saving it"
+                )
             # 7. Checkpoint (after the row is logged, so a resumed run rewrites nothing twice).
             if step == cfg.num_rollout or (cfg.save_interval and step % cfg.save_interval == 0):
                 _save(p, step, sampler, rng)
@@ -235,7 +258,18 @@ def _train(train, batch, global_batch_size: int, rng: np.random.Generator) -> di
     for chunk in chunks:
         for k, v in train.train_step(batch.select(chunk), loss="grpo").items():
             totals[_metric_name(k)].append(float(v))
-    return {k: float(np.mean(v)) for k, v in totals.items()} | {"optimizer_steps": len(chunks)}
+    skipped = int(sum(totals.get("update_skipped", [])))
+    out = {k: float(np.mean(v)) for k, v in totals.items()}
+    return out | {"optimizer_steps": len(chunks), "nonfinite_updates": skipped}
+
+
+def _resync(p: GrpoParts, cfg: GrpoLoopConfig) -> None:
+    """Give restarted engines the current weights (the trainer onloaded for it if needed)."""
+    if p.offload_between_phases:
+        p.train.onload()
+    p.train.push_weights(p.rollout, cfg.weight_bucket_mb << 20)
+    if p.offload_between_phases:
+        p.train.offload()
 
 
 def _metric_name(key: str) -> str:
@@ -243,9 +277,9 @@ def _metric_name(key: str) -> str:
     return f"trainer_{key}" if key in ("step", "time_step_s") else key
 
 
-def _evaluate(p: GrpoParts, evals, cfg: GrpoLoopConfig, step: int) -> dict[str, float]:
+def _evaluate(p: GrpoParts, engines, evals, cfg: GrpoLoopConfig, step: int) -> dict[str, float]:
     return evaluate(
-        p.rollout,
+        engines,
         evals,
         decode=p.decode,
         score=p.score,

@@ -533,7 +533,7 @@ class MegatronActor:
         meta = json.loads((path / "actor.json").read_text())
         if (meta["world_size"], meta["tp"]) != (dist.get_world_size(), self.config.tp):
             raise ValueError(f"{path} was saved with {meta}; this run has tp={self.config.tp}")
-        state = torch.load(path / f"rank{self.rank:05d}.pt", weights_only=False)
+        state = torch.load(path / f"rank{self.rank:05d}.pt", weights_only=True)  # no code runs
         self.model.load_state_dict(state["model"], strict=False)
         if state["masters"] is not None:
             with torch.no_grad():

@@ -2,7 +2,9 @@
 
 Accepted forms: `datasets.Image` dicts (`{"bytes": ..., "path": ...}`), PIL images, raw bytes,
 file paths (a relative one resolves inside the dataset's own folder), `data:` URIs or bare base64
-strings, and http(s) URLs (fetched with a timeout and a size cap, and cached on disk).
+strings, and http(s) URLs (fetched with a size cap and a time limit on the whole download, and
+cached on disk). Decoding an image never runs code; a header that declares a decompression bomb
+is refused before any pixel is decoded.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import io
 import logging
 import os
 import re
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -42,12 +45,15 @@ class ImageLoader:
     """Decodes image values; URL downloads are bounded and cached.
 
     base_dir: folder that relative file paths resolve against (the dataset's own folder).
-    timeout_s / max_bytes: limits for one URL download. cache_dir: where downloads are kept
-    (file name = sha256 of the URL), so a second epoch or a second run reads from disk.
+    timeout_s / max_bytes: limits for one URL download (timeout_s for each network read,
+    total_timeout_s for the whole download, so a server that trickles bytes cannot hold a
+    worker). cache_dir: where downloads are kept (file name = sha256 of the URL), so a second
+    epoch or a second run reads from disk.
     """
 
     base_dir: Path | None = None
     timeout_s: float = 10.0
+    total_timeout_s: float = 60.0
     max_bytes: int = 32 * 1024 * 1024
     cache_dir: Path = field(default_factory=_default_cache_dir)
     convert_rgb: bool = True
@@ -111,24 +117,41 @@ class ImageLoader:
                 declared = response.headers.get("Content-Length")
                 if declared is not None and int(declared) > self.max_bytes:
                     raise ImageError(f"image at {url} is {declared} bytes > cap {self.max_bytes}")
-                data = response.read(self.max_bytes + 1)
+                data = self._read_bounded(response, url)
         except (urllib.error.URLError, TimeoutError, OSError) as exc:
             raise ImageError(
                 f"could not download {url}: {exc}; without network, pass a local path "
                 "(a parquet/JSONL with image bytes or files) instead"
             ) from exc
-        if len(data) > self.max_bytes:
-            raise ImageError(f"image at {url} exceeds the size cap of {self.max_bytes} bytes")
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(f".tmp{os.getpid()}")
         tmp.write_bytes(data)
         tmp.replace(cached)  # atomic: a concurrent reader never sees a partial file
         return data
 
+    def _read_bounded(self, response: Any, url: str) -> bytes:
+        """The body, read in chunks until the size cap or the whole-download deadline."""
+        deadline = time.monotonic() + self.total_timeout_s
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := response.read1(1 << 16):
+            size += len(chunk)
+            if size > self.max_bytes:
+                raise ImageError(f"image at {url} exceeds the size cap of {self.max_bytes} bytes")
+            if time.monotonic() > deadline:
+                raise ImageError(
+                    f"image at {url} took longer than {self.total_timeout_s:g} s to download "
+                    f"({size} bytes so far)"
+                )
+            chunks.append(chunk)
+        return b"".join(chunks)
+
 
 def _decode_bytes(data: bytes, where: str) -> Image.Image:
     try:
         return Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as exc:
+        raise ImageError(f"image refused ({where}): {exc}") from exc
     except (UnidentifiedImageError, OSError) as exc:
         raise ImageError(f"corrupt or unknown image data ({where}): {exc}") from exc
 

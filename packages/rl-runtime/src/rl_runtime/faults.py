@@ -1,0 +1,156 @@
+"""Faults a long run meets: dead actors, non-finite steps, failed saves.
+
+Every fault that ends a run raises :class:`RunStopped` (or a subclass) with a one-line message
+that names what failed and says which checkpoint is kept; the launchers print that line, not a
+traceback. Calls to a group of Ray actors go through :func:`gather`, which notices a dead actor
+as soon as Ray does, instead of waiting forever on its peers (a trainer rank blocked in a
+collective whose partner died never returns on its own).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+log = logging.getLogger(__name__)
+
+#: After the first failure, how long to wait for the other actors of the group to settle, so
+#: that the message names the actor that died rather than its peers that lost their partner.
+SETTLE_S = 10.0
+
+
+class RunStopped(RuntimeError):
+    """A fault the run cannot continue past; the message is the one line to show."""
+
+
+class WorkerDied(RunStopped):
+    """One or more actors of a group died (their process exited) during a call."""
+
+    def __init__(self, message: str, indices: Sequence[int]) -> None:
+        super().__init__(message)
+        self.indices = list(indices)
+
+
+class NonFiniteStop(RunStopped):
+    """Too many steps in a row had a non-finite loss or gradient."""
+
+
+class CheckpointFailed(RunStopped):
+    """A save did not complete; its unfinished folder was removed."""
+
+
+def short_error(err: BaseException) -> str:
+    """`Type: message` of the error, or of the exception a Ray task raised."""
+    cause = getattr(err, "cause", None) or err
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def gather(futures: Sequence[Any], names: Sequence[str], what: str) -> list[Any]:
+    """`ray.get` over one call per actor, in order, that fails as soon as an actor dies.
+
+    On the first failure, waits up to :data:`SETTLE_S` for the other calls; if any actor died,
+    raises :class:`WorkerDied` naming it (peers that failed because of it are left out of the
+    blame); if the call failed because an actor *it* called died (a trainer pushing weights to
+    a dead engine), raises :class:`RunStopped`; otherwise re-raises the first error as it came.
+    """
+    index = {ref: i for i, ref in enumerate(futures)}
+    results: list[Any] = [None] * len(futures)
+    pending = list(futures)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        try:
+            results[index[ready[0]]] = ray.get(ready[0])
+        except Exception as first:
+            done, _ = ray.wait(pending, num_returns=len(pending), timeout=SETTLE_S)
+            dead = [index[r] for r in [ready[0], *done] if _died(r)]
+            if not dead and isinstance(first, RayActorError):  # an actor it called died
+                raise RunStopped(
+                    f"{names[index[ready[0]]]} failed during {what}: an actor it called died "
+                    f"({short_error(first)})"
+                ) from first
+            if not dead:
+                raise
+            who = ", ".join(names[i] for i in sorted(dead))
+            raise WorkerDied(
+                f"{who} died during {what} ({short_error(first)})", sorted(dead)
+            ) from first
+    return results
+
+
+def _died(ref: Any) -> bool:
+    """Whether the actor behind this finished call died. A task that failed because an actor
+    it called died (a trainer pushing to a dead engine) raises a `RayTaskError` that is also a
+    `RayActorError`; that actor is alive."""
+    try:
+        ray.get(ref, timeout=0)
+    except RayTaskError:
+        return False
+    except RayActorError:
+        return True
+    except Exception:
+        return False
+    return False
+
+
+def last_checkpoint_note(checkpoints: Any) -> str:
+    """Which checkpoint a stopped run leaves behind, for the stop message."""
+    latest = checkpoints.latest()
+    if latest is None:
+        return "no checkpoint was saved yet"
+    return f"the last checkpoint {latest[1]} is intact (--resume continues from it)"
+
+
+@contextmanager
+def stop_with_checkpoint_note(checkpoints: Any) -> Iterator[None]:
+    """Add the kept checkpoint to the message of a :class:`RunStopped` raised inside."""
+    try:
+        yield
+    except RunStopped as err:
+        note = last_checkpoint_note(checkpoints)
+        if note not in str(err):
+            err.args = (f"{err}; {note}",)
+        raise
+
+
+class RestartingRollout:
+    """The rollout group as the loop sees it: when an engine dies during `generate`, it is
+    restarted, `resync()` gives it the current weights, and the same call (same prompts, same
+    seed) is repeated, at most `retries` times per call; then the run stops."""
+
+    def __init__(self, rollout: Any, resync: Callable[[], None], retries: int) -> None:
+        self.rollout = rollout
+        self.resync = resync
+        self.retries = retries
+        self.restarts = 0  # over the run, for the metrics
+
+    def generate(self, prompts: Sequence[Any], **kwargs: Any) -> list[list[Any]]:
+        attempt = 0
+        while True:
+            try:
+                return self.rollout.generate(prompts, **kwargs)
+            except WorkerDied as err:
+                if getattr(self.rollout, "transport", None) == "distributed":
+                    # The NCCL weight group is set up once; a new engine could not join it.
+                    raise RunStopped(
+                        f"{err}; engines on GPUs of their own are not restarted"
+                    ) from err
+                if attempt >= self.retries:
+                    raise RunStopped(
+                        f"{err}; gave up after {attempt} restart(s) (--max-rollout-retries)"
+                    ) from err
+                attempt += 1
+                self.restarts += 1
+                log.warning(
+                    "%s; restarting it and repeating the rollout (%d of %d)",
+                    err,
+                    attempt,
+                    self.retries,
+                )
+                self.rollout.restart(err.indices)
+                self.resync()

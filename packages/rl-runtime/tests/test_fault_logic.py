@@ -1,0 +1,62 @@
+"""The retry logic of `RestartingRollout` and the stop messages, without Ray (the real actors
+die in tests/test_faults.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rl_runtime import CheckpointManager, RunStopped, WorkerDied
+from rl_runtime.faults import RestartingRollout, stop_with_checkpoint_note
+
+
+class Group:
+    """A rollout group whose engine 1 dies in the first `deaths` calls of `generate`."""
+
+    def __init__(self, deaths: int, transport: str = "object_store") -> None:
+        self.deaths, self.transport = deaths, transport
+        self.restarted: list[list[int]] = []
+
+    def generate(self, prompts, **kwargs):
+        if self.deaths:
+            self.deaths -= 1
+            raise WorkerDied("rollout engine 1 died during generate (ActorDiedError: gone)", [1])
+        return [[p] for p in prompts]
+
+    def restart(self, indices):
+        self.restarted.append(list(indices))
+
+
+def test_dead_engine_is_restarted_resynced_and_the_call_repeated():
+    group, synced = Group(deaths=2), []
+    rollout = RestartingRollout(group, lambda: synced.append(1), retries=2)
+    assert rollout.generate(["a", "b"], n=1) == [["a"], ["b"]]
+    assert group.restarted == [[1], [1]] and len(synced) == 2 and rollout.restarts == 2
+
+
+def test_retries_are_bounded():
+    rollout = RestartingRollout(Group(deaths=5), lambda: None, retries=1)
+    with pytest.raises(RunStopped, match=r"engine 1 died .*; gave up after 1 restart"):
+        rollout.generate(["a"], n=1)
+
+
+def test_engines_on_the_nccl_transport_are_not_restarted():
+    group = Group(deaths=1, transport="distributed")
+    with pytest.raises(RunStopped, match="engines on GPUs of their own are not restarted"):
+        RestartingRollout(group, lambda: None, retries=2).generate(["a"], n=1)
+    assert group.restarted == []
+
+
+def test_stop_message_names_the_kept_checkpoint(tmp_path):
+    checkpoints = CheckpointManager(tmp_path)
+    with (
+        pytest.raises(RunStopped, match="no checkpoint was saved yet"),
+        stop_with_checkpoint_note(checkpoints),
+    ):
+        raise RunStopped("trainer rank 1 died")
+    checkpoints.save(10, {}, lambda path: None)
+    with pytest.raises(WorkerDied) as err, stop_with_checkpoint_note(checkpoints):
+        raise WorkerDied("trainer rank 1 died during train_step", [1])
+    assert str(err.value) == (
+        f"trainer rank 1 died during train_step; the last checkpoint {tmp_path / 'step_000010'}"
+        " is intact (--resume continues from it)"
+    )

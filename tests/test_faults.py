@@ -1,0 +1,382 @@
+"""Faults a long GRPO run meets, on CPU with real Ray actors, the real FSDP trainer, the real
+transformers engine and real processes that really die (`os._exit` inside the actor).
+
+- a rollout engine dies mid-rollout: it is restarted, re-synced and the rollout repeated, and
+  the run ends exactly as an uninterrupted one; with no retries left the run stops with one
+  line, its checkpoint intact, and `resume` continues exactly;
+- a trainer rank dies: the run stops (no hang in the collective its peer waits in) naming the
+  rank, the checkpoint intact;
+- a non-finite loss: the update is skipped and counted; N steps in a row stop the run;
+- the disk fills during a save: the partial save is removed, the previous checkpoint is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import functools
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+
+from rl_runtime import (
+    CheckpointManager,
+    GrpoLoopConfig,
+    GrpoParts,
+    RolloutGroup,
+    RunLogger,
+    TrainGroup,
+    create_placement,
+    init_ray,
+    read_metrics,
+    run_grpo,
+)
+from rl_runtime.faults import CheckpointFailed, NonFiniteStop, RunStopped, WorkerDied
+
+# Real processes on 2 shared cores.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+ROLLOUT_SEED = 1234
+LOOP = dict(
+    num_rollout=3,
+    rollout_batch_size=4,
+    n_samples_per_prompt=2,
+    global_batch_size=8,
+    rollout_temperature=1.0,
+    rollout_max_response_len=4,
+    eval_interval=0,
+    save_interval=1,
+    keep_checkpoints=5,
+    weight_bucket_mb=1,
+    rollout_seed=ROLLOUT_SEED,
+)
+
+
+def _step_seed(step: int) -> int:
+    """The sampling seed the loop gives engine 0 at `step`."""
+    return ROLLOUT_SEED * 1_000_003 + step
+
+
+# ------------------------------------------------------------------ what runs in the actors
+
+
+def _tiny():
+    from vlm_data import tiny_processor
+    from vlm_models import tiny_config
+
+    proc = tiny_processor()
+    tok = proc.tokenizer
+    ids = {
+        t: tok.convert_tokens_to_ids(t)
+        for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+    }
+    cfg = tiny_config(
+        vocab_size=len(tok),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    return proc, cfg
+
+
+class FaultyTrainer:
+    """The real FSDP actor, with a fault from its `at`-th call on (in this rank's process,
+    while the `trigger` file exists): "die" exits the process in `train_step`, "nan" makes the
+    loss NaN from then on (NaN advantages), "enospc" runs out of disk part-way through a save."""
+
+    def __init__(self, cfg, fault: str | None, rank: int, at: int, trigger: str) -> None:
+        from rl_algos import GrpoLossConfig
+        from trainers_fsdp import FsdpActor, FsdpConfig, OptimConfig
+
+        self.actor = FsdpActor(
+            FsdpConfig(
+                model=cfg,
+                device="cpu",
+                attn_implementation="sdpa",
+                seed=0,
+                optim=OptimConfig(lr=1e-3),
+                grpo=GrpoLossConfig(),
+            )
+        )
+        self.fault, self.at, self.trigger = fault, at, Path(trigger)
+        self.armed = int(os.environ.get("RANK", "0")) == rank
+        self.calls = {"train_step": 0, "save_checkpoint": 0}
+
+    def __getattr__(self, name):
+        return getattr(self.actor, name)
+
+    def _due(self, method: str, fault: str) -> bool:
+        self.calls[method] += 1
+        armed = self.fault == fault and self.armed and self.trigger.exists()
+        return armed and self.calls[method] == self.at
+
+    def train_step(self, batch, *, loss="grpo"):
+        if self._due("train_step", "die"):
+            os._exit(1)
+        if self.fault == "nan" and self.armed and self.calls["train_step"] >= self.at:
+            nan = float("nan")
+            batch = dataclasses.replace(batch, advantages=[a * nan for a in batch.advantages])
+        return self.actor.train_step(batch, loss=loss)
+
+    def save_checkpoint(self, path):
+        if self._due("save_checkpoint", "enospc"):
+            shard = Path(path) / "__0_0.distcp"
+            with open(shard, "wb") as f:
+                f.write(b"\0" * 4096)  # the disk fills part-way through the first shard
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(shard))
+        self.actor.save_checkpoint(path)
+
+
+class DyingEngine:
+    """The real transformers engine; its process exits in `generate` when asked for
+    `die_seed` while the `trigger` file exists (`once`: the file is removed first, so the
+    restarted engine lives), or, with `die_in_sync`, in the first weight update after a
+    rollout."""
+
+    def __init__(self, engine, die_seed, trigger: str, once: bool, die_in_sync: bool) -> None:
+        self.engine, self.die_seed, self.trigger, self.once = engine, die_seed, Path(trigger), once
+        self.die_in_sync, self.generated = die_in_sync, False
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate(self, requests, params):
+        if params.seed == self.die_seed and self.trigger.exists():
+            if self.once:
+                self.trigger.unlink()
+            os._exit(1)
+        self.generated = True
+        return self.engine.generate(requests, params)
+
+    def update_weights(self, buckets):
+        if self.die_in_sync and self.generated and self.trigger.exists():
+            os._exit(1)
+        return self.engine.update_weights(buckets)
+
+
+def make_trainer(cfg, fault=None, rank=0, at=0, trigger="/nonexistent"):
+    return FaultyTrainer(cfg, fault, rank, at, trigger)
+
+
+def make_engine(cfg, eos, die_seed=None, trigger="/nonexistent", once=True, die_in_sync=False):
+    import torch
+
+    from rollout_sglang import HFEngine
+    from vlm_models import build_model
+
+    torch.manual_seed(0)
+    engine = HFEngine(build_model(cfg), device="cpu", eos_token_ids=eos, max_batch_size=8)
+    return DyingEngine(engine, die_seed, trigger, once, die_in_sync)
+
+
+# ------------------------------------------------------------------------ the driver side
+
+
+class Prompts:
+    """A `PromptSource` over prompts built once."""
+
+    def __init__(self, prompts) -> None:
+        self.prompts = prompts
+        self.skipped = 0
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def get(self, index: int):
+        return self.prompts[index]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from vlm_data import PromptBuilder, make_synthetic_rows
+
+    proc, cfg = _tiny()
+    builder = PromptBuilder(proc, template="none")
+    prompts = [builder.build(r, i) for i, r in enumerate(make_synthetic_rows(16, task="color"))]
+    eos = [proc.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    init_ray(num_cpus=2)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield proc, cfg, Prompts(prompts), eos
+    ray.shutdown()
+
+
+def _color_reward(texts, answers):
+    return [float(a.lower() in t.lower()) for t, a in zip(texts, answers, strict=True)]
+
+
+def run(
+    tiny,
+    run_dir: Path,
+    *,
+    trainer=None,
+    engine=None,
+    world_size=1,
+    score=_color_reward,
+    resume=False,
+    **loop,
+):
+    """One GRPO run of the tiny model with fresh actors; returns the logged rows."""
+    from rollout_sglang import GenerateRequest, SamplingParams
+
+    proc, cfg, prompts, eos = tiny
+    placement = create_placement(
+        num_trainers=world_size, num_engines=1, colocate=True, use_gpu=False, cpus_per_bundle=0.4
+    )
+    groups = []
+    try:
+        train = TrainGroup(
+            functools.partial(make_trainer, cfg, **(trainer or {})),
+            world_size=world_size,
+            placement=placement,
+            num_cpus=0.2,
+        )
+        groups.append(train)
+        rollout = RolloutGroup(
+            functools.partial(make_engine, cfg, eos, **(engine or {})),
+            num_engines=1,
+            placement=placement,
+            request_fn=GenerateRequest.from_prompt,
+            params_fn=SamplingParams,
+            num_cpus=0.2,
+        )
+        groups.append(rollout)
+        checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=5)
+        latest = checkpoints.latest() if resume else None
+        parts = GrpoParts(
+            train=train,
+            rollout=rollout,
+            train_prompts=prompts,
+            decode=functools.partial(proc.tokenizer.decode, skip_special_tokens=True),
+            score=score,
+            logger=RunLogger(run_dir, resume_step=latest[0] if latest else None),
+            checkpoints=checkpoints,
+            resume=resume,
+        )
+        return run_grpo(GrpoLoopConfig(**(LOOP | loop)), parts)
+    finally:
+        for g in groups:
+            g.shutdown()
+        placement.remove()
+
+
+def _same(rows_a, rows_b) -> bool:
+    """Per-step metrics equal, except timings and the restart count."""
+
+    def keep(row):
+        return {
+            k: v
+            for k, v in row.items()
+            if not (k.startswith("time_") or k.endswith(("_per_s", "time_s", "restarts")))
+        }
+
+    return [keep(r) for r in rows_a] == [keep(r) for r in rows_b]
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [s for s, _ in CheckpointManager(run_dir / "checkpoints").complete()]
+
+
+# ---------------------------------------------------------------------------------- tests
+
+
+def test_dead_engine_is_restarted_or_the_run_stops_and_resumes_exactly(tiny, tmp_path):
+    # Dies at every attempt of step 2 with one retry allowed: stops, step 1's checkpoint kept.
+    trigger = tmp_path / "die_always"
+    trigger.touch()
+    engine = dict(die_seed=_step_seed(2), trigger=str(trigger), once=False)
+    stopped = tmp_path / "stopped"
+    with pytest.raises(RunStopped) as err:
+        run(tiny, stopped, engine=engine, max_rollout_retries=1)
+    message = str(err.value)
+    assert "rollout engine 0 died during generate" in message and "\n" not in message
+    assert "gave up after 1 restart" in message and "step_000001" in message
+    assert _steps(stopped) == [1]
+    # --resume from it (the engine healthy again) continues exactly: step 1 of the first
+    # run, steps 2 and 3 of this one, are the uninterrupted run (test_e2e_geo3k holds resume
+    # exact after a SIGKILL).
+    uninterrupted = run(tiny, stopped, resume=True)
+
+    # Dies once in step 2's rollout: restarted, re-synced, the rollout repeated; same run.
+    trigger = tmp_path / "die_once"
+    trigger.touch()
+    engine = dict(die_seed=_step_seed(2), trigger=str(trigger), once=True)
+    retried = run(tiny, tmp_path / "retried", engine=engine)
+    assert not trigger.exists()  # it really died
+    assert [r["engine_restarts"] for r in retried] == [0, 1, 1]
+    assert _same(retried, uninterrupted)
+
+
+def test_engine_dying_during_the_weight_sync_stops_with_one_line(tiny, tmp_path):
+    """The trainer's push fails because the engine it sends to died: the line says so, and
+    does not blame the trainer rank as dead."""
+    trigger = tmp_path / "die"
+    trigger.touch()
+    engine = dict(trigger=str(trigger), die_in_sync=True)
+    with pytest.raises(RunStopped) as err:
+        run(tiny, tmp_path / "run", engine=engine, num_rollout=1)
+    message = str(err.value)
+    assert message.startswith("trainer rank 0 failed during push_weights: an actor it called")
+    assert "no checkpoint was saved yet" in message and "\n" not in message
+    assert not isinstance(err.value, WorkerDied)
+
+
+def test_dead_trainer_rank_stops_the_run_naming_it(tiny, tmp_path):
+    trigger = tmp_path / "die"
+    trigger.touch()
+    out = tmp_path / "run"
+    trainer = dict(fault="die", rank=1, at=2, trigger=str(trigger))
+    # Rank 0 is left inside a gloo collective that rank 1 never joins; the run must not wait
+    # for it (the suite's timeout would catch a hang).
+    with pytest.raises(WorkerDied) as err:
+        run(tiny, out, trainer=trainer, world_size=2)
+    message = str(err.value)
+    assert message.startswith("trainer rank 1 died during train_step"), message
+    assert "rank 0" not in message and "step_000001 is intact" in message
+    assert _steps(out) == [1]
+    assert len(read_metrics(out / "metrics.jsonl")) == 1  # step 1's row, nothing lost
+
+
+def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(tiny, tmp_path):
+    trigger = tmp_path / "nan"
+    trigger.touch()
+    out = tmp_path / "run"
+    trainer = dict(fault="nan", rank=0, at=2, trigger=str(trigger))  # NaN loss from step 2 on
+    with pytest.raises(NonFiniteStop) as err:
+        run(tiny, out, trainer=trainer, num_rollout=5, max_nonfinite_steps=2)
+    assert "2 steps in a row had a non-finite loss or gradient" in str(err.value)
+    assert "step_000002 is intact" in str(err.value)
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["nonfinite_updates"] for r in rows] == [0, 1, 1]
+    assert [r["nonfinite_steps_in_row"] for r in rows] == [0, 1, 2]
+    assert [r["update_skipped"] for r in rows] == [0.0, 1.0, 1.0]
+    assert math.isfinite(rows[0]["grad_norm"]) and rows[1]["grad_norm"] is None  # NaN: null
+    # Step 2 (skipped) saved a checkpoint, step 3 (the second in a row) did not.
+    assert _steps(out) == [1, 2]
+
+
+def test_disk_full_during_save_keeps_the_previous_checkpoint(tiny, tmp_path):
+    trigger = tmp_path / "full"
+    trigger.touch()
+    out = tmp_path / "run"
+    trainer = dict(fault="enospc", rank=0, at=2, trigger=str(trigger))
+    with pytest.raises(CheckpointFailed) as err:
+        run(tiny, out, trainer=trainer)
+    message = str(err.value)
+    assert "checkpoint of step 2 not saved (OSError: [Errno 28] No space left" in message
+    assert "step_000001 is intact" in message and "\n" not in message
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001"]
+
+    # A save cut short by a kill leaves its folder behind: the next start removes it and
+    # resumes from the previous checkpoint.
+    partial = out / "checkpoints" / "step_000002.tmp"
+    shutil.copytree(out / "checkpoints" / "step_000001", partial)
+    (partial / "loop_state.json").unlink()
+    resumed = run(tiny, out, resume=True)
+    assert not partial.exists()
+    assert [r["step"] for r in resumed] == [1, 2, 3] and _steps(out) == [1, 2, 3]
