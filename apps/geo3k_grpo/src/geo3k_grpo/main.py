@@ -43,7 +43,6 @@ from rl_runtime import (
     PreflightError,
     RolloutGroup,
     RunLogger,
-    RunStopped,
     SftLoopConfig,
     check_backend,
     resume_step,
@@ -277,12 +276,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         cfg = parse(argv)
         setup_logging(cfg.run.log_level)
         log.info("geo3k_grpo configuration:\n%s", to_json(cfg))
-        try:
-            run(cfg)
-        except RunStopped as err:  # a fault the run cannot go past: one line, checkpoint kept
-            log.debug("stopped", exc_info=True)
-            log.error("%s", err)
-            raise SystemExit(1) from None
+        run(cfg)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,6 @@ from geo3k_sft.preflight import layout_report, prepare_model
 from rl_runtime import (
     CheckpointManager,
     RunLogger,
-    RunStopped,
     SftLoopConfig,
     check_backend,
     parse_config,
@@ -157,12 +156,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         cfg = parse(argv)
         setup_logging(cfg.run.log_level)
         log.info("geo3k_sft configuration:\n%s", to_json(cfg))
-        try:
-            run(cfg)
-        except RunStopped as err:  # a fault the run cannot go past: one line, checkpoint kept
-            log.debug("stopped", exc_info=True)
-            log.error("%s", err)
-            raise SystemExit(1) from None
+        run(cfg)
 
 
 if __name__ == "__main__":

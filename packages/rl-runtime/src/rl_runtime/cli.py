@@ -1,14 +1,19 @@
 """The launchers' error boundary: a mistake in the configuration or the environment is one line
-on stderr naming what to change, and exit status 2; `--log-level DEBUG` shows the traceback."""
+on stderr naming what to change, and exit status 2; a fault that stops a run (`RunStopped`) is
+its one logged line and exit status 1; `--log-level DEBUG` shows the traceback."""
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from rl_runtime.config import ConfigError
+from rl_runtime.faults import RunStopped
 from rl_runtime.preflight import PreflightError
+
+log = logging.getLogger(__name__)
 
 #: Errors that mean "the user asked for something that cannot be", never a bug.
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, PreflightError)
@@ -30,9 +35,14 @@ def wants_traceback(argv: Sequence[str]) -> bool:
 def user_errors(
     prog: str, argv: Sequence[str], extra: tuple[type[BaseException], ...] = ()
 ) -> Iterator[None]:
-    """Turn a `USER_ERRORS` (or `extra`) exception into `prog: error: <one line>`, exit 2."""
+    """Turn a `USER_ERRORS` (or `extra`) exception into `prog: error: <one line>`, exit 2, and
+    a `RunStopped` fault into its one line (logged; the checkpoint it names is kept), exit 1."""
     try:
         yield
+    except RunStopped as err:
+        log.debug("stopped", exc_info=True)
+        log.error("%s", err)
+        raise SystemExit(1) from None
     except (*USER_ERRORS, *extra) as err:
         if wants_traceback(argv):
             raise
