@@ -232,7 +232,6 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
             ranks_per_engine=cfg.rollout.rollout_num_gpus_per_engine,
         )
         ray_handle.actors.append(rollout)
-        checkpoints.clean_partial()
         logger = RunLogger(
             run_dir,
             wandb=use_wandb(cfg.run, os.environ),
