@@ -1,8 +1,12 @@
-"""Ray actor groups with the real trainer and engine: weight sync by both transports.
+"""Ray actor groups with the real trainer and engine: weight sync through the transport
+protocol, by each transport.
 
-The distributed transport is what separate mode uses between trainer rank 0 and SGLang engines
-(NCCL on GPUs). Here the receiving side is a small gloo receiver in front of the transformers
-engine, so the same sender, group set-up and Ray plumbing run on a CPU.
+Trainer rank 0 builds the transport the rollout group names (`rl_runtime.TransportFactory`)
+and feeds it the actor's buckets. Ray's object store is rl-runtime's default. The CUDA IPC
+transport runs here on CPU buffers (they travel by value; only the handle exchange needs a
+GPU). The NCCL transport is what separate mode uses between trainer rank 0 and SGLang engines;
+here the receiving side is a small gloo receiver in front of the transformers engine, so the
+same sender, group set-up and Ray plumbing run on a CPU.
 """
 
 from __future__ import annotations
@@ -100,28 +104,28 @@ def ray_local():
     ray.shutdown()
 
 
-def test_object_store_and_distributed_sync_give_the_same_engine(ray_local):
-    from rollout_sglang import GenerateRequest, SamplingParams
+def test_every_transport_gives_the_same_engine(ray_local):
+    from rollout_sglang import CudaIpc, GenerateRequest, Nccl, SamplingParams
     from vlm_data import PromptBuilder, make_synthetic_rows
 
     proc, cfg = _tiny_source()
     eos = [proc.tokenizer.convert_tokens_to_ids("<|im_end|>")]
     placement = create_placement(
-        num_trainers=1, num_engines=2, colocate=False, use_gpu=False, cpus_per_bundle=0.3
+        num_trainers=1, num_engines=3, colocate=False, use_gpu=False, cpus_per_bundle=0.25
     )
     groups = []
     try:
         train = TrainGroup(
-            functools.partial(make_trainer, cfg), world_size=1, placement=placement, num_cpus=0.3
+            functools.partial(make_trainer, cfg), world_size=1, placement=placement, num_cpus=0.25
         )
         groups.append(train)
         kw = dict(
             placement=placement,
             request_fn=GenerateRequest.from_prompt,
             params_fn=SamplingParams,
-            num_cpus=0.3,
+            num_cpus=0.25,
         )
-        # Two single-engine groups on the engine bundles, random inits that differ.
+        # Three single-engine groups on the engine bundles, random inits that differ.
         placement.engine_bundles = [1]
         plain = RolloutGroup(
             functools.partial(make_engine, cfg, 1, eos, False), num_engines=1, **kw
@@ -131,11 +135,19 @@ def test_object_store_and_distributed_sync_give_the_same_engine(ray_local):
         dist_group = RolloutGroup(
             functools.partial(make_engine, cfg, 2, eos, True),
             num_engines=1,
-            transport="distributed",
-            sync_backend="gloo",
+            transport=Nccl(backend="gloo"),
             **kw,
         )
         groups.append(dist_group)
+        placement.engine_bundles = [3]
+        ipc_group = RolloutGroup(
+            functools.partial(make_engine, cfg, 3, eos, False),
+            num_engines=1,
+            transport=CudaIpc(),
+            **kw,
+        )
+        groups.append(ipc_group)
+        assert not dist_group.engines_restartable and ipc_group.engines_restartable
         builder = PromptBuilder(proc)
         prompts = [builder.build(r, i) for i, r in enumerate(make_synthetic_rows(3, task="color"))]
         greedy = dict(n=1, temperature=0.0, max_new_tokens=6, seed=0)
@@ -148,14 +160,20 @@ def test_object_store_and_distributed_sync_give_the_same_engine(ray_local):
 
         ids_a, lp_a = outputs(plain)
         ids_b, lp_b = outputs(dist_group)
+        ids_c, lp_c = outputs(ipc_group)
         assert lp_a.shape != lp_b.shape or not torch.allclose(lp_a, lp_b)  # different weights
-        assert train.push_weights(plain) > 0
-        assert train.push_weights(dist_group) > 0
+        assert lp_a.shape != lp_c.shape or not torch.allclose(lp_a, lp_c)
+        sent = train.push_weights(plain)
+        assert sent > 0
+        assert train.push_weights(dist_group) == sent
+        assert train.push_weights(ipc_group) == sent
         ids_a, lp_a = outputs(plain)
         ids_b, lp_b = outputs(dist_group)
-        assert ids_a == ids_b
+        ids_c, lp_c = outputs(ipc_group)
+        assert ids_a == ids_b == ids_c
         torch.testing.assert_close(lp_a, lp_b, rtol=0, atol=1e-6)
-        assert train.push_weights(dist_group) > 0  # the group is set up once, reused
+        torch.testing.assert_close(lp_a, lp_c, rtol=0, atol=1e-6)
+        assert train.push_weights(dist_group) == sent  # the group is set up once, reused
     finally:
         for g in groups:
             g.shutdown()

@@ -12,8 +12,8 @@ from rl_runtime.faults import RestartingRollout, stop_with_checkpoint_note
 class Group:
     """A rollout group whose engine 1 dies in the first `deaths` calls of `generate`."""
 
-    def __init__(self, deaths: int, transport: str = "object_store") -> None:
-        self.deaths, self.transport = deaths, transport
+    def __init__(self, deaths: int, engines_restartable: bool = True) -> None:
+        self.deaths, self.engines_restartable = deaths, engines_restartable
         self.restarted: list[list[int]] = []
 
     def generate(self, prompts, **kwargs):
@@ -40,7 +40,7 @@ def test_retries_are_bounded():
 
 
 def test_engines_on_the_nccl_transport_are_not_restarted():
-    group = Group(deaths=1, transport="distributed")
+    group = Group(deaths=1, engines_restartable=False)
     with pytest.raises(RunStopped, match="engines on GPUs of their own are not restarted"):
         RestartingRollout(group, lambda: None, retries=2).generate(["a"], n=1)
     assert group.restarted == []

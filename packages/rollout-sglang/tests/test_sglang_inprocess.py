@@ -28,6 +28,7 @@ class EngineLike:
         self.session = False
         self.calls: list[str] = []
         self.loaded: dict[str, torch.Tensor] = {}
+        self.payloads: list[list[str]] = []
         self.running = 0
 
     def begin_weight_update(self, selector: str = "all"):
@@ -51,7 +52,13 @@ class EngineLike:
                 "update_weights_from_tensor must run between begin_weight_update() and "
                 "end_weight_update()"
             )
-        self.loaded.update(dict(named_tensors))
+        if load_format == "flattened_bucket":
+            # entrypoints/engine.py _serialize_tensors_per_rank: pre-serialized payloads, one
+            # per TP rank, passed through as they are (base64 strings or pickle bytes)
+            assert all(isinstance(p, str | bytes) for p in named_tensors), named_tensors
+            self.payloads.append(list(named_tensors))
+        else:
+            self.loaded.update(dict(named_tensors))
         return True, "Success"
 
     def flush_cache(self):
@@ -87,6 +94,22 @@ def test_a_failed_bucket_still_closes_the_session():
     with pytest.raises(ValueError, match="nrom"):
         engine.update_weights([[good], [bad]])
     assert like.calls == ["begin", "tensor", "end"] and not like.session
+
+
+def test_serialized_buckets_pass_through_inside_the_callers_session():
+    """What the CUDA IPC transport calls per bucket (``cuda_ipc._load_serialized``): SGLang's
+    ``flattened_bucket`` payloads, as they are, inside the session the transport opened."""
+    names = WeightNameCheck.from_names(["model.norm.weight"])
+    engine, like = _engine(weight_names=names)
+    with pytest.raises(RuntimeError, match="between begin_weight_update"):
+        engine.update_weights_from_serialized(["model.norm.weight"], ["cGF5bG9hZA=="])
+    engine.begin_weight_update()
+    engine.update_weights_from_serialized(["model.norm.weight"], ["cGF5bG9hZA=="])
+    assert like.payloads[-1] == ["cGF5bG9hZA=="]
+    with pytest.raises(ValueError, match="nrom"):  # refused before anything is sent
+        engine.update_weights_from_serialized(["model.nrom.weight"], ["eA=="])
+    engine.end_weight_update()
+    assert like.calls == ["tensor", "begin", "tensor", "end"]
 
 
 def test_refused_flush_is_an_error():

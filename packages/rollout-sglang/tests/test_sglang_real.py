@@ -215,3 +215,37 @@ def test_our_launch_flags_parse_with_sglangs_own_parser():
     assert args.mm_process_config == {"image": {"min_pixels": 4096, "max_pixels": 16384}}
     assert args.tp_size == 2 and args.enable_deterministic_inference and args.port == 30000
     assert set(config.engine_kwargs()) <= set(ServerArgs.__struct_fields__)
+
+
+def test_our_flattened_bucket_payloads_load_through_sglangs_own_path():
+    """The CUDA IPC transport's SGLang format (``rollout_sglang.cuda_ipc``): one payload per TP
+    rank, one dtype per payload, read back by the real ``SafeUnpickler`` (its allow-list must
+    take everything we pickle) and rebuilt by the real ``FlattenedTensorBucket``, as
+    ``tp_worker.deserialize_own_rank`` and ``weight_updater._update_weights_from_flattened_bucket``
+    do. CPU tensors here (in-process, so their file descriptors open); CUDA ones in the GPU smoke."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.common import normalize_serialized_named_tensor_payloads
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    from rollout_sglang.cuda_ipc import by_dtype
+    from rollout_sglang.sglang_engine import flattened_bucket_payloads
+
+    bucket = [
+        ("model.language_model.norm.weight", torch.randn(5, dtype=torch.bfloat16)),
+        ("model.visual.merger.norm.bias", torch.randn(3)),
+        ("model.language_model.embed_tokens.weight", torch.randn(4, 7, dtype=torch.bfloat16)),
+    ]
+    loaded = {}
+    for part in by_dtype(bucket):
+        payloads, _flat = flattened_bucket_payloads(part, tp_size=2, keep=True)
+        assert len(payloads) == 2 and all(isinstance(p, str) for p in payloads)
+        raw = normalize_serialized_named_tensor_payloads(payloads)  # Engine's pass-through
+        data = MultiprocessingSerializer.deserialize(raw[1])  # TP rank 1 reads its own
+        rebuilt = FlattenedTensorBucket(
+            flattened_tensor=data["flattened_tensor"], metadata=data["metadata"]
+        )
+        loaded.update(rebuilt.reconstruct_tensors())
+    assert list(loaded) == [bucket[0][0], bucket[2][0], bucket[1][0]]
+    for name, tensor in bucket:
+        assert loaded[name].dtype == tensor.dtype
+        torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0)

@@ -166,7 +166,7 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, load=warm_up(cfg, run_dir)))
     from rewards_math import BatchScorer
     from rl_algos import GrpoLossConfig
-    from rollout_sglang import GenerateRequest, SamplingParams
+    from rollout_sglang import GenerateRequest, SamplingParams, choose_weight_transport
     from vlm_data import PromptBuilder
 
     processor = build_processor(cfg.model, cfg.run, cfg.data)
@@ -223,13 +223,14 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
             request_fn=GenerateRequest.from_prompt,
             params_fn=SamplingParams,
             num_cpus=actor_cpus(lay),
-            # Engines on GPUs of their own get weights over NCCL; colocated ones through Ray.
-            transport=(
-                "distributed"
-                if uses_sglang(cfg, lay.use_gpu) and not lay.colocate
-                else "object_store"
+            # colocated on a GPU: CUDA IPC; SGLang on GPUs of its own: NCCL; else Ray's store
+            transport=choose_weight_transport(
+                colocate=lay.colocate,
+                use_gpu=lay.use_gpu,
+                sglang=uses_sglang(cfg, lay.use_gpu),
+                num_trainers=lay.num_trainers,
+                ranks_per_engine=cfg.rollout.rollout_num_gpus_per_engine,
             ),
-            ranks_per_engine=cfg.rollout.rollout_num_gpus_per_engine,
         )
         ray_handle.actors.append(rollout)
         logger = RunLogger(

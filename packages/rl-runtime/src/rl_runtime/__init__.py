@@ -22,25 +22,36 @@ from rl_runtime.metrics import RunLogger, plot_metrics, read_metrics
 from rl_runtime.placement import Placement, create_placement, init_ray, shutdown_ray
 from rl_runtime.preflight import PreflightError, check_backend, check_gpus, count_gpus
 from rl_runtime.progress import setup_logging
-from rl_runtime.protocols import PromptSource, RewardFn, TrainActor
+from rl_runtime.protocols import (
+    EngineLink,
+    PromptSource,
+    RewardFn,
+    TrainActor,
+    TransportFactory,
+    WeightTransport,
+)
 from rl_runtime.rollout_batch import build_train_batch
 from rl_runtime.sft import SftLoopConfig, run_sft, sft_batch
+from rl_runtime.weight_push import ObjectStoreTransport, RemoteEngine, object_store
 
 __all__ = [
     "CheckpointFailed",
     "CheckpointManager",
     "ConfigError",
+    "EngineLink",
     "EngineWorker",
     "GrpoLoopConfig",
     "GrpoParts",
     "MemoryEstimate",
     "ModelShape",
     "NonFiniteStop",
+    "ObjectStoreTransport",
     "PeriodicGC",
     "Placement",
     "PreflightError",
     "PromptSampler",
     "PromptSource",
+    "RemoteEngine",
     "ResumeError",
     "RewardFn",
     "RolloutGroup",
@@ -51,6 +62,8 @@ __all__ = [
     "TrainGroup",
     "TrainLayout",
     "TrainWorker",
+    "TransportFactory",
+    "WeightTransport",
     "WorkerDied",
     "build_train_batch",
     "check_backend",
@@ -63,6 +76,7 @@ __all__ = [
     "eval_prompts",
     "evaluate",
     "init_ray",
+    "object_store",
     "option",
     "parse_config",
     "plot_metrics",

@@ -19,6 +19,8 @@ import ray
 from rl_runtime.faults import gather
 from rl_runtime.gc_policy import PeriodicGC
 from rl_runtime.placement import Placement
+from rl_runtime.protocols import TransportFactory, WeightTransport
+from rl_runtime.weight_push import RemoteEngine, object_store
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,8 @@ class TrainWorker:
             )
         self.actor = factory()
         self._gc = PeriodicGC(gc_every)  # no collector pauses inside a step
+        self._transport: WeightTransport | None = None
+        self._transport_key: tuple[Any, list[Any]] | None = None
 
     def address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), _free_port()
@@ -90,53 +94,30 @@ class TrainWorker:
     def release_cache(self) -> None:
         self.actor.release_cache()
 
-    def push_weights_distributed(
-        self,
-        engines: Sequence[Any],
-        bucket_bytes: int,
-        ranks_per_engine: int = 1,
-        backend: str = "nccl",
+    def push_weights(
+        self, engines: Sequence[Any], bucket_bytes: int, transport: TransportFactory
     ) -> int:
-        """Broadcast HF-named weights to engines in another placement over a process group of
-        their own (NCCL on GPUs): rank 0 and every engine's workers join it once, then each
-        sync is one broadcast per tensor (`rollout_sglang.DistributedWeightSender`)."""
-        if self.rank != 0:
-            for _ in self.actor.iter_hf_weights(bucket_bytes):
-                pass  # gathering full tensors is collective: take part, send nothing
-            return 0
-        if getattr(self, "_sender", None) is None:
-            from rollout_sglang import DistributedWeightSender
+        """Send the current weights to every engine through the transport ``transport`` builds.
 
-            self._sender = DistributedWeightSender(
-                [_RemoteEngine(e) for e in engines],
-                master_address=ray.util.get_node_ip_address(),
-                master_port=_free_port(),
-                ranks_per_engine=ranks_per_engine,
-                backend=backend,
-            )
-        device = "cuda" if backend == "nccl" else "cpu"
-        return self._sender.send(
-            self.actor.iter_hf_weights(bucket_bytes), to_device=lambda t: t.to(device)
-        )
-
-    def push_weights(self, engines: Sequence[Any], bucket_bytes: int) -> int:
-        """Stream HF-named weights to every engine, one bucket in flight at a time.
-
-        Every rank iterates (gathering full tensors is collective); rank 0 sends. Returns the
-        number of tensors sent.
+        Every rank iterates the buckets (gathering full tensors is collective), on the device
+        where the weights live; rank 0 sends them. The transport is built once and kept (a
+        broadcast group is set up once), and built again when the engines were replaced or
+        the factory changed (factories compare by value).
+        Returns the number of tensors sent.
         """
-        sent = 0
-        pending: list[Any] = []
-        for bucket in self.actor.iter_hf_weights(bucket_bytes):
-            if self.rank != 0:
-                continue
-            cpu_bucket = [(name, t.detach().to("cpu")) for name, t in bucket]
-            ref = ray.put(cpu_bucket)
-            ray.get(pending)
-            pending = [e.update_weights.remote(ref) for e in engines]
-            sent += len(cpu_bucket)
-        ray.get(pending)
-        return sent
+        buckets = self.actor.iter_hf_weights(bucket_bytes, device=None)
+        if self.rank != 0:
+            for _ in buckets:
+                pass  # take part in the gathering, send nothing
+            return 0
+        key = (transport, list(engines))
+        if self._transport is None or self._transport_key != key:
+            if self._transport is not None:
+                self._transport.close()
+                self._transport = None
+            self._transport = transport([RemoteEngine(e) for e in engines])
+            self._transport_key = key
+        return self._transport.send(buckets)
 
 
 class EngineWorker:
@@ -169,20 +150,10 @@ class EngineWorker:
     def update_weights(self, bucket: list[tuple[str, Any]]) -> None:
         self.engine.update_weights([bucket])
 
-    def init_weights_update_group(self, kwargs: dict[str, Any]) -> Any:
-        return self.engine.init_weights_update_group(**kwargs)
-
-    def update_weights_from_distributed(self, kwargs: dict[str, Any]) -> Any:
-        return self.engine.update_weights_from_distributed(**kwargs)
-
-    def flush_cache(self) -> None:
-        self.engine.flush_cache()  # only engines with a broadcast group get here (SGLang)
-
-    def begin_weight_update(self) -> None:
-        self.engine.begin_weight_update()
-
-    def end_weight_update(self) -> None:
-        self.engine.end_weight_update()
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(engine, *args)`` here: the engine-side half of a weight transport (CUDA IPC,
+        NCCL), which rl-runtime does not know (`weight_push.RemoteEngine.submit`)."""
+        return fn(self.engine, *args)
 
     def release_memory(self) -> None:
         self.engine.release_memory()
@@ -195,28 +166,6 @@ class EngineWorker:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
-
-
-class _RemoteEngine:
-    """An engine actor seen as a local engine by `DistributedWeightSender` (blocking calls)."""
-
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
-
-    def init_weights_update_group(self, **kwargs: Any) -> Any:
-        return ray.get(self.handle.init_weights_update_group.remote(kwargs))
-
-    def update_weights_from_distributed(self, **kwargs: Any) -> Any:
-        return ray.get(self.handle.update_weights_from_distributed.remote(kwargs))
-
-    def flush_cache(self) -> None:
-        ray.get(self.handle.flush_cache.remote())
-
-    def begin_weight_update(self) -> None:
-        ray.get(self.handle.begin_weight_update.remote())
-
-    def end_weight_update(self) -> None:
-        ray.get(self.handle.end_weight_update.remote())
 
 
 def _split(items: Sequence[Any], parts: int) -> list[list[int]]:
@@ -314,16 +263,12 @@ class TrainGroup:
         self._call("release_cache")
 
     def push_weights(self, rollout: RolloutGroup, bucket_bytes: int = 256 << 20) -> int:
-        """Send the current weights to every engine, by the rollout group's transport:
-        "object_store" (Ray's object store, any placement) or "distributed" (a broadcast group
-        between trainer rank 0 and the engines: NCCL for engines on their own GPUs)."""
+        """Send the current weights to every engine, through the rollout group's transport
+        (`rl_runtime.protocols.TransportFactory`; Ray's object store unless the app chose
+        another: CUDA IPC when colocated on GPUs, NCCL for engines on GPUs of their own)."""
         n = len(self.workers)
-        if rollout.transport == "distributed":
-            extra = [[rollout.ranks_per_engine] * n, [rollout.sync_backend] * n]
-            method = "push_weights_distributed"
-        else:
-            extra, method = [], "push_weights"
-        return self._call(method, [rollout.workers] * n, [bucket_bytes] * n, *extra)[0]
+        args = [rollout.workers] * n, [bucket_bytes] * n, [rollout.transport] * n
+        return self._call("push_weights", *args)[0]
 
     def shutdown(self) -> None:
         for w in self.workers:
@@ -347,16 +292,12 @@ class RolloutGroup:
         request_fn: Callable[[Any], Any],
         params_fn: Callable[..., Any],
         num_cpus: float = 0.25,
-        transport: str = "object_store",
-        ranks_per_engine: int = 1,
-        sync_backend: str = "nccl",
+        transport: TransportFactory | None = None,
         log_level: str = "WARNING",
     ) -> None:
-        if transport not in ("object_store", "distributed"):
-            raise ValueError(f"transport must be object_store or distributed, got {transport!r}")
-        self.transport = transport
-        self.ranks_per_engine = ranks_per_engine
-        self.sync_backend = sync_backend
+        """``transport``: how trainer rank 0 sends weights to these engines (default: Ray's
+        object store)."""
+        self.transport: TransportFactory = object_store if transport is None else transport
         remote_cls = ray.remote(EngineWorker)
         devices = placement.engine_devices
 
@@ -407,6 +348,11 @@ class RolloutGroup:
             futures.append(w.generate.remote([prompts[j] for j in idx], n, params))
         flat = [c for out in gather(futures, self._names(), "generate") for c in out]
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    @property
+    def engines_restartable(self) -> bool:
+        """Whether a dead engine can be replaced: its transport can reach a new one."""
+        return bool(self.transport.restartable)
 
     def release_memory(self) -> None:
         self._call("release_memory")

@@ -135,8 +135,8 @@ class RestartingRollout:
             try:
                 return self.rollout.generate(prompts, **kwargs)
             except WorkerDied as err:
-                if getattr(self.rollout, "transport", None) == "distributed":
-                    # The NCCL weight group is set up once; a new engine could not join it.
+                if not getattr(self.rollout, "engines_restartable", True):
+                    # An NCCL weight group is set up once; a new engine could not join it.
                     raise RunStopped(
                         f"{err}; engines on GPUs of their own are not restarted"
                     ) from err

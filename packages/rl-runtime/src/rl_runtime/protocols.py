@@ -3,7 +3,8 @@ transformers engine) live in other packages; the app assembles them into these s
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -18,7 +19,12 @@ class TrainActor(Protocol):
 
     def train_step(self, batch: Any, *, loss: str = "grpo") -> dict[str, float]: ...
 
-    def iter_hf_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]: ...
+    def iter_hf_weights(
+        self, bucket_bytes: int, *, device: str | None = "cpu"
+    ) -> Iterator[list[tuple[str, Tensor]]]:
+        """HF-named full tensors in buckets; ``device=None`` leaves them where the weights
+        live (the GPU), for a transport that does not need them on the host."""
+        ...
 
     def save_checkpoint(self, path: str | Path) -> None: ...
 
@@ -34,6 +40,43 @@ class TrainActor(Protocol):
         """Return the accelerator's cached, unused memory (the last phase's activations) to the
         device, so that a colocated engine can take it while the weights stay in place."""
         ...
+
+
+NamedTensors = list[tuple[str, Tensor]]
+
+
+@runtime_checkable
+class WeightTransport(Protocol):
+    """How trainer rank 0 hands HF-named weight buckets to the rollout engines
+    (docs/architecture.md, "Weight sync"). Built in rank 0's process by a
+    :class:`TransportFactory`; rl-runtime feeds it the actor's buckets, on the device where the
+    weights live, and moves nothing itself."""
+
+    def send(self, buckets: Iterable[NamedTensors]) -> int:
+        """Deliver every bucket to every engine; returns the number of tensors sent. Returns
+        only once the engines hold the weights."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class EngineLink(Protocol):
+    """One rollout engine as the transport in the trainer's process sees it."""
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run ``fn(engine, *args)`` in the engine's process (calls run in submission order);
+        ``fn`` is the engine-side half of a transport, a module-level function."""
+        ...
+
+
+class TransportFactory(Protocol):
+    """Picklable; called in trainer rank 0's process with one link per engine, again when an
+    engine was replaced. ``restartable``: whether a replaced engine can join (a broadcast
+    group, set up once, cannot take a new member)."""
+
+    restartable: bool
+
+    def __call__(self, engines: Sequence[EngineLink]) -> WeightTransport: ...
 
 
 class PromptSource(Protocol):

@@ -8,6 +8,7 @@ otherwise. sglang is an optional extra: nothing here imports it until an SGLang 
 """
 
 from rollout_sglang.config import RolloutConfig, build_engine, resolve_backend
+from rollout_sglang.cuda_ipc import CudaIpc, CudaIpcTransport
 from rollout_sglang.hf_engine import HFEngine
 from rollout_sglang.router import EngineRouter
 from rollout_sglang.sglang_engine import (
@@ -38,7 +39,10 @@ from rollout_sglang.weight_names import WeightNameCheck, check_weight_names, sgl
 from rollout_sglang.weight_sync import (
     DistributedWeightSender,
     EngineTransport,
+    LinkedEngine,
+    Nccl,
     WeightTransport,
+    choose_weight_transport,
     init_weight_sync_group,
 )
 from rollout_sglang.weights import WeightLoader
@@ -46,13 +50,17 @@ from rollout_sglang.weights import WeightLoader
 __all__ = [
     "INSTALL_HINT",
     "Completion",
+    "CudaIpc",
+    "CudaIpcTransport",
     "DistributedWeightSender",
     "EngineRouter",
     "EngineTransport",
     "FinishReason",
     "GenerateRequest",
     "HFEngine",
+    "LinkedEngine",
     "NamedTensors",
+    "Nccl",
     "RequestLimits",
     "RolloutConfig",
     "RolloutEngine",
@@ -66,6 +74,7 @@ __all__ = [
     "WeightTransport",
     "build_engine",
     "check_weight_names",
+    "choose_weight_transport",
     "encode_image",
     "generate_payload",
     "init_weight_sync_group",

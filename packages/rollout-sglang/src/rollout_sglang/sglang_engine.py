@@ -294,6 +294,21 @@ class SGLangEngine(_CheckedGenerate):
         self.flush_cache()
         logger.info("SGLang: updated %d tensors", count)
 
+    def update_weights_from_serialized(
+        self, names: list[str], payloads: list[str], load_format: str = "flattened_bucket"
+    ) -> None:
+        """One bucket serialized by the sender (CUDA IPC handles, one payload per TP rank;
+        ``rollout_sglang.cuda_ipc``), inside a session the caller opened. sglang 0.5.23's
+        ``Engine.update_weights_from_tensor`` passes ``flattened_bucket`` payloads through
+        as they are (``entrypoints/engine.py`` ``_serialize_tensors_per_rank``)."""
+        check_weight_names(names, self.weight_names)
+        _check(
+            self.engine.update_weights_from_tensor(
+                named_tensors=payloads, load_format=load_format, flush_cache=False
+            ),
+            "update_weights_from_tensor",
+        )
+
     def begin_weight_update(self) -> None:
         _check(self.engine.begin_weight_update(), "begin_weight_update")
 
@@ -334,15 +349,19 @@ class SGLangEngine(_CheckedGenerate):
         self.engine.shutdown()
 
 
-def flattened_bucket_payloads(bucket: NamedTensors, tp_size: int) -> list[str]:
-    """One serialized ``FlattenedTensorBucket`` per tensor-parallel rank (sglang required)."""
+def flattened_bucket_payloads(bucket: NamedTensors, tp_size: int, *, keep: bool = False) -> Any:
+    """One serialized ``FlattenedTensorBucket`` per tensor-parallel rank (sglang required):
+    what ``update_weights_from_tensor(load_format="flattened_bucket")`` takes
+    (``weight_sync/tensor_bucket.py``, ``entrypoints/engine.py``). With ``keep``, also the
+    flat tensor, which the sender holds until the engine has answered."""
     require_sglang()
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     flat = FlattenedTensorBucket(named_tensors=bucket)
     data = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
-    return [MultiprocessingSerializer.serialize(data, output_str=True) for _ in range(tp_size)]
+    payloads = [MultiprocessingSerializer.serialize(data, output_str=True) for _ in range(tp_size)]
+    return (payloads, data["flattened_tensor"]) if keep else payloads
 
 
 def serialized_named_tensors(bucket: NamedTensors, tp_size: int) -> list[str]:
@@ -586,6 +605,25 @@ class SGLangClient(_CheckedGenerate):
                     "update_weights_from_tensor",
                 )
         self.flush_cache()
+
+    def update_weights_from_serialized(
+        self, names: list[str], payloads: list[str], load_format: str = "flattened_bucket"
+    ) -> None:
+        """One bucket serialized by the sender (CUDA IPC handles, one payload per TP rank;
+        ``rollout_sglang.cuda_ipc``) to ``/update_weights_from_tensor``, inside a session the
+        caller opened."""
+        check_weight_names(names, self.weight_names)
+        _check(
+            self._post(
+                "/update_weights_from_tensor",
+                {
+                    "serialized_named_tensors": payloads,
+                    "load_format": load_format,
+                    "flush_cache": False,
+                },
+            ),
+            "update_weights_from_tensor",
+        )
 
     def begin_weight_update(self) -> None:
         _check(self._post("/begin_weight_update", {"selector": "all"}), "begin_weight_update")

@@ -11,9 +11,13 @@ all inside one weight-update session per engine (``begin_weight_update`` /
 broadcast would then wait until the group times out).
 
 Every transport speaks :class:`WeightTransport`: ``send(buckets)`` of HF-named buckets (made
-once, by ``vlm_models.iter_weight_buckets``), ``close()``. :class:`EngineTransport` hands each
-bucket to the engines' ``update_weights`` (in process, or CUDA IPC for colocated SGLang);
-:class:`DistributedWeightSender` broadcasts it (NCCL, engines on GPUs of their own).
+once, by ``vlm_models.iter_weight_buckets``), ``close()`` (the shape of
+``rl_runtime.protocols.WeightTransport``, which the loop knows). :class:`EngineTransport` hands
+each bucket to local engines' ``update_weights``; :class:`DistributedWeightSender` broadcasts it
+(NCCL, engines on GPUs of their own); ``rollout_sglang.cuda_ipc.CudaIpcTransport`` shares it by
+CUDA IPC handle (colocated). :func:`choose_weight_transport` picks the factory for a layout; in
+a Ray run the engines are links (``submit(fn, *args) -> Future`` running ``fn(engine, *args)``
+in the engine's process), which :class:`LinkedEngine` turns back into blocking engine calls.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ import logging
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -178,6 +183,7 @@ class DistributedWeightSender:
     ) -> None:
         self.engines = engines
         self.weight_names = weight_names
+        self.backend = backend
         sizes = (
             [ranks_per_engine] * len(engines)
             if isinstance(ranks_per_engine, int)
@@ -228,7 +234,10 @@ class DistributedWeightSender:
         to_device: Callable[[Tensor], Tensor] | None = None,
     ) -> int:
         """Send every bucket to every engine, inside one weight-update session per engine;
-        returns the number of tensors sent."""
+        returns the number of tensors sent. Tensors go where the backend sends from (a GPU
+        for NCCL, the host for gloo) unless ``to_device`` says otherwise."""
+        if to_device is None:
+            to_device = self._to_backend_device
         self._on_all("begin_weight_update")
         try:
             count = self._broadcast_all(buckets, to_device)
@@ -241,6 +250,13 @@ class DistributedWeightSender:
         self._on_all("end_weight_update")
         self._on_all("flush_cache")
         return count
+
+    def _to_backend_device(self, tensor: Tensor) -> Tensor:
+        if self.backend == "nccl":
+            if tensor.device.type == "cuda":
+                return tensor
+            return tensor.to(torch.device("cuda", torch.cuda.current_device()))
+        return tensor.to("cpu")
 
     def _on_all(self, method: str) -> None:
         futures = [self._pool.submit(getattr(engine, method)) for engine in self.engines]
@@ -293,3 +309,100 @@ def dtype_from_name(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype name {name!r}")
     return dtype
+
+
+# ------------------------------------------------------------- transports for a Ray run
+
+
+def _call(engine: Any, method: str, kwargs: dict[str, Any]) -> Any:
+    return getattr(engine, method)(**kwargs)
+
+
+class LinkedEngine:
+    """An engine behind a link (``submit(fn, *args) -> Future``, rl-runtime's ``RemoteEngine``)
+    as the blocking engine :class:`DistributedWeightSender` calls. A dead engine's error
+    (Ray's) is raised as it came."""
+
+    def __init__(self, link: Any) -> None:
+        self.link = link
+
+    def _call(self, method: str, **kwargs: Any) -> Any:
+        return self.link.submit(_call, method, kwargs).result()
+
+    def init_weights_update_group(self, **kwargs: Any) -> Any:
+        return self._call("init_weights_update_group", **kwargs)
+
+    def update_weights_from_distributed(self, **kwargs: Any) -> Any:
+        return self._call("update_weights_from_distributed", **kwargs)
+
+    def begin_weight_update(self) -> None:
+        self._call("begin_weight_update")
+
+    def end_weight_update(self) -> None:
+        self._call("end_weight_update")
+
+    def flush_cache(self) -> None:
+        self._call("flush_cache")
+
+
+def _node_address() -> str:
+    """This node's address for the broadcast group's rendezvous (Ray's view where it runs)."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # no Ray here: a single-node run
+        return "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Nccl:
+    """Factory of a :class:`DistributedWeightSender` over links to the engines (engines on GPUs
+    of their own; ``backend="gloo"`` on CPUs). The group is set up once: a replaced engine
+    could not join it, so these engines are not restarted."""
+
+    ranks_per_engine: int = 1
+    backend: str = "nccl"
+    weight_names: WeightNameCheck | None = None
+    restartable: ClassVar[bool] = False
+
+    def __call__(self, engines: list[Any]) -> DistributedWeightSender:
+        return DistributedWeightSender(
+            [LinkedEngine(e) for e in engines],
+            master_address=_node_address(),
+            ranks_per_engine=self.ranks_per_engine,
+            backend=self.backend,
+            weight_names=self.weight_names,
+        )
+
+
+def choose_weight_transport(
+    *,
+    colocate: bool,
+    use_gpu: bool,
+    sglang: bool,
+    num_trainers: int = 1,
+    ranks_per_engine: int = 1,
+    weight_names: WeightNameCheck | None = None,
+) -> Any | None:
+    """The transport factory for a layout, or None for the caller's default (rl-runtime:
+    Ray's object store).
+
+    - colocated on GPUs with one trainer rank: CUDA IPC (rank 0 shares its GPU with every
+      engine); with several ranks, engines sit on other ranks' GPUs, which rank 0's handles do
+      not reach: the object store (a per-rank IPC is not built yet);
+    - separate placement on GPUs, SGLang engines: NCCL broadcast (the transformers engine has
+      no receiving side for it: the object store);
+    - CPU: the object store.
+    """
+    from rollout_sglang.cuda_ipc import CudaIpc
+
+    if not use_gpu:
+        return None
+    if colocate:
+        if num_trainers == 1:
+            return CudaIpc(sglang=sglang, tp_size=ranks_per_engine, weight_names=weight_names)
+        return None
+    if sglang:
+        return Nccl(ranks_per_engine=ranks_per_engine, weight_names=weight_names)
+    return None

@@ -604,8 +604,11 @@ class FsdpActor:
         return out
 
     # ----------------------------------------------------------------------------- weights
-    def iter_hf_weights(self, bucket_bytes: int = 1 << 30) -> Iterator[list[tuple[str, Tensor]]]:
-        """Full (unsharded) HF-named tensors in buckets of at most ``bucket_bytes``.
+    def iter_hf_weights(
+        self, bucket_bytes: int = 1 << 30, *, device: str | None = "cpu"
+    ) -> Iterator[list[tuple[str, Tensor]]]:
+        """Full (unsharded) HF-named tensors in buckets of at most ``bucket_bytes``, on
+        ``device`` (None: the weights' own, for a transport that reads GPU memory).
 
         Names and shapes are the original checkpoint's (the GEMM patch embedding keeps the
         Conv3d parameter); tied ``lm_head.weight`` is left out as checkpoints do. Collective.
@@ -613,7 +616,7 @@ class FsdpActor:
         self._require_onloaded()
         dtype = _dtype(self.config.export_dtype)
         yield from iter_hf_weight_buckets(
-            self.model, bucket_bytes, dtype, device="cpu", state=self._master_state()
+            self.model, bucket_bytes, dtype, device=device, state=self._master_state()
         )
 
     def export_hf(self, path: str | os.PathLike, *, dtype: str | None = None) -> None:

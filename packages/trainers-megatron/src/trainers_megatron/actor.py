@@ -487,12 +487,15 @@ class MegatronActor:
                 p.copy_(master)
 
     # ----------------------------------------------------------------------------- weights
-    def iter_hf_weights(self, bucket_bytes: int = 1 << 30) -> Iterator[list[tuple[str, Tensor]]]:
-        """Full HF-named tensors (``export_dtype``, CPU) in buckets; collective over TP."""
+    def iter_hf_weights(
+        self, bucket_bytes: int = 1 << 30, *, device: str | None = "cpu"
+    ) -> Iterator[list[tuple[str, Tensor]]]:
+        """Full HF-named tensors (``export_dtype``, on ``device``; None: the weights' own) in
+        buckets; collective over TP."""
         self._require_onloaded()
         dtype = getattr(torch, self.config.export_dtype)
         for bucket in iter_hf_weights(self.model, bucket_bytes):
-            yield [(n, t.to(dtype).cpu()) for n, t in bucket]
+            yield [(n, t.to(device=device, dtype=dtype)) for n, t in bucket]
 
     def export_hf(self, path: str | os.PathLike) -> None:
         """An HF folder (config + safetensors) that ``from_pretrained`` loads; rank 0 writes."""
