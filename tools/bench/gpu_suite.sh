@@ -3,7 +3,7 @@
 # Python 3.12, torch 2.11, transformers 5.17, offline). Wheels for what it lacks come from .whl/
 # (fill it with ../shared/tools/device-wheels). Each benchmark's JSON and one log go to $OUT.
 #
-#   bash tools/bench/gpu_suite.sh [logprobs] [patch_embed] [hf_engine] [fsdp_train] [fsdp_accum] [megatron_parity] ...
+#   bash tools/bench/gpu_suite.sh [logprobs] [patch_embed] [hf_engine] [fsdp_train] [fsdp_accum] [megatron_parity] [weight_sync] ...
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -46,6 +46,8 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
         done ;;
       hf_profile) run hf_profile 200 python3 tools/bench/bench_hf_engine.py --device cuda --profile "$OUT/hf_profile.txt" ;;
       hf_engine) run hf_engine 300 python3 tools/bench/bench_hf_engine.py --device cuda --out "$OUT/hf_engine.json" ;;
+      weight_sync)  # colocated sync, object store vs CUDA IPC, FSDP and Megatron (GLIMPSE_SHARED: the processor)
+        run weight_sync 540 python3 tools/bench/bench_weight_sync.py --out "$OUT/weight_sync.json" ;;
       gpu_tests) run gpu_tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider -o log_level=WARNING packages ;;
       *) echo "unknown benchmark $w" >>"$log" ;;
     esac

@@ -68,6 +68,7 @@ class State:
         self.released = False
         self.session = False
         self.updates = 0
+        self.load_formats: list[str | None] = []
         self.refused_updates = 0
         self.flushes = 0
         self.group = None
@@ -180,6 +181,7 @@ class Handler(BaseHTTPRequestHandler):
                         "session": STATE.session,
                         "updates": STATE.updates,
                         "refused_updates": STATE.refused_updates,
+                        "load_formats": STATE.load_formats,
                         "flushes": STATE.flushes,
                         "sampling_params": STATE.last_sampling_params,
                         "input_ids": STATE.last_input_ids,
@@ -285,7 +287,18 @@ class Handler(BaseHTTPRequestHandler):
     def post_update_weights_from_tensor(self, body: dict) -> None:
         if self._refuse_outside_session("update_weights_from_tensor"):
             return
+        payloads = body.get("serialized_named_tensors")
+        # utils/common.py normalize_serialized_named_tensor_payload: each entry a base64
+        # string (or pickle bytes); one per TP rank, each rank reading its own
+        # (managers/tp_worker.py deserialize_own_rank)
+        try:
+            for payload in payloads:
+                base64.b64decode(payload, validate=True)
+        except (TypeError, ValueError) as err:
+            self._reply(400, {"error": {"message": f"TypeError: {err}"}})
+            return
         STATE.updates += 1
+        STATE.load_formats.append(body.get("load_format"))
         self._result(True, "Success")
 
     def post_init_weights_update_group(self, body: dict) -> None:

@@ -62,8 +62,7 @@ class TrainWorker:
             )
         self.actor = factory()
         self._gc = PeriodicGC(gc_every)  # no collector pauses inside a step
-        self._transport: WeightTransport | None = None
-        self._transport_key: tuple[Any, list[Any]] | None = None
+        self._transports: list[tuple[TransportFactory, list[Any], WeightTransport]] = []
 
     def address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), _free_port()
@@ -101,8 +100,7 @@ class TrainWorker:
 
         Every rank iterates the buckets (gathering full tensors is collective), on the device
         where the weights live; rank 0 sends them. The transport is built once and kept (a
-        broadcast group is set up once), and built again when the engines were replaced or
-        the factory changed (factories compare by value).
+        broadcast group is set up once), and built again when the engines were replaced.
         Returns the number of tensors sent.
         """
         buckets = self.actor.iter_hf_weights(bucket_bytes, device=None)
@@ -110,14 +108,21 @@ class TrainWorker:
             for _ in buckets:
                 pass  # take part in the gathering, send nothing
             return 0
-        key = (transport, list(engines))
-        if self._transport is None or self._transport_key != key:
-            if self._transport is not None:
-                self._transport.close()
-                self._transport = None
-            self._transport = transport([RemoteEngine(e) for e in engines])
-            self._transport_key = key
-        return self._transport.send(buckets)
+        return self._transport_for(transport, list(engines)).send(buckets)
+
+    def _transport_for(self, factory: TransportFactory, engines: list[Any]) -> WeightTransport:
+        """The transport ``factory`` built for ``engines``; one per factory (factories compare
+        by value), built again when that factory's engines were replaced."""
+        for i, (known, known_engines, transport) in enumerate(self._transports):
+            if known == factory:
+                if known_engines == engines:
+                    return transport
+                del self._transports[i]
+                transport.close()
+                break
+        transport = factory([RemoteEngine(e) for e in engines])
+        self._transports.append((factory, engines, transport))
+        return transport
 
 
 class EngineWorker:
