@@ -214,3 +214,18 @@ def test_real_cuda_ipc_handoff_between_two_processes():
         parent.send(None)
         proc.wait(timeout=60)
         listener.close()
+
+
+def test_transport_choice_follows_the_layout():
+    from rollout_sglang import Nccl, choose_weight_transport
+
+    def pick(**kw):
+        return choose_weight_transport(**{"sglang": False, "num_trainers": 1, **kw})
+
+    assert pick(colocate=True, use_gpu=True) == CudaIpc()
+    assert pick(colocate=True, use_gpu=True, sglang=True) == CudaIpc(sglang=True)
+    assert pick(colocate=True, use_gpu=True, num_trainers=8) is None  # rank 0's GPU only
+    assert pick(colocate=False, use_gpu=True, sglang=True, ranks_per_engine=2) == Nccl(2)
+    assert not Nccl().restartable and CudaIpc().restartable
+    assert pick(colocate=False, use_gpu=True) is None  # the HF engine has no NCCL receiver
+    assert pick(colocate=True, use_gpu=False) is None  # CPU: the caller's object store
