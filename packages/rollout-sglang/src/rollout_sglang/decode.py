@@ -116,12 +116,17 @@ def _post_attention(
 class TextDecoder:
     """The decode step over a Qwen3-VL model's text layers and a :class:`KVCache`.
 
-    ``compile=True`` runs the two per-layer blocks (everything but the cache write and the
+    ``attention``: "sdpa" (torch's fused kernels; the query heads of a KV head are its query
+    rows, so no KV repeat) or "matmul" (two batched matmuls and a float32 softmax over the
+    same strided cache views). ``compile=True`` runs the two per-layer blocks (everything but the cache write and the
     attention read) through ``torch.compile`` with dynamic batch size, fusing their ~40 small
     kernels per layer; the graph then replays the fused kernels.
     """
 
-    def __init__(self, model: nn.Module, *, compile: bool = False) -> None:
+    def __init__(self, model: nn.Module, *, compile: bool = False, attention: str = "sdpa") -> None:
+        if attention not in ("sdpa", "matmul"):
+            raise ValueError(f"decode attention {attention!r}: 'sdpa' or 'matmul'")
+        self.attention = attention
         parts = _text_parts(model)
         if parts is None or not supports(model):
             raise ValueError(f"{type(model).__name__}: not a dense Qwen3 text stack")
@@ -142,6 +147,17 @@ class TextDecoder:
         if compile:
             self._pre = torch.compile(_pre_attention, dynamic=True)
             self._post = torch.compile(_post_attention, dynamic=True)
+
+    def _attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+        """``q`` [B, kv_heads, group, D] over the live keys ``[B, kv_heads, kv_len, D]`` (views
+        of the cache: neither path copies them)."""
+        if self.attention == "sdpa":
+            return F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=self.scaling
+            )
+        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scaling
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(values.dtype)
+        return torch.matmul(probs, values)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -204,12 +220,11 @@ class TextDecoder:
             keys, values = cache.keys[i], cache.values[i]
             keys[rows, :, lengths] = k
             values[rows, :, lengths] = v
-            out = F.scaled_dot_product_attention(
+            out = self._attend(
                 q.view(batch, self.kv_heads, group, self.head_dim),
                 keys[:batch, :, :kv_len],
                 values[:batch, :, :kv_len],
-                attn_mask=mask,
-                scale=self.scaling,
+                mask,
             )
             h = self._post(
                 h,

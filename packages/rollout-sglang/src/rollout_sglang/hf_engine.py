@@ -62,6 +62,7 @@ class HFEngine:
         kv_block: KV-length bucket granularity (default 128 on GPU, 16 on CPU).
         cuda_graphs: capture decode steps as CUDA graphs (CUDA only; eager otherwise).
         compile: ``torch.compile`` the decode step's per-layer blocks (fuses small kernels).
+        decode_attention: "sdpa" or "matmul" (see :class:`~rollout_sglang.decode.TextDecoder`).
         admit_fraction: admit waiting requests while others decode once this share of the
             slots is free (one prefill forward per group of arrivals).
         prune_fraction: only for models on the transformers fallback loop.
@@ -84,6 +85,7 @@ class HFEngine:
         kv_block: int | None = None,
         cuda_graphs: bool = True,
         compile: bool = False,
+        decode_attention: str = "sdpa",
         admit_fraction: float = 0.125,
         prune_fraction: float = 0.25,
     ) -> None:
@@ -126,9 +128,12 @@ class HFEngine:
                 type(model).__name__,
             )
             return
-        self.decoder = TextDecoder(model, compile=compile)
+        self.decoder = TextDecoder(model, compile=compile, attention=decode_attention)
         bytes_per_token = KVCache.bytes_per_token(
-            self.decoder.num_layers, self.decoder.kv_heads, self.decoder.head_dim, self.decoder.dtype
+            self.decoder.num_layers,
+            self.decoder.kv_heads,
+            self.decoder.head_dim,
+            self.decoder.dtype,
         )
         self._kv_cache_fraction = kv_cache_fraction
         self._cache_tokens = cache_tokens
@@ -198,6 +203,7 @@ class HFEngine:
                 )
         if seqs:
             need = round_up(max(s.cache_tokens for s in seqs), self.kv_block)
+            need = min(need, cache.budget_tokens)  # every request fits (checked above)
             if cache.fit(need, self.max_batch_size):
                 runner.reset()
             stop = set(params.stop_token_ids)

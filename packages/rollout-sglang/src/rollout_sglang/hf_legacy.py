@@ -170,7 +170,9 @@ class LegacyHFEngine:
         """One :class:`Completion` per request, in order. Requests are batched by prompt length;
         a bad request gets its own error and never fails the others."""
         if self._released:
-            raise RuntimeError("LegacyHFEngine.generate after release_memory(); call resume_memory()")
+            raise RuntimeError(
+                "LegacyHFEngine.generate after release_memory(); call resume_memory()"
+            )
         results: list[Completion | None] = [None] * len(requests)
         valid = []
         for i, request in enumerate(requests):

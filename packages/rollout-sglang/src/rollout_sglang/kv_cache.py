@@ -74,7 +74,9 @@ class KVCache:
                 self.budget_tokens * per_token, dtype=self.dtype, device=self.device
             )
             gib = self._storage.numel() * self._storage.element_size() / 2**30
-            logger.info("KV cache: %d tokens (%.2f GiB) on %s", self.budget_tokens, gib, self.device)
+            logger.info(
+                "KV cache: %d tokens (%.2f GiB) on %s", self.budget_tokens, gib, self.device
+            )
             self.slots = self.seq_cap = 0
             self.keys = self.values = None
 

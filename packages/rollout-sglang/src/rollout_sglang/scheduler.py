@@ -116,8 +116,10 @@ class Scheduler:
         active: dict[int, SeqState] = {}
         while waiting or active:
             n_free = len(free)
-            if waiting and n_free and (
-                not active or n_free >= self.admit_min or len(waiting) <= n_free
+            if (
+                waiting
+                and n_free
+                and (not active or n_free >= self.admit_min or len(waiting) <= n_free)
             ):
                 admitted = [waiting.popleft() for _ in range(min(n_free, len(waiting)))]
                 for seq in admitted:
@@ -181,7 +183,11 @@ class Scheduler:
         for slot, seq in active.items():
             n = len(seq.tokens)
             length = seq.prompt_length + n - 1  # cache index of the last token
-            rows[0][slot], rows[1][slot], rows[2][slot] = seq.tokens[-1], seq.rope_next + n - 1, length
+            rows[0][slot], rows[1][slot], rows[2][slot] = (
+                seq.tokens[-1],
+                seq.rope_next + n - 1,
+                length,
+            )
             rows[3][slot], rows[4][slot] = seq.seed, n
             kv_len = max(kv_len, length + 1)
         state = torch.tensor(rows, dtype=torch.long)
