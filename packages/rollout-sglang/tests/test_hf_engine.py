@@ -76,6 +76,14 @@ def test_logprobs_equal_a_forward_pass(engine, tiny_model, requests_, params):
         torch.testing.assert_close(torch.tensor(completion.logprobs), expected, atol=1e-5, rtol=0)
 
 
+def test_matmul_decode_attention_logprobs_equal_a_forward_pass(tiny_model, requests_):
+    engine = HFEngine(tiny_model, max_batch_size=2, decode_attention="matmul")
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=0)
+    for request, completion in zip(requests_, engine.generate(requests_, params), strict=True):
+        expected = _forward_logprobs(tiny_model, request, completion, params.temperature)
+        torch.testing.assert_close(torch.tensor(completion.logprobs), expected, atol=1e-5, rtol=0)
+
+
 def test_unpadded_batch_logprobs_equal_a_forward_pass(engine, tiny_model, requests_):
     # equal-length prompts: no padding, so decode runs without any attention mask
     same = [copy.copy(requests_[0]) for _ in range(3)]
