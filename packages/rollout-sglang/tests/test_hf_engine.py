@@ -84,8 +84,8 @@ def test_matmul_decode_attention_logprobs_equal_a_forward_pass(tiny_model, reque
         torch.testing.assert_close(torch.tensor(completion.logprobs), expected, atol=1e-5, rtol=0)
 
 
-def test_unpadded_batch_logprobs_equal_a_forward_pass(engine, tiny_model, requests_):
-    # equal-length prompts: no padding, so decode runs without any attention mask
+def test_shared_prompt_logprobs_equal_a_forward_pass(engine, tiny_model, requests_):
+    # one prompt three times (a GRPO group): prefilled once, its K/V copied to three slots
     same = [copy.copy(requests_[0]) for _ in range(3)]
     params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=3)
     completions = engine.generate(same, params)

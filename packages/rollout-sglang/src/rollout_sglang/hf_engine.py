@@ -31,7 +31,7 @@ from rollout_sglang.scheduler import Scheduler, SeqState, round_up
 from rollout_sglang.types import Completion, GenerateRequest, NamedTensors, SamplingParams
 from rollout_sglang.validation import RequestLimits, request_error
 from rollout_sglang.weights import WeightLoader
-from vlm_models import packed_position_ids
+from vlm_models import sample_position_ids
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,7 @@ class HFEngine:
         self.admit_fraction = admit_fraction
         self._loader = WeightLoader(model)
         self._released = False
+        self._rope_memo: dict = {}
         self._legacy: LegacyHFEngine | None = None
         self.cache: KVCache | None = None
         self.runner: DecodeRunner | None = None
@@ -181,6 +182,7 @@ class HFEngine:
         if self._legacy is not None:
             return self._legacy.generate(requests, params)
         cache, runner = self._ensure_cache()
+        self._rope_memo: dict = {}  # a prompt head's M-RoPE ids once per call (GRPO groups)
         base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()))
         results: list[Completion | None] = [None] * len(requests)
         seqs: list[SeqState] = []
@@ -257,8 +259,8 @@ class HFEngine:
             request, n = seq.request, lengths[b]
             input_ids[b, :n] = request.input_ids
             attention_mask[b, :n] = 1
-            mrope = packed_position_ids(
-                [request.input_ids], [request.image_grid_thw], self.model.config
+            mrope = sample_position_ids(
+                request.input_ids, request.image_grid_thw, self.model.config, memo=self._rope_memo
             )
             position_ids[1:, b, :n] = mrope
             seq.rope_next = int(mrope.max()) + 1
@@ -279,20 +281,53 @@ class HFEngine:
             )
         return {k: v.to(self.device, non_blocking=True) for k, v in inputs.items()}
 
+    @staticmethod
+    def _distinct(seqs: list[SeqState]) -> tuple[list[SeqState], list[int]]:
+        """The distinct prompts of ``seqs`` (same ids, same images) and, per sequence, the
+        index of its prompt: a GRPO group's n samples share one prompt, prefilled once."""
+        distinct: list[SeqState] = []
+        owner: list[int] = []
+        by_ids: dict[bytes, list[int]] = {}
+        for seq in seqs:
+            request = seq.request
+            candidates = by_ids.setdefault(request.input_ids.numpy().tobytes(), [])
+            for j in candidates:
+                other = distinct[j].request
+                same_pixels = request.pixel_values is other.pixel_values or (
+                    request.pixel_values is not None
+                    and other.pixel_values is not None
+                    and torch.equal(request.pixel_values, other.pixel_values)
+                )
+                if same_pixels:
+                    owner.append(j)
+                    break
+            else:
+                candidates.append(len(distinct))
+                owner.append(len(distinct))
+                distinct.append(seq)
+        return distinct, owner
+
     def _prefill(
         self, seqs: list[SeqState], slots: list[int], sampling: SamplingKey
     ) -> list[tuple[int, float]]:
         """Prompts through the transformers model; K/V into ``slots``; the first tokens."""
         assert self.cache is not None
-        inputs = self._prefill_inputs(seqs)
+        distinct, owner = self._distinct(seqs)
+        inputs = self._prefill_inputs(distinct)
+        for seq, j in zip(seqs, owner, strict=True):
+            seq.rope_next = distinct[j].rope_next
         out = self.model.model(**inputs, use_cache=True)
-        rows = torch.arange(len(seqs), device=self.device)
-        last = torch.tensor([s.prompt_length - 1 for s in seqs], device=self.device)
+        rows = torch.arange(len(distinct), device=self.device)
+        last = torch.tensor([s.prompt_length - 1 for s in distinct], device=self.device)
         hidden = out.last_hidden_state[rows, last]
-        logits = self.model.lm_head(hidden).float()
+        owner_index = torch.tensor(owner, device=self.device)
+        logits = self.model.lm_head(hidden).float()[owner_index]
         slot_index = torch.tensor(slots, device=self.device)
+        shared = len(distinct) < len(seqs)
         for layer in range(self.decoder.num_layers):
             keys, values = _layer_kv(out.past_key_values, layer)
+            if shared:
+                keys, values = keys[owner_index], values[owner_index]
             self.cache.write_prefill(layer, slot_index, keys, values)
         seeds = torch.tensor([s.seed for s in seqs], device=self.device)
         tokens, logprobs = sample_logits(logits, seeds, torch.zeros_like(seeds), sampling)
