@@ -144,9 +144,14 @@ class TextDecoder:
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
         self._pre: Callable[..., Any] = _pre_attention
         self._post: Callable[..., Any] = _post_attention
+        self.compiled = compile
         if compile:
             self._pre = torch.compile(_pre_attention, dynamic=True)
             self._post = torch.compile(_post_attention, dynamic=True)
+
+    def disable_compile(self) -> None:
+        """Back to the eager blocks (a compile failure must not stop a rollout)."""
+        self._pre, self._post, self.compiled = _pre_attention, _post_attention, False
 
     def _attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
         """``q`` [B, kv_heads, group, D] over the live keys ``[B, kv_heads, kv_len, D]`` (views
@@ -342,8 +347,15 @@ class DecodeRunner:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):
+            try:
                 self._body(batch, kv_len, sampling)
+            except Exception as exc:
+                if not self.decoder.compiled:
+                    raise
+                logger.warning("compiled decode step failed (%s); decoding without compile", exc)
+                self.decoder.disable_compile()  # graphs captured before stay valid
+                self._body(batch, kv_len, sampling)
+            self._body(batch, kv_len, sampling)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
