@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -318,9 +319,9 @@ class DecodeRunner:
 
     def run(
         self, host_state: Tensor, kv_len: int, sampling: SamplingKey
-    ) -> tuple[list[int], list[float]]:
+    ) -> tuple[np.ndarray, np.ndarray]:
         """One step for the first ``host_state.shape[1]`` slots (``host_state``: [5, B] int64
-        on the host). Returns the sampled tokens and log-probs as lists."""
+        on the host). Returns the sampled tokens and log-probs ([B] host arrays)."""
         self._buffers()
         assert self.state is not None and self.out_tokens is not None
         assert self.out_logprobs is not None
@@ -339,7 +340,7 @@ class DecodeRunner:
         logprobs = self.out_logprobs[:batch].to("cpu", non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        return tokens.tolist(), logprobs.tolist()
+        return tokens.numpy(), logprobs.numpy()
 
     def _capture(self, batch: int, kv_len: int, sampling: SamplingKey) -> torch.cuda.CUDAGraph:
         # Warm up on a side stream (compiles, picks kernels), then capture. The warm-up computes

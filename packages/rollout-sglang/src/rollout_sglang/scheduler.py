@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from rollout_sglang.types import GenerateRequest
@@ -37,7 +38,7 @@ class SeqState:
     limit: int  # new tokens at most (max_new_tokens clipped to the context)
     slot: int = -1
     rope_next: int = 0  # rotary position of the first generated token (M-RoPE delta applied)
-    tokens: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # filled when it finishes
     logprobs: list[float] = field(default_factory=list)
     stopped: bool = False
     error: str | None = None
@@ -58,7 +59,7 @@ class SeqState:
 
 
 PrefillFn = Callable[[list[SeqState], list[int]], list[tuple[int, float]]]
-DecodeFn = Callable[[torch.Tensor, int], tuple[list[int], list[float]]]
+DecodeFn = Callable[[torch.Tensor, int], tuple[np.ndarray, np.ndarray]]
 MoveFn = Callable[[list[int], list[int]], None]
 
 
@@ -110,6 +111,16 @@ class Scheduler:
         self.prefills = 0
 
     def run(self, sequences: Sequence[SeqState]) -> None:
+        # Per-slot state as arrays, updated in place each step (no per-row Python work for
+        # rows that continue): the decode inputs [5, slots] (last token, rotary position,
+        # cache index, seed, counter; zeros in idle slots), and the tokens so far.
+        width = max((s.limit for s in sequences), default=1)
+        self._state = np.zeros((5, self.slots), dtype=np.int64)
+        self._tokens = np.zeros((self.slots, width), dtype=np.int64)
+        self._logprobs = np.zeros((self.slots, width), dtype=np.float64)
+        self._count = np.zeros(self.slots, dtype=np.int64)
+        self._limit = np.zeros(self.slots, dtype=np.int64)
+        self._stop = np.array(sorted(self.stop_ids), dtype=np.int64)
         waiting = deque(sequences)
         free = list(range(self.slots))
         heapq.heapify(free)
@@ -125,10 +136,10 @@ class Scheduler:
                 for seq in admitted:
                     seq.slot = heapq.heappop(free)
                 for seq in self._prefill(admitted):
-                    if self._done(seq):
-                        heapq.heappush(free, seq.slot)
-                    else:
+                    if seq.error is None and self._start(seq):
                         active[seq.slot] = seq
+                    else:
+                        heapq.heappush(free, seq.slot)
                 continue
             if not active:
                 continue
@@ -164,49 +175,60 @@ class Scheduler:
             logger.warning(seq.error)
             return [seq]
         for seq, (token, logprob) in zip(chunk, firsts, strict=True):
-            self._record(seq, token, logprob)
+            seq.tokens, seq.logprobs = [token], [logprob]
+            seq.stopped = token in self.stop_ids
         return chunk
 
-    def _record(self, seq: SeqState, token: int, logprob: float) -> None:
-        seq.tokens.append(token)
-        seq.logprobs.append(logprob)
-        seq.stopped = token in self.stop_ids
+    def _start(self, seq: SeqState) -> bool:
+        """Put a prefilled sequence into its slot's arrays; False when it is already done."""
+        if seq.stopped or seq.limit <= 1:
+            return False
+        slot = seq.slot
+        self._tokens[slot, 0], self._logprobs[slot, 0] = seq.tokens[0], seq.logprobs[0]
+        self._count[slot], self._limit[slot] = 1, seq.limit
+        self._state[:, slot] = (seq.tokens[0], seq.rope_next, seq.prompt_length, seq.seed, 1)
+        return True
 
-    @staticmethod
-    def _done(seq: SeqState) -> bool:
-        return seq.error is not None or seq.stopped or len(seq.tokens) >= seq.limit
+    def _finish(self, seq: SeqState, stopped: bool) -> None:
+        slot, n = seq.slot, int(self._count[seq.slot])
+        seq.tokens = self._tokens[slot, :n].tolist()
+        seq.logprobs = self._logprobs[slot, :n].tolist()
+        seq.stopped = stopped
+        self._state[:, slot] = 0
 
     def _step(self, active: dict[int, SeqState], free: list[int]) -> None:
         batch = batch_bucket(max(active) + 1, self.slots)
-        rows = [[0] * batch for _ in range(5)]  # idle slots: token 0 at cache index 0
-        kv_len = 0
-        for slot, seq in active.items():
-            n = len(seq.tokens)
-            length = seq.prompt_length + n - 1  # cache index of the last token
-            rows[0][slot], rows[1][slot], rows[2][slot] = (
-                seq.tokens[-1],
-                seq.rope_next + n - 1,
-                length,
-            )
-            rows[3][slot], rows[4][slot] = seq.seed, n
-            kv_len = max(kv_len, length + 1)
-        state = torch.tensor(rows, dtype=torch.long)
+        rows = np.fromiter(active, dtype=np.int64, count=len(active))
+        kv_len = int(self._state[2, rows].max()) + 1
         kv_len = min(round_up(kv_len, self.kv_block), self.seq_cap)
         self.steps += 1
         try:
-            tokens, logprobs = self.decode(state, kv_len)
+            tokens, logprobs = self.decode(
+                torch.from_numpy(np.ascontiguousarray(self._state[:, :batch])), kv_len
+            )
         except Exception as exc:
             logger.warning("decode step failed: %s: %s", type(exc).__name__, exc)
-            for slot, seq in list(active.items()):
+            for slot in rows.tolist():
+                seq = active.pop(slot)
                 seq.error = f"{seq.name}: decode failed: {type(exc).__name__}: {exc}"
-                del active[slot]
+                self._state[:, slot] = 0
                 heapq.heappush(free, slot)
             return
-        for slot, seq in list(active.items()):
-            self._record(seq, tokens[slot], logprobs[slot])
-            if self._done(seq):
-                del active[slot]
-                heapq.heappush(free, slot)
+        tokens, logprobs = np.asarray(tokens)[rows], np.asarray(logprobs)[rows]
+        count = self._count[rows]
+        self._tokens[rows, count] = tokens
+        self._logprobs[rows, count] = logprobs
+        count += 1
+        self._count[rows] = count
+        stopped = np.isin(tokens, self._stop)
+        done = stopped | (count >= self._limit[rows])
+        live = rows[~done]
+        self._state[0, live] = tokens[~done]
+        self._state[1:3, live] += 1
+        self._state[4, live] += 1
+        for slot, stop in zip(rows[done].tolist(), stopped[done].tolist(), strict=True):
+            self._finish(active.pop(slot), stop)
+            heapq.heappush(free, slot)
 
     def _compact(self, active: dict[int, SeqState], free: list[int]) -> None:
         """Move the live sequences into the lowest slots when that shrinks the batch bucket."""
@@ -216,9 +238,14 @@ class Scheduler:
         movers = sorted(s for s in active if s >= n)
         holes = sorted(s for s in free if s < n)
         self.move(movers, holes)
-        for src, dst in zip(movers, holes, strict=True):
-            seq = active.pop(src)
-            seq.slot = dst
-            active[dst] = seq
+        src, dst = np.array(movers), np.array(holes)
+        for array in (self._tokens, self._logprobs, self._count, self._limit):
+            array[dst] = array[src]
+        self._state[:, dst] = self._state[:, src]
+        self._state[:, src] = 0
+        for old, new in zip(movers, holes, strict=True):
+            seq = active.pop(old)
+            seq.slot = new
+            active[new] = seq
         free[:] = [s for s in range(self.slots) if s not in active]
         heapq.heapify(free)
