@@ -227,7 +227,7 @@ class TextDecoder:
             keys[rows, :, lengths] = k
             values[rows, :, lengths] = v
             out = self._attend(
-                q.view(batch, self.kv_heads, group, self.head_dim),
+                q.reshape(batch, self.kv_heads, group, self.head_dim),
                 keys[:batch, :, :kv_len],
                 values[:batch, :, :kv_len],
                 mask,

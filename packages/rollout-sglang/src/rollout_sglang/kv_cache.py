@@ -70,7 +70,9 @@ class KVCache:
         """Take the memory (once; again after :meth:`release`)."""
         if self._storage is None:
             per_token = 2 * self.num_layers * self.kv_heads * self.head_dim
-            self._storage = torch.empty(
+            # zeros, not empty: attention multiplies masked-out cells by 0, and reused device
+            # memory can hold NaN bit patterns (0 * NaN is NaN)
+            self._storage = torch.zeros(
                 self.budget_tokens * per_token, dtype=self.dtype, device=self.device
             )
             gib = self._storage.numel() * self._storage.element_size() / 2**30
