@@ -39,6 +39,7 @@ from vlm_models.packing import (
 from vlm_models.patch_embed import Conv3dPatchEmbed, LinearPatchEmbed, set_fast_patch_embed
 from vlm_models.presets import PRESETS, SHAPE_PRESETS, TINY_PRESETS, preset_config, tiny_config
 from vlm_models.sync_free import remove_host_syncs
+from vlm_models.varlen import HAS_FLASH_VARLEN, flash_varlen, flash_varlen_supported
 from vlm_models.vision_inputs import VisionInputs
 from vlm_models.weights import (
     hf_named_tensors,
@@ -48,6 +49,7 @@ from vlm_models.weights import (
 )
 
 __all__ = [
+    "HAS_FLASH_VARLEN",
     "PRESETS",
     "SHAPE_PRESETS",
     "TINY_PRESETS",
@@ -59,6 +61,8 @@ __all__ = [
     "check_attn_implementation",
     "count_parameters",
     "cu_seqlens_from_lengths",
+    "flash_varlen",
+    "flash_varlen_supported",
     "flops_per_token",
     "has_linear_attention",
     "has_weights",
