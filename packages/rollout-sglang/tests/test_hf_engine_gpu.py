@@ -44,7 +44,10 @@ def _requests(config, n: int) -> list[GenerateRequest]:
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    return build_model(tiny_config(), device="cuda").eval()
+    model = build_model(tiny_config(), device="cuda").eval()
+    with torch.no_grad():  # peaked next-token distributions (top token ~0.8), as a trained
+        model.lm_head.weight.mul_(12)  # model's: at random init they are flat over 152k ids
+    return model
 
 
 def _forward_logprobs(model, request, completion) -> torch.Tensor:
@@ -69,34 +72,39 @@ def _forward_logprobs(model, request, completion) -> torch.Tensor:
     ids=["graph", "graph-matmul", "graph-compile"],
 )
 def test_graph_decode_equals_eager_and_a_forward_pass(model, settings):
+    # Tokens are compared greedily: GPU kernels of another shape or fusion round differently,
+    # and a sampled draw near a boundary of the distribution may then pick the neighbour.
     requests = _requests(model.config, 6)
-    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=4)
-    eager = HFEngine(model, max_batch_size=4, cuda_graphs=False).generate(requests, params)
+    eager_settings = {k: v for k, v in settings.items() if k != "compile"}
+    eager = HFEngine(model, max_batch_size=4, cuda_graphs=False, **eager_settings)
     engine = HFEngine(model, max_batch_size=4, **settings)
-    graphed = engine.generate(requests, params)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    graphed = engine.generate(requests, greedy)
     assert engine.runner is not None and engine.runner.num_graphs > 0
-    assert [c.token_ids for c in graphed] == [c.token_ids for c in eager]
-    for request, a, b in zip(requests, graphed, eager, strict=True):
-        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
-        expected = _forward_logprobs(model, request, a)
-        torch.testing.assert_close(torch.tensor(a.logprobs), expected, atol=1e-4, rtol=0)
+    assert [c.token_ids for c in graphed] == [c.token_ids for c in eager.generate(requests, greedy)]
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=12, seed=4)
+    for request, completion in zip(requests, engine.generate(requests, sampled), strict=True):
+        expected = _forward_logprobs(model, request, completion)
+        torch.testing.assert_close(torch.tensor(completion.logprobs), expected, atol=1e-4, rtol=0)
 
 
 def test_graphs_survive_stops_compaction_and_release(model):
     requests = _requests(model.config, 8)
-    params = SamplingParams(temperature=1.0, max_new_tokens=10, seed=9, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
     engine = HFEngine(model, max_batch_size=3)
     free = engine.generate(requests, params)
     stop = (free[0].token_ids[2],)
-    stopped = engine.generate(requests, SamplingParams(**{**vars(params), "stop_token_ids": stop}))
+    with_stop = SamplingParams(**{**vars(params), "stop_token_ids": stop})
+    stopped = engine.generate(requests, with_stop)
     alone = [
-        HFEngine(model, max_batch_size=1, cuda_graphs=False).generate(
-            [r], SamplingParams(**{**vars(params), "stop_token_ids": stop, "seed": 9 + i})
-        )[0]
-        for i, r in enumerate(requests)
+        HFEngine(model, max_batch_size=1, cuda_graphs=False).generate([r], with_stop)[0]
+        for r in requests
     ]
     assert [c.token_ids for c in stopped] == [c.token_ids for c in alone]
     assert stopped[0].finish_reason == "stop"
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=10, seed=9)
+    before = engine.generate(requests, sampled)
     engine.release_memory()
     engine.resume_memory()
-    assert [c.token_ids for c in engine.generate(requests, params)] == [c.token_ids for c in free]
+    after = engine.generate(requests, sampled)  # same shapes, graphs captured again
+    assert [c.token_ids for c in after] == [c.token_ids for c in before]

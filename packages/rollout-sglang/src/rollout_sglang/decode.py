@@ -77,10 +77,12 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """RoPE as transformers applies it, ``x * cos + rotate_half(x) * sin``, with the sign of
+    ``rotate_half`` folded into ``signed_sin`` (``[-sin, sin]`` halves): a roll replaces the
+    negate and the concatenation. (Not ``addcmul``: a fused multiply-add rounds once, and CPU
+    kernels fuse only in their vector body, so a row's result would depend on the batch.)"""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def _pre_attention(
@@ -92,17 +94,23 @@ def _pre_attention(
     qn: Tensor,
     kn: Tensor,
     cos: Tensor,
-    sin: Tensor,
+    signed_sin: Tensor,
     eps: float,
     head_dim: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Norm, q/k/v projections, per-head q/k norm, rotary: ``[B, heads, head_dim]`` each."""
+    """Norm, q/k/v projections, per-head q/k norm, rotary: ``[B, heads, head_dim]`` each.
+
+    q and k heads are normed and rotated as one tensor (each head with its own norm weight),
+    so those elementwise kernels run once per layer, not twice."""
     x = _rms_norm(h, ln, eps)
     batch = h.shape[0]
-    q = _rms_norm(F.linear(x, wq).view(batch, -1, head_dim), qn, eps)
-    k = _rms_norm(F.linear(x, wk).view(batch, -1, head_dim), kn, eps)
+    q = F.linear(x, wq).view(batch, -1, head_dim)
+    k = F.linear(x, wk).view(batch, -1, head_dim)
+    n_q, n_k = q.shape[1], k.shape[1]
+    norm = torch.cat((qn.expand(n_q, head_dim), kn.expand(n_k, head_dim)))
+    qk = _rotate(_rms_norm(torch.cat((q, k), dim=1), norm, eps), cos, signed_sin)
     v = F.linear(x, wv).view(batch, -1, head_dim)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+    return qk[:, :n_q], qk[:, n_q:], v
 
 
 def _post_attention(
@@ -170,14 +178,15 @@ class TextDecoder:
         return self.head.weight.dtype
 
     def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos/sin ``[B, 1, head_dim]`` at each row's position, as transformers computes them
-        (float32 angles, scaled, cast to the activation dtype)."""
+        """cos and signed sin (see :func:`_rotate`) ``[B, 1, head_dim]`` at each row's
+        position, as transformers computes them (float32 angles, scaled, cast to the
+        activation dtype)."""
         inv_freq = self.text.rotary_emb.inv_freq.to(positions.device, torch.float32)
         freqs = positions.float()[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scale).to(dtype)[:, None, :]
-        sin = (emb.sin() * self.rope_scale).to(dtype)[:, None, :]
-        return cos, sin
+        cos = (freqs.cos() * self.rope_scale).to(dtype)
+        sin = (freqs.sin() * self.rope_scale).to(dtype)
+        signed_sin = torch.cat((-sin, sin), dim=-1)[:, None, :]
+        return torch.cat((cos, cos), dim=-1)[:, None, :], signed_sin
 
     def step(
         self,
@@ -204,7 +213,7 @@ class TextDecoder:
         group = self.num_heads // self.kv_heads
         rows = torch.arange(batch, device=tokens.device)
         h = F.embedding(tokens, self.text.embed_tokens.weight)
-        cos, sin = self._rope(positions, h.dtype)
+        cos, signed_sin = self._rope(positions, h.dtype)
         mask = (torch.arange(kv_len, device=tokens.device)[None, :] <= lengths[:, None])[
             :, None, None, :
         ]
@@ -219,7 +228,7 @@ class TextDecoder:
                 attn.q_norm.weight,
                 attn.k_norm.weight,
                 cos,
-                sin,
+                signed_sin,
                 self.eps,
                 self.head_dim,
             )
