@@ -109,7 +109,7 @@ class HFEngine:
         self.admit_fraction = admit_fraction
         self._loader = WeightLoader(model)
         self._released = False
-        self._rope_memo: dict = {}
+        self._rope_memo: dict = {}  # M-RoPE ids of prompt heads, per generate call
         self._legacy: LegacyHFEngine | None = None
         self.cache: KVCache | None = None
         self.runner: DecodeRunner | None = None
@@ -182,7 +182,7 @@ class HFEngine:
         if self._legacy is not None:
             return self._legacy.generate(requests, params)
         cache, runner = self._ensure_cache()
-        self._rope_memo: dict = {}  # a prompt head's M-RoPE ids once per call (GRPO groups)
+        self._rope_memo = {}  # a prompt head's M-RoPE ids once per call (GRPO groups)
         base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()))
         results: list[Completion | None] = [None] * len(requests)
         seqs: list[SeqState] = []
