@@ -237,6 +237,10 @@ def main() -> None:
     parser.add_argument(
         "--check", type=int, default=4, help="completions per batch checked by a forward pass"
     )
+    parser.add_argument("--kv-block", type=int, default=None, help="engine KV bucket (128)")
+    parser.add_argument(
+        "--prefill-tokens", type=int, default=16384, help="engine prompt tokens per prefill"
+    )
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--profile", default=None, help="profile 32 decode steps, tables here")
     args = parser.parse_args()
@@ -272,6 +276,8 @@ def main() -> None:
         "image_side": image_side,
         "new_tokens": new_tokens,
         "repeats": repeats,
+        "kv_block": args.kv_block,
+        "prefill_tokens": args.prefill_tokens,
         "runs": [],
     }
     results["variants"] = variants
@@ -298,7 +304,14 @@ def main() -> None:
         for variant in variants:
             engine = None
             try:
-                engine = HFEngine(model, device=device, max_batch_size=batch, **VARIANTS[variant])
+                engine = HFEngine(
+                    model,
+                    device=device,
+                    max_batch_size=batch,
+                    kv_block=args.kv_block,
+                    prefill_tokens=args.prefill_tokens,
+                    **VARIANTS[variant],
+                )
                 # warm-up: the same run, so every graph the timed runs need is captured
                 run_ours(engine, requests, new_tokens, device)
                 full = first = float("inf")
