@@ -114,6 +114,18 @@ class EngineRouter:
             for future in [self._pool.submit(e.update_weights, [bucket]) for e in self.engines]:
                 future.result()
 
+    def update_weights_from_serialized(
+        self, names: list[str], payloads: list[str], load_format: str = "flattened_bucket"
+    ) -> None:
+        """One serialized bucket (CUDA IPC handles, ``rollout_sglang.cuda_ipc``) to every
+        engine, inside the session the caller opened on each."""
+        futures = [
+            self._pool.submit(e.update_weights_from_serialized, names, payloads, load_format)
+            for e in self.engines
+        ]
+        for future in futures:
+            future.result()
+
     def _all(self, method: str) -> list[object]:
         futures = [self._pool.submit(getattr(e, method)) for e in self.engines]
         return [f.result() for f in futures]
