@@ -2,7 +2,8 @@
 
 Starts SGLang on a Qwen3-VL checkpoint, sends one geo3k prompt with its image, pushes one
 weight update through each transport (CUDA IPC to the in-process engine, CUDA IPC to a launched
-server, NCCL broadcast to that server), checks with ``get_weights_by_name`` that the new values
+server, each both by the engine's own ``update_weights`` and by the loop's ``CudaIpc`` transport
+in SGLang's ``flattened_bucket`` format, NCCL broadcast to that server), checks with ``get_weights_by_name`` that the new values
 landed, releases and resumes memory, and prints one verdict line per step. Run it after
 changing rollout-sglang or bumping the sglang pin; the CPU suite only talks to a stand-in.
 
@@ -21,6 +22,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +70,18 @@ def _landed(values: Any, expected) -> str:
     return f"{got.numel()} values match"
 
 
+class LocalLink:
+    """An engine link in this process (in a run, rl-runtime's ``RemoteEngine`` over Ray)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        future.set_result(fn(self.engine, *args))
+        return future
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, type=Path, help="local Qwen3-VL folder")
@@ -84,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from rollout_sglang import (
+        CudaIpc,
         DistributedWeightSender,
         GenerateRequest,
         RequestLimits,
@@ -140,6 +155,14 @@ def main(argv: list[str] | None = None) -> int:
         engine.update_weights([[(PROBE, probe)]])  # put the checkpoint's value back
         return "CUDA IPC (in-process): " + landed
 
+    def ipc_transport(engine: Any, read: Callable[[], Any], where: str) -> str:
+        transport = CudaIpc(sglang=True, weight_names=names)([LocalLink(engine)])
+        new = probe + 0.75
+        transport.send([[(PROBE, new)]])
+        landed = _landed(read(), new)
+        transport.send([[(PROBE, probe)]])
+        return f"CudaIpc transport, flattened_bucket ({where}): " + landed
+
     def memory() -> str:
         engine = state["engine"]
         engine.release_memory()
@@ -194,9 +217,25 @@ def main(argv: list[str] | None = None) -> int:
             ("start", start),
             ("generate", generate),
             ("update_weights_from_tensor", tensor_update),
+            (
+                "cuda_ipc_transport",
+                lambda: ipc_transport(
+                    state["engine"],
+                    lambda: state["engine"].engine.get_weights_by_name(sglang_name),
+                    "in-process",
+                ),
+            ),
             ("release_resume", memory),
             ("server", server),
             ("server_update_weights_from_tensor", server_tensor_update),
+            (
+                "server_cuda_ipc_transport",
+                lambda: ipc_transport(
+                    state["client"],
+                    lambda: state["client"]._post("/get_weights_by_name", {"name": sglang_name}),
+                    "server",
+                ),
+            ),
             ("update_weights_from_distributed", nccl_update),
             ("server_release_resume", server_memory),
         ]:
