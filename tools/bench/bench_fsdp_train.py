@@ -11,7 +11,9 @@ tokens after the 2 x 2 merge), at random init of a named shape (``--preset``).
   master weights and gradients: FSDP2 on several GPUs, flat master buffers on one; samples
   packed without padding to ``--max-tokens-per-gpu``, varlen attention within samples, layers
   and log-prob kernels compiled on CUDA, fused AdamW, GRPO or SFT loss); ``--variants eager``
-  measures it uncompiled, ``--variants fsdp_one_rank`` wrapped in FSDP on one GPU too.
+  measures it uncompiled, ``--variants fsdp_one_rank`` wrapped in FSDP on one GPU too;
+- ``--variants megatron``: the Megatron backend's ``MegatronActor.train_step`` (TP=1, same
+  batch and token budget), so the default backend is measured against both in one run.
 
 Each configuration (baseline, ours, each ``--variants`` entry) runs in a fresh process of its own
 (``--same-process`` to run them in this one): in one process the first FSDP actor measured 20-27%
@@ -114,8 +116,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--variants",
         default="",
-        help="extra configurations of ours, measured after it in the same process, comma "
-        f"separated: {', '.join(VARIANTS)}",
+        help="extra configurations of ours, each measured after it, comma separated: "
+        f"{', '.join(VARIANTS)}; or megatron (the Megatron actor's train_step, TP=1)",
     )
     p.add_argument(
         "--count-ops", action="store_true", help="count the aten ops one step of ours dispatches"
@@ -360,12 +362,14 @@ def watch_host_phases(actor) -> list[dict[str, float]]:
     ``copy`` (pixels into pinned memory and every host-to-device copy); the pinned-memory
     stalls of the sixth round (docs/performance.md) showed in ``copy``."""
     import trainers_fsdp.actor as actor_module
-    from trainers_fsdp.microbatch import MicroBatch
+    from rl_algos import MicroBatches, StepMetrics
+    from vlm_models import MicroBatch
 
     rows: list[dict[str, float]] = []
     marks: dict[str, float] = {}
     parts = dict.fromkeys(("build", "vision", "copy"), 0.0)
-    plain = {n: getattr(actor, n) for n in ("train_step", "_micro_batches", "_read", "_update")}
+    plain = {n: getattr(actor, n) for n in ("train_step", "micro_batches", "apply_update")}
+    plain_read = StepMetrics.read
 
     def timed(fn, key):
         def run(*a, **k):
@@ -394,20 +398,25 @@ def watch_host_phases(actor) -> list[dict[str, float]]:
         return out
 
     def micro_batches(*a, **k):
-        for i, mb in enumerate(plain["_micro_batches"](*a, **k)):
-            if i == 0:
-                marks["packed"] = time.perf_counter()
-            yield mb
+        built = plain["micro_batches"](*a, **k)
 
-    def read(*a, **k):
+        def build(indices):
+            mb = built.build(indices)
+            marks.setdefault("packed", time.perf_counter())
+            return mb
+
+        marks.pop("packed", None)
+        return MicroBatches(built.plan, build)
+
+    def read(self, *a, **k):  # the step's one host read (rl_algos.StepMetrics.read)
         t = time.perf_counter()
-        out = plain["_read"](*a, **k)
+        out = plain_read(self, *a, **k)
         marks["read"], marks["read_start"] = time.perf_counter(), t
         return out
 
     def update(*a, **k):
         t = time.perf_counter()
-        out = plain["_update"](*a, **k)
+        out = plain["apply_update"](*a, **k)
         marks["phases"] = {
             "pack": marks["packed"] - marks["start"],
             "launch": marks["read_start"] - marks["packed"],
@@ -416,12 +425,8 @@ def watch_host_phases(actor) -> list[dict[str, float]]:
         }
         return out
 
-    actor.train_step, actor._micro_batches, actor._read, actor._update = (
-        train_step,
-        micro_batches,
-        read,
-        update,
-    )
+    StepMetrics.read = read
+    actor.train_step, actor.micro_batches, actor.apply_update = train_step, micro_batches, update
     return rows
 
 
@@ -700,11 +705,43 @@ def _device_busy_ms(prof) -> float:
     return busy / 1e6
 
 
+def run_megatron(args, device: torch.device) -> tuple[dict, int, int]:
+    """The Megatron backend's ``MegatronActor.train_step`` (TP=1, its defaults) on the same
+    batch and token budget: the default backend against the FSDP actor, same process kind."""
+    from trainers_megatron import MegatronActor, MegatronConfig
+
+    actor = MegatronActor(
+        MegatronConfig(
+            model=args.preset,
+            model_overrides=model_overrides(args.preset),
+            max_tokens_per_gpu=args.max_tokens_per_gpu,
+            lr=1e-6,
+            weight_decay=0.01,
+            max_grad_norm=1.0,
+        )
+    )
+    params = sum(p.numel() for p in actor.model.parameters())
+    batch = make_batch(args, actor.hf_config, args.batch * args.accum, seed=1 + actor.rank)
+    metrics: dict = {}
+
+    def step():
+        metrics.update(actor.train_step(batch, loss=args.loss))
+
+    times = time_steps(step, args, device)
+    result = summarize("megatron", times, tokens_per_step(args), params, device)
+    result["last_metrics"] = metrics
+    if args.profile and actor.rank == 0:
+        profile_step(step, args.profile / "profile_megatron.txt", device, actor.model)
+    return result, params, 1
+
+
 def run_config(name: str, args, device: torch.device) -> tuple[dict, int, int]:
-    """One configuration in this process: ``baseline``, ``ours`` or a variant's name."""
+    """One configuration in this process: ``baseline``, ``ours``, ``megatron`` or a variant."""
     if name == "baseline":
         result, params = run_baseline(args, device)
         return result, params, 1
+    if name == "megatron":
+        return run_megatron(args, device)
     return run_ours(args, device, name, **({} if name == "ours" else VARIANTS[name]))
 
 
@@ -731,7 +768,7 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     names = [n for n in args.variants.split(",") if n]
     for name in names:
-        if name not in VARIANTS:
+        if name not in VARIANTS and name != "megatron":
             raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
     if args.only:  # worker of run_isolated: one configuration, one JSON line
         result, params, world = run_config(args.only, args, device)

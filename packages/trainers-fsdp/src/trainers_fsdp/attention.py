@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from vlm_models import HAS_FLASH_VARLEN, flash_varlen
+
 logger = logging.getLogger(__name__)
 
 PACKED_ATTENTION = "packed"
@@ -51,30 +53,7 @@ class PackedSeqInfo:
 # Read as a plain global in the forward (dynamo traced a resolver called there into every
 # compiled layer). Set to False when the kernel fails once (then per-sample sdpa is used for the
 # rest of the process).
-_FLASH_VARLEN: bool = hasattr(torch.ops.aten, "_flash_attention_forward")
-
-
-def flash_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    *,
-    causal: bool,
-    scale: float | None,
-) -> torch.Tensor:
-    """FlashAttention over the samples ``cu_seqlens`` (int32) of ``q``, ``k``, ``v``
-    (``[T, H, D]``; ``k`` and ``v`` may have fewer heads, GQA), as ``[T, H, D]``.
-
-    The aten op itself rather than ``torch.nn.attention.varlen.varlen_attn``, which wraps it in
-    a Python custom op: that adds host work and a kernel per call in every layer, and its
-    list-typed argument keeps inductor's C++ wrapper from compiling the layer.
-    """
-    out = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, causal, False, scale=scale
-    )
-    return out[0]
+_FLASH_VARLEN: bool = HAS_FLASH_VARLEN
 
 
 def packed_attention_forward(

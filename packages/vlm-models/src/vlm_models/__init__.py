@@ -40,6 +40,7 @@ from vlm_models.packing import (
 from vlm_models.patch_embed import Conv3dPatchEmbed, LinearPatchEmbed, set_fast_patch_embed
 from vlm_models.presets import PRESETS, SHAPE_PRESETS, TINY_PRESETS, preset_config, tiny_config
 from vlm_models.sync_free import remove_host_syncs
+from vlm_models.varlen import HAS_FLASH_VARLEN, flash_varlen, flash_varlen_supported
 from vlm_models.vision_inputs import VisionInputs
 from vlm_models.weights import (
     hf_named_tensors,
@@ -49,6 +50,7 @@ from vlm_models.weights import (
 )
 
 __all__ = [
+    "HAS_FLASH_VARLEN",
     "PRESETS",
     "SHAPE_PRESETS",
     "TINY_PRESETS",
@@ -64,6 +66,8 @@ __all__ = [
     "count_parameters",
     "cu_seqlens_from_lengths",
     "dummy_image",
+    "flash_varlen",
+    "flash_varlen_supported",
     "flops_per_token",
     "has_linear_attention",
     "has_weights",

@@ -7,7 +7,9 @@ Three small modules complete Megatron's local (non-Transformer-Engine) layer spe
   parallelism (its weight is marked so Megatron all-reduces its gradient over TP).
 * :class:`SDPACoreAttention` is core attention on ``torch.nn.functional.scaled_dot_product_attention``
   that also takes packed THD sequences (``PackedSeqParams``), which the local
-  ``DotProductAttention`` refuses.
+  ``DotProductAttention`` refuses: on CUDA in half precision all samples in one FlashAttention
+  varlen kernel (the FSDP path's kernel, :func:`vlm_models.flash_varlen`), elsewhere one SDPA
+  call per sample.
 * :class:`DeepstackTransformerLayer` adds Qwen3-VL's deepstack visual features after the first
   decoder layers. The features travel through the block as its ``context`` argument (a dense
   ``[S, B, n_deepstack, H]`` tensor, zero away from image tokens), because the block already
@@ -38,6 +40,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor, nn
 
+from vlm_models.varlen import flash_varlen, flash_varlen_supported
+
 
 def param_device(config: TransformerConfig) -> torch.device:
     if config.use_cpu_initialization or not torch.cuda.is_available():
@@ -60,10 +64,9 @@ class RMSNorm(nn.Module):
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        # F.rms_norm normalises in float32 and rounds to x's dtype (one fused kernel on CUDA),
+        # then the weight multiplies: the same roundings as HF's eager formula.
+        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
 
 class SDPACoreAttention(MegatronModule):
@@ -93,10 +96,6 @@ class SDPACoreAttention(MegatronModule):
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         """q ``[b, np, s, hn]``, k/v ``[b, ng, s, hn]``; causal unless ``mask`` is given."""
-        if k.shape[1] != q.shape[1]:
-            repeat = q.shape[1] // k.shape[1]
-            k = k.repeat_interleave(repeat, dim=1)
-            v = v.repeat_interleave(repeat, dim=1)
         return F.scaled_dot_product_attention(
             q,
             k,
@@ -105,6 +104,7 @@ class SDPACoreAttention(MegatronModule):
             dropout_p=self.dropout if self.training else 0.0,
             is_causal=mask is None and self.attn_mask_type == AttnMaskType.causal,
             scale=self.softmax_scale,
+            enable_gqa=k.shape[1] != q.shape[1],
         )
 
     def forward(
@@ -130,6 +130,17 @@ class SDPACoreAttention(MegatronModule):
     def _forward_thd(
         self, query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams
     ) -> Tensor:
+        if flash_varlen_supported(query) and not (self.training and self.dropout):
+            # one kernel for every sample; no host read of the boundaries (max_seqlen is an int)
+            padded = params.cu_seqlens_q_padded
+            cu = padded if padded is not None else params.cu_seqlens_q
+            longest = params.max_seqlen_q
+            if longest is None:
+                longest = int((cu[1:] - cu[:-1]).max())
+            out = flash_varlen(
+                query, key, value, cu, int(longest), causal=True, scale=self.softmax_scale
+            )
+            return out.reshape(query.shape[0], -1)
         padded = params.cu_seqlens_q_padded
         cu = (padded if padded is not None else params.cu_seqlens_q).tolist()
         if cu[0] != 0 or cu[-1] != query.shape[0]:

@@ -30,7 +30,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor, nn
 from transformers import AutoModel, PretrainedConfig
 
-from vlm_models.megatron._upstream_fixes import define_missing_te_gemm
+from vlm_models.megatron._upstream_fixes import (
+    define_missing_te_gemm,
+    use_packed_rope_without_host_reads,
+)
 from vlm_models.megatron.config import Parallelism, text_arch, transformer_config
 from vlm_models.megatron.layers import block_spec, param_device
 from vlm_models.megatron.rope import InterleavedMRoPE
@@ -113,6 +116,7 @@ class Qwen3VLMegatronModel(MegatronModule):
             )
         if self.arch.num_experts:
             define_missing_te_gemm()
+        use_packed_rope_without_host_reads()
         self.visual: nn.Module | None = None
         if pre_process:
             self.visual = AutoModel.from_config(
