@@ -10,7 +10,13 @@ from rl_algos.advantages import (
     group_index,
     whiten_advantages,
 )
-from rl_algos.batch import TrainBatch, pack_by_token_budget, pack_sequences, unpack_sequences
+from rl_algos.batch import (
+    LOSS_FIELDS,
+    TrainBatch,
+    pack_by_token_budget,
+    pack_sequences,
+    unpack_sequences,
+)
 from rl_algos.logprobs import (
     aligned_entropy,
     aligned_logprobs,
@@ -20,7 +26,6 @@ from rl_algos.logprobs import (
 )
 from rl_algos.losses import (
     GRPO_METRICS,
-    LOSS_FIELDS,
     LOSSES,
     EntropyMode,
     GrpoLoss,

@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from rl_algos.batch import LOSS_FIELDS
 from rl_algos.metrics import Reduce
 
 logger = logging.getLogger(__name__)
@@ -355,9 +356,6 @@ def sft_loss(
 
 # ------------------------------------------------------------------------------- loss objects
 EntropyMode = Literal["grad", "metric"] | None
-
-# The per-token TrainBatch fields a training loss reads, packed into each micro-batch.
-LOSS_FIELDS = ("loss_mask", "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
 
 # Every metric grpo_loss may return, with its reduction over micro-batches and ranks
 # (rl_algos.metrics). "loss" is left out: the trainer step reports the step's loss itself.
