@@ -63,6 +63,8 @@ from vlm_models.megatron import (
     SafetensorsReader,
     apply_cpu_compat,
     build_megatron_model,
+    compile_decoder_layers,
+    compiles_by_default,
     initialize_model_parallel,
     iter_hf_weights,
     load_hf_weights,
@@ -153,6 +155,13 @@ class MegatronActor:
             **recompute,
         )
         self._load_initial_weights()
+        self.compiled = config.compile
+        if self.compiled is None:
+            self.compiled = self.device.type == "cuda" and compiles_by_default(self.hf_config)
+        if self.compiled:
+            compile_decoder_layers(
+                self.model, backend="inductor" if self.device.type == "cuda" else "aot_eager"
+            )
         self.ref_model = None
         if config.reference_model:  # the initial policy, frozen: the KL penalty's reference
             self.ref_model = build_megatron_model(

@@ -14,6 +14,7 @@ from vlm_models import tiny_config
 from vlm_models.megatron import (
     Parallelism,
     build_megatron_model,
+    compile_decoder_layers,
     initialize_model_parallel,
     load_hf_weights,
 )
@@ -219,3 +220,37 @@ def test_host_side_image_inputs_equal_and_free_the_merge_of_host_syncs(
         torch.testing.assert_close(g, dict(model.named_parameters())[name].grad, msg=name)
     with torch.no_grad():
         torch.testing.assert_close(model(**host), model(**inputs), atol=0, rtol=0)
+
+
+def test_compiled_layers_trace_whole_and_match_eager(tp1, tiny_setup, to_megatron_inputs):
+    """Packed THD forward and backward with every decoder layer compiled (aot_eager: the same
+    dynamo/AOTAutograd graphs, no kernel generation): whole graphs, eager's numbers."""
+    import torch._dynamo.testing
+
+    config, hf_model, batch = tiny_setup
+    inputs = to_megatron_inputs(config, batch)
+    valid = inputs["valid"]
+    weights = torch.randn(valid.shape, generator=torch.Generator().manual_seed(11))[valid]
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = build_megatron_model(config, Parallelism()).train()
+        load_hf_weights(model, hf_model.state_dict())
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        if compiled:
+            assert (
+                compile_decoder_layers(model, backend=counter)
+                == config.text_config.num_hidden_layers
+            )
+        thd = dict(inputs["thd"])
+        packed = _packed(thd.pop("cu_seqlens"))
+        logits = model(**thd, packed_seq_params=packed)[0]
+        (logits.logsumexp(-1) * weights).sum().backward()
+        if compiled:  # no graph break, and the layers share their graph (no per-layer recompile)
+            assert not torch._dynamo.utils.counters["graph_break"]
+            assert 1 <= counter.frame_count < config.text_config.num_hidden_layers
+        results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (eager_logits, eager_grads), (logits, grads) = results
+    assert (logits - eager_logits).abs().max() < ATOL
+    for name, grad in eager_grads.items():
+        assert torch.allclose(grads[name], grad, rtol=1e-4, atol=1e-6), name

@@ -27,6 +27,7 @@ from vlm_models.megatron.checkpoint import (
     load_megatron_checkpoint,
     megatron_to_hf_checkpoint,
 )
+from vlm_models.megatron.compiling import compile_decoder_layers, compiles_by_default
 from vlm_models.megatron.config import Parallelism, TextArch, text_arch, transformer_config
 from vlm_models.megatron.convert import (
     ParamMap,
@@ -74,6 +75,8 @@ __all__ = [
     "apply_cpu_compat",
     "block_spec",
     "build_megatron_model",
+    "compile_decoder_layers",
+    "compiles_by_default",
     "destroy_model_parallel",
     "from_file_layout",
     "fuse_qkv",

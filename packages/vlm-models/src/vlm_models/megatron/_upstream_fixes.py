@@ -59,3 +59,33 @@ def use_packed_rope_without_host_reads() -> None:
 
     apply_rotary_pos_emb._glimpse_packed = True  # type: ignore[attr-defined]
     attention.apply_rotary_pos_emb = apply_rotary_pos_emb
+
+
+def quiet_default_tp_group() -> None:
+    """Let ``torch.compile`` trace megatron-core's parallel linears in one graph.
+
+    ``RowParallelLinear.forward`` (``tensor_parallel/layers.py``) always passes ``tp_group=None``
+    to ``linear_with_grad_accumulation_and_async_allreduce``, whose lookup
+    (``utils.get_tensor_model_parallel_group_if_none``) then calls ``warnings.warn`` with keyword
+    arguments on rank 0: a deprecation notice about megatron-core's own call, and a call dynamo
+    cannot trace, so every compiled decoder layer broke its graph there. This lookup returns the
+    same group without the notice.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import layers
+
+    original = layers.get_tensor_model_parallel_group_if_none
+    if getattr(original, "_glimpse_quiet", False):
+        return
+
+    def get_tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_initialized=True):
+        if tp_group is not None or not parallel_state.is_initialized():
+            return original(tp_group, is_expert=is_expert, check_initialized=check_initialized)
+        if is_expert:
+            return parallel_state.get_expert_tensor_parallel_group(
+                check_initialized=check_initialized
+            )
+        return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
+
+    get_tensor_model_parallel_group_if_none._glimpse_quiet = True  # type: ignore[attr-defined]
+    layers.get_tensor_model_parallel_group_if_none = get_tensor_model_parallel_group_if_none

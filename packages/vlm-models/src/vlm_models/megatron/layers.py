@@ -142,7 +142,10 @@ class SDPACoreAttention(MegatronModule):
             )
             return out.reshape(query.shape[0], -1)
         padded = params.cu_seqlens_q_padded
-        cu = (padded if padded is not None else params.cu_seqlens_q).tolist()
+        cu_tensor = padded if padded is not None else params.cu_seqlens_q
+        if torch.compiler.is_compiling():  # compiled (CPU): a block-causal mask, no host read
+            return self._forward_thd_masked(query, key, value, cu_tensor)
+        cu = cu_tensor.tolist()
         if cu[0] != 0 or cu[-1] != query.shape[0]:
             raise ValueError(f"cu_seqlens {cu} do not cover the {query.shape[0]} packed tokens")
         parts = [
@@ -153,6 +156,17 @@ class SDPACoreAttention(MegatronModule):
         out = torch.cat([p[0].transpose(0, 1) for p in parts])  # [t, np, hn]
         return out.reshape(query.shape[0], -1)
 
+    def _forward_thd_masked(self, query: Tensor, key: Tensor, value: Tensor, cu: Tensor) -> Tensor:
+        """All samples in one SDPA call under a block-causal ``[T, T]`` mask built on the
+        device: quadratic memory, so only where no varlen kernel runs (traced CPU layers)."""
+        t = query.shape[0]
+        positions = torch.arange(t, device=query.device)
+        sample = torch.searchsorted(cu[1:].to(positions.dtype), positions, right=True)
+        mask = (sample[:, None] == sample[None, :]) & (positions[:, None] >= positions[None, :])
+        q, k, v = (x.transpose(0, 1)[None] for x in (query, key, value))  # [1, heads, t, hn]
+        out = self._attend(q, k, v, mask)
+        return out[0].transpose(0, 1).reshape(t, -1)
+
 
 class DeepstackTransformerLayer(TransformerLayer):
     """A decoder layer that adds deepstack visual features to its output.
@@ -160,10 +174,20 @@ class DeepstackTransformerLayer(TransformerLayer):
     ``context`` is ``[S, B, n_deepstack, H]`` (sequence-sharded like the hidden states under
     sequence parallelism) or None. Global layer ``k`` (0-based) adds ``context[:, :, k]`` when
     ``k < n_deepstack``, as HF's ``Qwen3VLTextModel`` does after its layer ``k``.
+
+    ``layer_forward`` is megatron-core's layer itself; :func:`compile_decoder_layers` replaces
+    it with one compiled function shared by all layers. The deepstack add stays outside it:
+    it branches on the layer number, which a compiled region would specialise on, compiling
+    every layer anew (and past dynamo's recompile limit, running the rest eagerly).
     """
 
+    layer_forward = None  # set per instance by compile_decoder_layers
+
     def forward(self, *args, context: Tensor | None = None, **kwargs):
-        hidden_states, _ = super().forward(*args, context=None, **kwargs)
+        if self.layer_forward is not None:
+            hidden_states, _ = self.layer_forward(self, *args, context=None, **kwargs)
+        else:
+            hidden_states, _ = super().forward(*args, context=None, **kwargs)
         index = self.layer_number - 1  # layer_number is global and 1-based
         if context is not None and index < context.shape[2]:
             hidden_states = hidden_states + context[:, :, index].to(hidden_states.dtype)
