@@ -1,16 +1,20 @@
-"""HF rollout engine vs plain ``model.generate``: decode throughput, same model, same run.
+"""HF rollout engine vs plain ``model.generate``: decode throughput and log-prob fidelity.
 
 A Qwen3-VL-shaped model with random weights (no download), synthetic prompts of
 ``--prompt-len`` tokens that each include one image (random pixels, a real Qwen3-VL vision
 grid), ``--new-tokens`` sampled tokens per prompt with EOS ignored so every row runs to the
 end. Both sides sample at temperature 1 with no top-k/top-p; ours also returns the log-prob of
-every token. Prints tokens/s of each and the ratio; ``--out`` writes the figures as JSON.
+every token, and for ``--check`` of its completions per batch the bench recomputes them with a
+teacher-forced forward of prompt + response and reports the largest absolute difference.
+Each ``--variants`` entry is one engine setting (CUDA graphs on/off, torch.compile, decode
+attention), built once and reused, so captured graphs are not re-captured per run. Prints
+tokens/s, ms per decode step and the ratios; ``--out`` writes the figures as JSON.
 
 Runs with only ``packages/*/src`` on PYTHONPATH (torch, transformers; no datasets):
 
     # GPU (H200): Qwen3-VL-2B shapes, batch 64 and 256, 400-token prompts, 256 new tokens
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python tools/bench/bench_hf_engine.py \
-        --device cuda --out bench_hf_engine.json
+        --device cuda --variants graph,graph-matmul,graph-compile --out bench_hf_engine.json
     # CPU smoke run (tiny model, small shapes)
     uv run python tools/bench/bench_hf_engine.py --device cpu
 """
@@ -75,8 +79,17 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_ours(model, requests, new_tokens: int, device) -> float:
-    engine = HFEngine(model, device=device, max_batch_size=len(requests))
+# Engine settings a run can compare (--variants), on top of the engine's defaults.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "eager": {"cuda_graphs": False},
+    "graph": {},
+    "graph-matmul": {"decode_attention": "matmul"},
+    "graph-compile": {"compile": True},
+    "graph-compile-matmul": {"compile": True, "decode_attention": "matmul"},
+}
+
+
+def run_ours(engine: HFEngine, requests, new_tokens: int, device) -> tuple[float, list]:
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
     sync(device)
     start = time.perf_counter()
@@ -86,7 +99,29 @@ def run_ours(model, requests, new_tokens: int, device) -> float:
     bad = [c.error for c in out if not c.ok or c.response_length != new_tokens]
     if bad:
         raise RuntimeError(f"HF engine: {len(bad)} incomplete completions, e.g. {bad[0]}")
-    return elapsed
+    return elapsed, out
+
+
+@torch.inference_mode()
+def logprob_gap(model, requests, completions, device, count: int) -> float:
+    """Largest |engine log-prob - teacher-forced log-prob| over the first ``count`` completions:
+    a plain forward of prompt + response, the model computing its own M-RoPE positions."""
+    gap = 0.0
+    for request, completion in list(zip(requests, completions, strict=True))[:count]:
+        response = torch.tensor(completion.token_ids)
+        ids = torch.cat([request.input_ids, response])[None].to(device)
+        types = torch.cat([request.mm_token_type_ids, torch.zeros_like(response)])[None]
+        logits = model(
+            input_ids=ids,
+            pixel_values=request.pixel_values.to(device),
+            image_grid_thw=request.image_grid_thw.to(device),
+            mm_token_type_ids=types.to(device),
+        ).logits[0]
+        start = request.prompt_length - 1
+        scores = logits[start : start + len(response)].float().log_softmax(-1)
+        expected = scores.gather(-1, response.to(device)[:, None]).squeeze(-1).cpu()
+        gap = max(gap, float((expected - torch.tensor(completion.logprobs)).abs().max()))
+    return gap
 
 
 @torch.inference_mode()
@@ -134,8 +169,9 @@ def profile_decode(model, device, prompt_len: int, image_side: int, path: str) -
     requests = synthetic_requests(model.config, 64, prompt_len, image_side, seed=7)
     acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     out = []
+    engine = HFEngine(model, device=device, max_batch_size=64)
     for name, fn in [
-        ("ours", lambda: run_ours(model, requests, 32, device)),
+        ("ours", lambda: run_ours(engine, requests, 32, device)[0]),
         ("generate", lambda: run_generate(model, requests, 32, device)),
     ]:
         fn()  # warm
@@ -192,6 +228,19 @@ def main() -> None:
         help="timed runs per side, best kept (default 1 cuda, 3 cpu)",
     )
     parser.add_argument("--skip-baseline", action="store_true", help="only time the HF engine")
+    parser.add_argument(
+        "--variants",
+        default=None,
+        help=f"comma list of engine settings, from {', '.join(VARIANTS)} "
+        "(default: graph on cuda, eager on cpu)",
+    )
+    parser.add_argument(
+        "--check", type=int, default=4, help="completions per batch checked by a forward pass"
+    )
+    parser.add_argument("--kv-block", type=int, default=None, help="engine KV bucket (128)")
+    parser.add_argument(
+        "--prefill-tokens", type=int, default=16384, help="engine prompt tokens per prefill"
+    )
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--profile", default=None, help="profile 32 decode steps, tables here")
     args = parser.parse_args()
@@ -206,6 +255,10 @@ def main() -> None:
     new_tokens = args.new_tokens or (256 if gpu else 16)
     dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
     repeats = args.repeats or (1 if gpu else 3)
+    variants = (args.variants or ("graph" if gpu else "eager")).split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown --variants {unknown}: {', '.join(VARIANTS)}")
 
     torch.manual_seed(0)
     model = build_model(preset, dtype=dtype, attn_implementation=args.attn, device=device).eval()
@@ -223,63 +276,98 @@ def main() -> None:
         "image_side": image_side,
         "new_tokens": new_tokens,
         "repeats": repeats,
+        "kv_block": args.kv_block,
+        "prefill_tokens": args.prefill_tokens,
         "runs": [],
     }
-    warm = synthetic_requests(model.config, 2, prompt_len, image_side, seed=1)
-    run_ours(model, warm, 4, device)
-    if not args.skip_baseline:
-        run_generate(model, warm, 4, device)
-
+    results["variants"] = variants
     for batch in batch_sizes:
         requests = synthetic_requests(model.config, batch, prompt_len, image_side, seed=batch)
         tokens = batch * new_tokens
-        # Sides alternate within each repeat (best of each kept), so load that comes and goes
-        # on a shared machine hits both alike. Per decode step: (time for N tokens - time for
-        # 1 token, i.e. prefill and the first sample) / (N - 1).
-        sides = (
-            {"ours": run_ours}
-            if args.skip_baseline
-            else {"ours": run_ours, "generate": run_generate}
-        )
-        best: dict[str, list[float]] = {name: [float("inf")] * 2 for name in sides}
-        for run in sides.values():  # warm-up at this batch size (allocator, kernels)
-            run(model, requests, 2, device)
-        for _ in range(repeats):
-            for name, run in sides.items():
+        row: dict[str, Any] = {"batch": batch}
+        # Per decode step: (time for N tokens - time for 1 token, i.e. prefill and the first
+        # sample) / (N - 1). Best of --repeats for each.
+        if not args.skip_baseline:
+            run_generate(model, requests, 2, device)  # warm-up at this batch size
+            full = first = float("inf")
+            for _ in range(repeats):
+                full = min(full, run_generate(model, requests, new_tokens, device))
+                first = min(first, run_generate(model, requests, 1, device))
+            row["generate"] = {
+                "s": full,
+                "tok_s": tokens / full,
+                "prefill_s": first,
+                "step_ms": step_ms(full, first, new_tokens),
+            }
+            if gpu:
+                torch.cuda.empty_cache()
+        for variant in variants:
+            engine = None
+            try:
+                engine = HFEngine(
+                    model,
+                    device=device,
+                    max_batch_size=batch,
+                    kv_block=args.kv_block,
+                    prefill_tokens=args.prefill_tokens,
+                    **VARIANTS[variant],
+                )
+                # warm-up: the same run, so every graph the timed runs need is captured
+                run_ours(engine, requests, new_tokens, device)
+                full = first = float("inf")
+                completions: list = []
+                for _ in range(repeats):
+                    elapsed, out = run_ours(engine, requests, new_tokens, device)
+                    if elapsed < full:
+                        full, completions = elapsed, out
+                    first = min(first, run_ours(engine, requests, 1, device)[0])
+                ours: dict[str, Any] = {
+                    "s": full,
+                    "tok_s": tokens / full,
+                    "prefill_s": first,
+                    "step_ms": step_ms(full, first, new_tokens),
+                    "graphs": engine.runner.num_graphs if engine.runner else 0,
+                    "slots": engine.cache.slots if engine.cache else 0,
+                    "max_abs_logprob_diff": logprob_gap(
+                        model, requests, completions, device, args.check
+                    ),
+                }
+                if "generate" in row:
+                    ours["ratio"] = row["generate"]["s"] / full
+                    ours["step_ratio"] = row["generate"]["step_ms"] / ours["step_ms"]
+            except Exception as exc:  # one failing setting still reports the others
+                logger.exception("variant %s at batch %d failed", variant, batch)
+                ours = {"error": f"{type(exc).__name__}: {exc}"}
+            finally:
+                if engine is not None:
+                    engine.shutdown()
                 if gpu:
                     torch.cuda.empty_cache()
-                full = run(model, requests, new_tokens, device)
-                first = run(model, requests, 1, device)
-                best[name] = [min(best[name][0], full), min(best[name][1], first)]
-        row: dict[str, Any] = {"batch": batch}
-        for name, (full, first) in best.items():
-            row.update(
-                {
-                    f"{name}_s": full,
-                    f"{name}_tok_s": tokens / full,
-                    f"{name}_prefill_s": first,
-                    f"{name}_step_ms": step_ms(full, first, new_tokens),
-                }
-            )
-        if "generate" in best:
-            row["ratio"] = row["generate_s"] / row["ours_s"]
-            row["step_ratio"] = row["generate_step_ms"] / row["ours_step_ms"]
+            row[variant] = ours
         if gpu:
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             torch.cuda.reset_peak_memory_stats(device)
-            torch.cuda.empty_cache()
         results["runs"].append(row)
-        line = (
-            f"batch {batch:4d}: HF engine {row['ours_tok_s']:9.1f} tok/s"
-            f" ({row['ours_step_ms']:7.1f} ms/step)"
-        )
-        if "ratio" in row:
-            line += (
-                f" | model.generate {row['generate_tok_s']:9.1f} tok/s"
-                f" ({row['generate_step_ms']:7.1f} ms/step) | ratio {row['ratio']:.2f}x"
-                f" (per step {row['step_ratio']:.2f}x)"
+        if "generate" in row:
+            g = row["generate"]
+            print(
+                f"batch {batch:4d} model.generate: {g['tok_s']:9.1f} tok/s"
+                f" ({g['step_ms']:6.2f} ms/step)",
+                flush=True,
             )
-        print(line, flush=True)
+        for variant in variants:
+            r = row[variant]
+            if "error" in r:
+                print(f"batch {batch:4d} {variant}: FAILED {r['error']}", flush=True)
+                continue
+            line = (
+                f"batch {batch:4d} {variant}: {r['tok_s']:9.1f} tok/s ({r['step_ms']:6.2f}"
+                f" ms/step, prefill {r['prefill_s']:.2f} s, {r['graphs']} graphs)"
+                f" max|dlogp| {r['max_abs_logprob_diff']:.3g}"
+            )
+            if "ratio" in r:
+                line += f" | vs generate {r['ratio']:.2f}x, per step {r['step_ratio']:.2f}x"
+            print(line, flush=True)
 
     if args.out:
         with open(args.out, "w") as f:

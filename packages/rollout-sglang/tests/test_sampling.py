@@ -4,7 +4,12 @@ import pytest
 import torch
 
 from rollout_sglang import SamplingParams
-from rollout_sglang.sampling import filter_top_k_top_p, sample_tokens
+from rollout_sglang.sampling import (
+    counter_uniform,
+    filter_top_k_top_p,
+    sample_tokens,
+    sample_with_uniform,
+)
 
 
 def test_top_k_keeps_k_best():
@@ -40,3 +45,27 @@ def test_greedy():
 def test_sampling_params_validated(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+def test_counter_uniform_is_a_pure_function_of_seed_and_counter():
+    seeds = torch.arange(50000, dtype=torch.long) * 7919 + (1 << 40)
+    counters = torch.arange(50000, dtype=torch.long) % 13
+    u = counter_uniform(seeds, counters)
+    assert torch.equal(u, counter_uniform(seeds.clone(), counters.clone()))
+    assert torch.equal(u[10:20], counter_uniform(seeds[10:20], counters[10:20]))  # no batch state
+    assert u.min() > 0 and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.005
+    # the next counter (the next token of the same request) draws something else
+    assert (counter_uniform(seeds, counters + 1) != u).float().mean() > 0.99
+
+
+def test_inverse_cdf_sampling_follows_the_distribution():
+    logits = torch.tensor([[0.0, 1.0, 2.0, -30.0]]).repeat(20000, 1)
+    u = counter_uniform(torch.arange(20000), torch.zeros(20000, dtype=torch.long))
+    tokens, logprobs = sample_with_uniform(logits, u, temperature=2.0)
+    expected = (logits[0] / 2.0).softmax(-1)
+    freq = torch.bincount(tokens, minlength=4).float() / len(tokens)
+    torch.testing.assert_close(freq, expected, atol=0.015, rtol=0)
+    torch.testing.assert_close(logprobs, expected.log()[tokens])
+    kept, _ = sample_with_uniform(logits, u, temperature=1.0, top_k=1)
+    assert kept.eq(2).all()

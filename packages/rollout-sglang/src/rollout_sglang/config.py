@@ -65,10 +65,14 @@ class RolloutConfig:
     enable_deterministic_inference: bool = False  # SGLang honours seeds only with it
     check_weight_names: bool = True  # refuse names SGLang's loader would skip
     extra_sglang_args: dict[str, Any] = field(default_factory=dict)
-    # HF engine
+    # HF engine (see HFEngine): sequences decoding at once, the KV cache's share of free GPU
+    # memory, CUDA-graph decode, torch.compile of the decode step's layer blocks
     device: str | None = None
-    max_batch_size: int = 64
+    max_batch_size: int = 256
     attn_implementation: str = "sdpa"
+    kv_cache_fraction: float = 0.5
+    cuda_graphs: bool = True
+    compile_decode: bool = False
 
     def sglang_config(self, index: int = 0) -> SGLangConfig:
         return SGLangConfig(
@@ -142,7 +146,14 @@ def build_engine(config: RolloutConfig, *, model: torch.nn.Module | None = None)
             )
         if config.num_engines > 1:
             logger.warning("num_engines=%d ignored by the HF engine", config.num_engines)
-        return HFEngine(model, device=config.device, max_batch_size=config.max_batch_size)
+        return HFEngine(
+            model,
+            device=config.device,
+            max_batch_size=config.max_batch_size,
+            kv_cache_fraction=config.kv_cache_fraction,
+            cuda_graphs=config.cuda_graphs,
+            compile=config.compile_decode,
+        )
 
     limits = _limits(config, getattr(model, "config", None))
     names = config.weight_name_check()

@@ -1,14 +1,18 @@
 """The rollout engine over a transformers Qwen3-VL model, for machines without SGLang.
 
-Our own decode loop rather than ``model.generate``: left-padded batches with per-sample 3-D
-M-RoPE positions computed once at prefill (the model's global ``rope_deltas`` state is never
-used, so rows can be dropped mid-generation), a KV cache, per-request stop, finished rows pruned
-from the batch and the cache, and the log-prob of each sampled token returned alongside it.
+A small serving engine rather than a ``model.generate`` loop, because rollout time is decode
+time: prompts are prefilled through the transformers model itself (vision tower, DeepStack,
+M-RoPE positions: exactly the trainer's forward) and their keys/values copied into a
+preallocated per-slot KV cache (:mod:`~rollout_sglang.kv_cache`); decode runs our own forward
+over the same weights (:mod:`~rollout_sglang.decode`), captured once per (batch bucket,
+KV-length bucket) as a CUDA graph, with sampling and log-probs inside the graph; continuous
+batching (:mod:`~rollout_sglang.scheduler`) refills a finished sequence's slot at once.
+Models whose text layers the decode step does not cover (Qwen3.5's linear attention, MoE)
+fall back to the transformers loop of :mod:`~rollout_sglang.hf_legacy`.
 
-Per decode step the loop does what ``model.generate`` does and less: no host sync (the count of
-finished rows is copied asynchronously and read one step late on accelerators), no attention
-mask rebuilt from a growing 2-D mask (unpadded batches pass none; padded ones a view of one
-preallocated buffer), positions built once.
+Each request samples with its own seed (``GenerateRequest.seed``, else ``SamplingParams.seed``
+plus its position) through a counter-based draw, so its output does not depend on which other
+requests share the call, nor on the slot or step it ran in.
 """
 
 from __future__ import annotations
@@ -20,94 +24,26 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rollout_sglang.sampling import sample_tokens
+from rollout_sglang.decode import DecodeRunner, SamplingKey, TextDecoder, sample_logits, supports
+from rollout_sglang.hf_legacy import LegacyHFEngine, _eos_ids
+from rollout_sglang.kv_cache import KVCache, cache_budget_tokens
+from rollout_sglang.scheduler import Scheduler, SeqState, round_up
 from rollout_sglang.types import Completion, GenerateRequest, NamedTensors, SamplingParams
 from rollout_sglang.validation import RequestLimits, request_error
 from rollout_sglang.weights import WeightLoader
-from vlm_models import packed_position_ids
+from vlm_models import sample_position_ids
 
 logger = logging.getLogger(__name__)
 
-
-def _eos_ids(model: nn.Module) -> tuple[int, ...]:
-    for cfg in (getattr(model, "generation_config", None), model.config.get_text_config()):
-        eos = getattr(cfg, "eos_token_id", None)
-        if eos is not None:
-            return tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
-    return ()
+_SEED_MASK = (1 << 63) - 1
 
 
-class _LaggedCount:
-    """A device-side count read by the host one step late on accelerators (exactly on CPU).
-
-    Reading ``int(tensor)`` every decode step blocks the host until the device has finished the
-    step, so the next step's kernels cannot be queued meanwhile. Here the count is copied
-    asynchronously into pinned memory and read at the next call, when it is long done.
-    """
-
-    def __init__(self, device: torch.device, lagged: bool | None = None) -> None:
-        self.on_accelerator = device.type != "cpu"
-        self.lagged = self.on_accelerator if lagged is None else lagged
-        self._pending: tuple[Tensor, Any] | None = None
-
-    def exchange(self, count: Tensor) -> int:
-        """Queue ``count`` (a 0-d tensor); return the previous one's value (0 if none)."""
-        if not self.lagged:
-            return int(count)
-        event = None
-        if self.on_accelerator:
-            host = torch.empty((), dtype=count.dtype, pin_memory=True)
-            host.copy_(count, non_blocking=True)
-            cuda = count.device.type == "cuda"
-            event = torch.cuda.Event() if cuda else torch.Event(device=count.device)
-            event.record()
-        else:  # lagged on CPU: only to exercise this path in tests
-            host = count.clone()
-        previous, self._pending = self._pending, (host, event)
-        if previous is None:
-            return 0
-        if previous[1] is not None:
-            previous[1].synchronize()
-        return int(previous[0])
-
-    def reset(self) -> None:
-        """Forget the queued count (the rows it counted changed)."""
-        self._pending = None
-
-
-class _DecodeMasks:
-    """The attention mask of each decode step, without rebuilding it from a growing 2-D mask.
-
-    Unpadded batches pass no mask (SDPA's fast path: no mask, grouped-query attention without
-    repeating the KV heads, and no host sync inside transformers' "is the mask all ones?"
-    check). Padded batches under SDPA pass a ready 4-D boolean view ``[B, 1, 1, kv]`` of one
-    preallocated buffer, which transformers uses as is; other attention implementations get the
-    2-D view of the same buffer.
-    """
-
-    def __init__(self, prompt_mask: Tensor, max_steps: int, attn_implementation: str | None):
-        batch, width = prompt_mask.shape
-        self.padded = not bool(prompt_mask.all())
-        self.four_d = attn_implementation == "sdpa"
-        self.buffer = None
-        if self.padded:
-            self.buffer = torch.ones(
-                (batch, width + max_steps), dtype=torch.bool, device=prompt_mask.device
-            )
-            self.buffer[:, :width] = prompt_mask.bool()
-
-    def select(self, keep: Tensor) -> None:
-        """Keep only these rows (after finished rows were pruned)."""
-        if self.buffer is not None:
-            self.buffer = self.buffer[keep]
-
-    def step(self, kv_length: int) -> Tensor | None:
-        """The mask for a step whose keys (cache plus the new token) number ``kv_length``."""
-        if self.buffer is None:
-            return None
-        if self.four_d:
-            return self.buffer[:, None, None, :kv_length]
-        return self.buffer[:, :kv_length]
+def _layer_kv(cache: Any, layer: int) -> tuple[Tensor, Tensor]:
+    """Keys/values ``[B, kv_heads, W, head_dim]`` of one layer of a transformers cache."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return layers[layer].keys, layers[layer].values
+    return cache.key_cache[layer], cache.value_cache[layer]  # older transformers
 
 
 class HFEngine:
@@ -117,11 +53,19 @@ class HFEngine:
         model: a Qwen3-VL (or Qwen3.5) transformers model, already on ``device``.
         device: where generation runs (default: the model's device).
         eos_token_ids: ids that end a response (default: the model's generation config).
-        max_batch_size: requests per forward batch; larger calls are split.
+        max_batch_size: sequences decoding at once at most (KV-cache slots).
         max_prompt_length: longer prompts fail with an error (default: the model's context
             minus one); ``max_new_tokens`` is clipped so prompt + response fit the context.
-        prune_fraction: drop finished rows from the batch (and the KV cache) once at least this
-            fraction of the running rows has finished; 1.0 never prunes early.
+        kv_cache_fraction: share of the GPU's free memory (at the first generate) the KV cache
+            takes; ``cache_tokens`` sets its size in tokens instead (CPU default: 64k).
+        prefill_tokens: padded prompt tokens per prefill forward at most.
+        kv_block: KV-length bucket granularity (default 128 on GPU, 16 on CPU).
+        cuda_graphs: capture decode steps as CUDA graphs (CUDA only; eager otherwise).
+        compile: ``torch.compile`` the decode step's per-layer blocks (fuses small kernels).
+        decode_attention: "sdpa" or "matmul" (see :class:`~rollout_sglang.decode.TextDecoder`).
+        admit_fraction: admit waiting requests while others decode once this share of the
+            slots is free (one prefill forward per group of arrivals).
+        prune_fraction: only for models on the transformers fallback loop.
     """
 
     name = "hf"
@@ -132,9 +76,17 @@ class HFEngine:
         *,
         device: str | torch.device | None = None,
         eos_token_ids: Sequence[int] | None = None,
-        max_batch_size: int = 64,
+        max_batch_size: int = 256,
         max_prompt_length: int | None = None,
         pad_token_id: int = 0,
+        kv_cache_fraction: float = 0.5,
+        cache_tokens: int | None = None,
+        prefill_tokens: int = 16384,
+        kv_block: int | None = None,
+        cuda_graphs: bool = True,
+        compile: bool = False,
+        decode_attention: str = "sdpa",
+        admit_fraction: float = 0.125,
         prune_fraction: float = 0.25,
     ) -> None:
         self.model = model.eval()
@@ -144,7 +96,6 @@ class HFEngine:
         self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(model)
         self.max_batch_size = max_batch_size
         self.pad_token_id = pad_token_id
-        self.prune_fraction = prune_fraction
         config = model.config
         self.context_length = int(config.get_text_config().max_position_embeddings)
         self.limits = RequestLimits(
@@ -153,100 +104,176 @@ class HFEngine:
             max_prompt_length=max_prompt_length or self.context_length - 1,
             needs_pixels=True,
         )
-        self._attn_implementation = getattr(
-            config.get_text_config(), "_attn_implementation", None
-        ) or getattr(config, "_attn_implementation", None)
-        # read the finished count one step late (no host sync per step); on by default off CPU
-        self.lag_finished_count = self.device.type != "cpu"
+        self.prefill_tokens = prefill_tokens
+        self.kv_block = kv_block or (128 if self.device.type == "cuda" else 16)
+        self.admit_fraction = admit_fraction
         self._loader = WeightLoader(model)
         self._released = False
+        self._rope_memo: dict = {}  # M-RoPE ids of prompt heads, per generate call
+        self._legacy: LegacyHFEngine | None = None
+        self.cache: KVCache | None = None
+        self.runner: DecodeRunner | None = None
+        if not supports(model):
+            self._legacy = LegacyHFEngine(
+                model,
+                device=self.device,
+                eos_token_ids=self.eos_token_ids,
+                max_batch_size=max_batch_size,
+                max_prompt_length=max_prompt_length,
+                pad_token_id=pad_token_id,
+                prune_fraction=prune_fraction,
+            )
+            logger.info(
+                "rollout engine: transformers HFEngine, generic loop (%s has text layers the "
+                "graph decode does not cover)",
+                type(model).__name__,
+            )
+            return
+        self.decoder = TextDecoder(model, compile=compile, attention=decode_attention)
+        bytes_per_token = KVCache.bytes_per_token(
+            self.decoder.num_layers,
+            self.decoder.kv_heads,
+            self.decoder.head_dim,
+            self.decoder.dtype,
+        )
+        self._kv_cache_fraction = kv_cache_fraction
+        self._cache_tokens = cache_tokens
+        self._bytes_per_token = bytes_per_token
+        self.cuda_graphs = cuda_graphs
         logger.info(
-            "rollout engine: transformers HFEngine (%s on %s, eos %s)",
+            "rollout engine: transformers HFEngine (%s on %s, eos %s, %s decode%s)",
             type(model).__name__,
             self.device,
             list(self.eos_token_ids),
+            "CUDA-graph" if cuda_graphs and self.device.type == "cuda" else "eager",
+            ", compiled" if compile else "",
         )
 
     # ---------------------------------------------------------------- generation
 
+    def _ensure_cache(self) -> tuple[KVCache, DecodeRunner]:
+        if self.cache is None:
+            budget = self._cache_tokens or cache_budget_tokens(
+                device=self.device,
+                bytes_per_token=self._bytes_per_token,
+                mem_fraction=self._kv_cache_fraction,
+                cpu_tokens=65536,
+            )
+            self.cache = KVCache(
+                num_layers=self.decoder.num_layers,
+                kv_heads=self.decoder.kv_heads,
+                head_dim=self.decoder.head_dim,
+                dtype=self.decoder.dtype,
+                device=self.device,
+                budget_tokens=budget,
+            )
+            self.runner = DecodeRunner(
+                self.decoder, self.cache, self.device, use_graphs=self.cuda_graphs
+            )
+        assert self.runner is not None
+        return self.cache, self.runner
+
     def generate(
         self, requests: Sequence[GenerateRequest], params: SamplingParams
     ) -> list[Completion]:
-        """One :class:`Completion` per request, in order. Requests are batched by prompt length;
-        a bad request gets its own error and never fails the others."""
+        """One :class:`Completion` per request, in order; a bad request fails alone."""
         if self._released:
             raise RuntimeError("HFEngine.generate after release_memory(); call resume_memory()")
+        if self._legacy is not None:
+            return self._legacy.generate(requests, params)
+        cache, runner = self._ensure_cache()
+        self._rope_memo = {}  # a prompt head's M-RoPE ids once per call (GRPO groups)
+        base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()))
         results: list[Completion | None] = [None] * len(requests)
-        valid = []
+        seqs: list[SeqState] = []
         for i, request in enumerate(requests):
             error = request_error(request, self.limits, i)
+            limit = min(params.max_new_tokens, self.context_length - request.prompt_length)
+            seed = request.seed if request.seed is not None else base + i
+            seq = SeqState(index=i, request=request, seed=seed & _SEED_MASK, limit=limit)
+            if error is None and seq.cache_tokens > cache.budget_tokens:
+                error = (
+                    f"{seq.name}: needs {seq.cache_tokens} KV-cache tokens, the cache holds "
+                    f"{cache.budget_tokens}"
+                )
             if error is None:
-                valid.append(i)
+                seqs.append(seq)
             else:
                 logger.warning("skipping %s", error)
                 results[i] = Completion.failed(
                     error, prompt_length=request.prompt_length, request_id=request.request_id
                 )
-        generator = torch.Generator(device=self.device)
-        if params.seed is not None:
-            generator.manual_seed(params.seed)
-        else:
-            generator.seed()
-        order = sorted(valid, key=lambda i: requests[i].prompt_length)
-        for start in range(0, len(order), self.max_batch_size):
-            chunk = order[start : start + self.max_batch_size]
-            for i, completion in zip(
-                chunk, self._generate_isolated(requests, chunk, params, generator), strict=True
-            ):
-                results[i] = completion
+        if seqs:
+            need = round_up(max(s.cache_tokens for s in seqs), self.kv_block)
+            need = min(need, cache.budget_tokens)  # every request fits (checked above)
+            if cache.fit(need, self.max_batch_size):
+                runner.reset()
+            stop = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                stop.update(self.eos_token_ids)
+            sampling = SamplingKey(params.temperature, params.top_k, params.top_p)
+            scheduler = Scheduler(
+                slots=cache.slots,
+                seq_cap=cache.seq_cap,
+                prefill=lambda chunk, slots: self._prefill(chunk, slots, sampling),
+                decode=lambda state, kv_len: runner.run(state, kv_len, sampling),
+                move=self._move,
+                stop_ids=stop,
+                kv_block=self.kv_block,
+                prefill_tokens=self.prefill_tokens,
+                admit_min=int(self.admit_fraction * cache.slots),
+            )
+            with torch.inference_mode():
+                scheduler.run(seqs)
+        for seq in seqs:
+            request = seq.request
+            if seq.error is not None:
+                results[seq.index] = Completion.failed(
+                    seq.error, prompt_length=request.prompt_length, request_id=request.request_id
+                )
+            else:
+                results[seq.index] = Completion(
+                    token_ids=seq.tokens,
+                    logprobs=seq.logprobs,
+                    finish_reason="stop" if seq.stopped else "length",
+                    prompt_length=request.prompt_length,
+                    request_id=request.request_id,
+                )
         return results  # type: ignore[return-value]
 
-    def _generate_isolated(
-        self,
-        requests: Sequence[GenerateRequest],
-        chunk: list[int],
-        params: SamplingParams,
-        generator: torch.Generator,
-    ) -> list[Completion]:
-        """Generate a batch; if it fails, retry its requests one by one so only the culprit fails."""
-        try:
-            return self._generate_batch([requests[i] for i in chunk], params, generator)
-        except Exception as exc:
-            if len(chunk) == 1:
-                request = requests[chunk[0]]
-                message = f"request {chunk[0]}: generation failed: {type(exc).__name__}: {exc}"
-                logger.warning(message)
-                return [
-                    Completion.failed(
-                        message, prompt_length=request.prompt_length, request_id=request.request_id
-                    )
-                ]
-            logger.warning("batch of %d failed (%s); retrying one by one", len(chunk), exc)
-            return [
-                c for i in chunk for c in self._generate_isolated(requests, [i], params, generator)
-            ]
+    def _move(self, src: list[int], dst: list[int]) -> None:
+        assert self.cache is not None
+        index = torch.tensor
+        self.cache.move(index(src, device=self.device), index(dst, device=self.device))
 
-    def _prefill_inputs(self, requests: list[GenerateRequest]) -> dict[str, Tensor]:
-        """Left-padded ids and mask, ``[4, B, L]`` positions (text row + M-RoPE), images."""
-        lengths = [r.prompt_length for r in requests]
-        batch, width = len(requests), max(lengths)
+    def _prefill_inputs(self, seqs: list[SeqState]) -> dict[str, Tensor]:
+        """Right-padded ids and mask (every row's position ``t`` at column ``t``, so the cache
+        copy is one slice for all rows), ``[4, B, W]`` positions (text row + M-RoPE), images."""
+        lengths = [s.prompt_length for s in seqs]
+        batch, width = len(seqs), max(lengths)
         input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((batch, width), dtype=torch.long)
         position_ids = torch.zeros((4, batch, width), dtype=torch.long)
-        for b, request in enumerate(requests):
-            n = lengths[b]
-            input_ids[b, width - n :] = request.input_ids
-            attention_mask[b, width - n :] = 1
-            position_ids[0, b, width - n :] = torch.arange(n)
-            position_ids[1:, b, width - n :] = packed_position_ids(
-                [request.input_ids], [request.image_grid_thw], self.model.config
+        position_ids[0] = torch.arange(width)  # the text row: plain, so no "packed" detection
+        for b, seq in enumerate(seqs):
+            request, n = seq.request, lengths[b]
+            input_ids[b, :n] = request.input_ids
+            attention_mask[b, :n] = 1
+            mrope = sample_position_ids(
+                request.input_ids, request.image_grid_thw, self.model.config, memo=self._rope_memo
             )
+            position_ids[1:, b, :n] = mrope
+            seq.rope_next = int(mrope.max()) + 1
         inputs = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "position_ids": position_ids,
         }
-        with_images = [r for r in requests if r.pixel_values is not None and r.pixel_values.numel()]
+        with_images = [
+            s.request
+            for s in seqs
+            if s.request.pixel_values is not None and s.request.pixel_values.numel()
+        ]
         if with_images:
             inputs["pixel_values"] = torch.cat([r.pixel_values for r in with_images])
             inputs["image_grid_thw"] = torch.cat(
@@ -254,124 +281,88 @@ class HFEngine:
             )
         return {k: v.to(self.device, non_blocking=True) for k, v in inputs.items()}
 
-    @torch.inference_mode()
-    def _generate_batch(
-        self, requests: list[GenerateRequest], params: SamplingParams, generator: torch.Generator
-    ) -> list[Completion]:
-        device = self.device
-        batch = len(requests)
-        inputs = self._prefill_inputs(requests)
-        prompt_lengths = [r.prompt_length for r in requests]
-        lengths = torch.tensor(prompt_lengths, device=device)
-        limits = (self.context_length - lengths).clamp(max=params.max_new_tokens)
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids.update(self.eos_token_ids)
-        stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
-        width = max(prompt_lengths)
-        max_steps = min(params.max_new_tokens, self.context_length - min(prompt_lengths))
-
-        out = self.model(**inputs, use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
-        logits = out.logits[:, -1].float()
-        # Decode positions: the 3 M-RoPE rows, one past the prompt's largest position (its "rope
-        # delta") + step. Built once; each step adds the step.
-        mrope_next = inputs["position_ids"][1:].amax(dim=(0, 2)) + 1
-        positions = mrope_next.expand(3, -1)[:, :, None]
-        masks = _DecodeMasks(inputs["attention_mask"], max_steps, self._attn_implementation)
-        del out, inputs
-
-        tokens = torch.zeros((batch, max_steps), dtype=torch.long, device=device)
-        logprobs = torch.zeros((batch, max_steps), dtype=torch.float32, device=device)
-        n_generated = torch.zeros(batch, dtype=torch.long, device=device)
-        stopped = torch.zeros(batch, dtype=torch.bool, device=device)
-        finished = torch.zeros(batch, dtype=torch.bool, device=device)
-        rows = torch.arange(batch, device=device)  # original index of each row still in the batch
-        n_rows = batch
-        finished_count = _LaggedCount(device, lagged=self.lag_finished_count)
-        for step in range(max_steps):
-            token, logprob = sample_tokens(
-                logits,
-                temperature=params.temperature,
-                top_k=params.top_k,
-                top_p=params.top_p,
-                generator=generator,
-            )
-            # Rows that finished but are not pruned yet keep decoding; only live rows record.
-            live = ~finished[rows]
-            tokens[rows, step] = token
-            logprobs[rows, step] = logprob
-            n_generated[rows] += live
-            done = finished[rows] | (live & torch.isin(token, stop))
-            stopped[rows] |= done & live
-            finished[rows] = done | (step + 1 >= limits[rows])
-            if step + 1 == max_steps:
-                break
-            # Exact on CPU; on an accelerator the previous step's count, so the host queues the
-            # next forward without waiting for this one (a finished row costs one extra step).
-            n_finished = finished_count.exchange(finished[rows].sum())
-            if n_finished == n_rows:
-                break
-            if n_finished >= max(1.0, self.prune_fraction * n_rows):
-                keep = (~finished[rows]).nonzero().squeeze(-1)  # a host sync, once per prune
-                if keep.numel() == 0:
-                    break
-                cache.reorder_cache(keep)
-                rows, token, positions = rows[keep], token[keep], positions[:, keep]
-                masks.select(keep)
-                n_rows = keep.numel()
-                finished_count.reset()
-            out = self.model(
-                input_ids=token[:, None],
-                attention_mask=masks.step(width + step + 1),
-                # The 3 M-RoPE rows alone: the text row only serves packed-mask detection, which
-                # a cached decode skips, and with it transformers 5.17 took a path 2.6x slower
-                # per step on the H200 (55.7 vs 21.5 ms at batch 64, Qwen3-VL-2B shape).
-                position_ids=positions + step,
-                past_key_values=cache,
-                use_cache=True,
-            )
-            cache, logits = out.past_key_values, out.logits[:, -1].float()
-        return self._completions(requests, tokens, logprobs, n_generated, stopped)
-
     @staticmethod
-    def _completions(
-        requests: list[GenerateRequest],
-        tokens: Tensor,
-        logprobs: Tensor,
-        n_generated: Tensor,
-        stopped: Tensor,
-    ) -> list[Completion]:
-        tokens, logprobs = tokens.tolist(), logprobs.tolist()
-        n_generated, stopped = n_generated.tolist(), stopped.tolist()
-        return [
-            Completion(
-                token_ids=tokens[b][: n_generated[b]],
-                logprobs=logprobs[b][: n_generated[b]],
-                finish_reason="stop" if stopped[b] else "length",
-                prompt_length=request.prompt_length,
-                request_id=request.request_id,
-            )
-            for b, request in enumerate(requests)
-        ]
+    def _distinct(seqs: list[SeqState]) -> tuple[list[SeqState], list[int]]:
+        """The distinct prompts of ``seqs`` (same ids, same images) and, per sequence, the
+        index of its prompt: a GRPO group's n samples share one prompt, prefilled once."""
+        distinct: list[SeqState] = []
+        owner: list[int] = []
+        by_ids: dict[bytes, list[int]] = {}
+        for seq in seqs:
+            request = seq.request
+            candidates = by_ids.setdefault(request.input_ids.numpy().tobytes(), [])
+            for j in candidates:
+                other = distinct[j].request
+                same_pixels = request.pixel_values is other.pixel_values or (
+                    request.pixel_values is not None
+                    and other.pixel_values is not None
+                    and torch.equal(request.pixel_values, other.pixel_values)
+                )
+                if same_pixels:
+                    owner.append(j)
+                    break
+            else:
+                candidates.append(len(distinct))
+                owner.append(len(distinct))
+                distinct.append(seq)
+        return distinct, owner
+
+    def _prefill(
+        self, seqs: list[SeqState], slots: list[int], sampling: SamplingKey
+    ) -> list[tuple[int, float]]:
+        """Prompts through the transformers model; K/V into ``slots``; the first tokens."""
+        assert self.cache is not None
+        distinct, owner = self._distinct(seqs)
+        inputs = self._prefill_inputs(distinct)
+        for seq, j in zip(seqs, owner, strict=True):
+            seq.rope_next = distinct[j].rope_next
+        out = self.model.model(**inputs, use_cache=True)
+        rows = torch.arange(len(distinct), device=self.device)
+        last = torch.tensor([s.prompt_length - 1 for s in distinct], device=self.device)
+        hidden = out.last_hidden_state[rows, last]
+        owner_index = torch.tensor(owner, device=self.device)
+        logits = self.model.lm_head(hidden).float()[owner_index]
+        slot_index = torch.tensor(slots, device=self.device)
+        shared = len(distinct) < len(seqs)
+        for layer in range(self.decoder.num_layers):
+            keys, values = _layer_kv(out.past_key_values, layer)
+            if shared:
+                keys, values = keys[owner_index], values[owner_index]
+            self.cache.write_prefill(layer, slot_index, keys, values)
+        seeds = torch.tensor([s.seed for s in seqs], device=self.device)
+        tokens, logprobs = sample_logits(logits, seeds, torch.zeros_like(seeds), sampling)
+        return list(zip(tokens.tolist(), logprobs.tolist(), strict=True))
 
     # ---------------------------------------------------------------- weights and memory
 
     def update_weights(self, buckets: Iterable[NamedTensors]) -> None:
-        """Copy each bucket's HF-named tensors into the live model, in place."""
+        """Copy each bucket's HF-named tensors into the live model, in place (tensors on any
+        device). Captured decode graphs read the same parameters, so they see the new values."""
         total = sum(self._loader.load(bucket) for bucket in buckets)
         logger.info("HFEngine: updated %d tensors", total)
 
     def release_memory(self) -> None:
-        """Move the model to CPU so the trainer can use the accelerator (no-op on CPU)."""
-        if self.device.type != "cpu":
-            self.model.to("cpu")
+        """Free the KV cache and captured graphs and move the model to CPU, so a colocated
+        trainer can use the accelerator (no-op on CPU)."""
+        if self._legacy is not None:
+            self._legacy.release_memory()
+        else:
+            if self.runner is not None:
+                self.runner.reset()
+            if self.cache is not None:
+                self.cache.release()
+            if self.device.type != "cpu":
+                self.model.to("cpu")
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         self._released = True
 
     def resume_memory(self) -> None:
-        if self.device.type != "cpu":
+        """Weights back on the device; the cache is taken again at the next generate (the
+        graphs are captured again as steps need them)."""
+        if self._legacy is not None:
+            self._legacy.resume_memory()
+        elif self.device.type != "cpu":
             self.model.to(self.device)
         self._released = False
 
@@ -388,5 +379,9 @@ class HFEngine:
         return self.model is not None
 
     def shutdown(self) -> None:
+        if self.runner is not None:
+            self.runner.reset()
+        if self.cache is not None:
+            self.cache.release()
         self.model = None  # type: ignore[assignment]
         self._loader = None  # type: ignore[assignment]

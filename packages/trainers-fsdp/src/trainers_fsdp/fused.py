@@ -15,12 +15,12 @@ a random input, so a norm with another formula (e.g. ``(1 + weight)`` scaling) i
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from types import MethodType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from vlm_models.vision_attention import replace_forwards
 
 logger = logging.getLogger(__name__)
 
@@ -69,30 +69,3 @@ def fuse_rms_norms(model: nn.Module) -> int:
     checkpoints, FSDP and weight export see the same module. Returns how many were fused.
     """
     return replace_forwards(model, _is_rms_norm, _probe, _fused_rms_norm_forward, "RMSNorm")
-
-
-def replace_forwards(
-    model: nn.Module,
-    select: Callable[[nn.Module], bool],
-    probe: Callable[[nn.Module], bool],
-    forward: Callable,
-    what: str,
-) -> int:
-    """Give every module that ``select`` picks the ``forward`` method, per class only where
-    ``probe`` (run on the first module of that class) confirms it equals the original. Returns
-    how many modules got it; classes that fail the probe keep their own and are logged."""
-    verdict: dict[type, bool] = {}
-    replaced = 0
-    for module in model.modules():
-        if not select(module):
-            continue
-        cls = type(module)
-        if cls not in verdict:
-            verdict[cls] = probe(module)
-            if not verdict[cls]:
-                logger.info("%s left as it is: the probe did not match", cls.__name__)
-        if verdict[cls]:
-            module.forward = MethodType(forward, module)
-            replaced += 1
-    logger.info("fused %d %s modules", replaced, what)
-    return replaced

@@ -40,6 +40,7 @@ from vlm_models.patch_embed import Conv3dPatchEmbed, LinearPatchEmbed, set_fast_
 from vlm_models.presets import PRESETS, SHAPE_PRESETS, TINY_PRESETS, preset_config, tiny_config
 from vlm_models.sync_free import remove_host_syncs
 from vlm_models.varlen import HAS_FLASH_VARLEN, flash_varlen, flash_varlen_supported
+from vlm_models.vision_attention import fuse_vision_attention, replace_forwards
 from vlm_models.vision_inputs import VisionInputs
 from vlm_models.weights import (
     hf_named_tensors,
@@ -64,6 +65,7 @@ __all__ = [
     "flash_varlen",
     "flash_varlen_supported",
     "flops_per_token",
+    "fuse_vision_attention",
     "has_linear_attention",
     "has_weights",
     "hf_named_tensors",
@@ -78,6 +80,7 @@ __all__ = [
     "parameter_counts",
     "preset_config",
     "remove_host_syncs",
+    "replace_forwards",
     "resolve_config",
     "resolve_model_source",
     "sample_position_ids",

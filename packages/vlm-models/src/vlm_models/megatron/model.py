@@ -38,6 +38,7 @@ from vlm_models.megatron.config import Parallelism, text_arch, transformer_confi
 from vlm_models.megatron.layers import block_spec, param_device
 from vlm_models.megatron.rope import InterleavedMRoPE
 from vlm_models.patch_embed import set_fast_patch_embed
+from vlm_models.vision_attention import fuse_vision_attention
 from vlm_models.vision_inputs import VisionInputs
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class Qwen3VLMegatronModel(MegatronModule):
         use_te: bool = False,
         vision_attn_implementation: str = "sdpa",
         fast_patch_embed: bool = True,
+        fused_vision_attention: bool = True,
         vp_stage: int | None = None,
     ) -> None:
         super().__init__(config=config)
@@ -124,6 +126,8 @@ class Qwen3VLMegatronModel(MegatronModule):
             ).to(device=param_device(config), dtype=config.params_dtype)
             if fast_patch_embed:  # GEMM instead of Conv3d; same parameters and names
                 set_fast_patch_embed(self.visual, True)
+            if fused_vision_attention:  # all images in one varlen kernel, bf16 rotary
+                fuse_vision_attention(self.visual)
         # the tower's per-patch inputs, when the caller computes them on the host
         self.vision_inputs = VisionInputs.attach_tower(self.visual)
         self.language_model = MRoPEGPTModel(
@@ -300,6 +304,7 @@ def build_megatron_model(
     use_te: bool = False,
     vision_attn_implementation: str = "sdpa",
     fast_patch_embed: bool = True,
+    fused_vision_attention: bool = True,
     **config_overrides,
 ) -> Qwen3VLMegatronModel:
     """This rank's stage of the model (random init; load weights with ``load_hf_weights``).
@@ -325,6 +330,7 @@ def build_megatron_model(
         use_te=use_te,
         vision_attn_implementation=vision_attn_implementation,
         fast_patch_embed=fast_patch_embed,
+        fused_vision_attention=fused_vision_attention,
     )
 
 

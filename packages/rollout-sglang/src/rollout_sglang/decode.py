@@ -1,0 +1,375 @@
+"""One decode step of a Qwen3 text stack, written over the transformers model's own weights.
+
+Why our own forward: transformers' decode step launches hundreds of small kernels from Python
+and rebuilds masks and positions each step; at rollout batch sizes the GPU waits on the host.
+This step is a fixed sequence of tensor ops over fixed-shape buffers (a batch bucket and a
+KV-length bucket), so it can be captured once as a CUDA graph and replayed with one launch.
+
+What it reads: the HF modules' parameters themselves (never copies), so in-place weight
+updates are seen by eager steps and by captured graphs alike. What it computes is the same as
+transformers' Qwen3-VL text layer for a text token: RMSNorm, q/k RMSNorm per head, rotary
+embedding at the request's own position (for text tokens the three M-RoPE rows are equal, which
+makes interleaved M-RoPE plain RoPE), grouped-query attention over the slot's cached keys
+(the query heads of one KV head read as that head's "query positions", so no KV repeat),
+SwiGLU MLP, final norm and LM head; then sampling and the token's log-prob
+(:func:`~rollout_sglang.sampling.sample_with_uniform`), all on the device.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rollout_sglang.kv_cache import KVCache
+from rollout_sglang.sampling import counter_uniform, sample_with_uniform
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SamplingKey:
+    """The sampling settings a captured graph bakes in (they shape its ops)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+
+
+def _text_parts(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """(text model, lm_head) of a ``*ForConditionalGeneration``, or None."""
+    inner = getattr(model, "model", None)
+    text = getattr(inner, "language_model", None)
+    head = getattr(model, "lm_head", None)
+    if text is None or head is None:
+        return None
+    return text, head
+
+
+def supports(model: nn.Module) -> bool:
+    """True for dense Qwen3(-VL) text stacks (attention + SwiGLU in every layer). Qwen3.5's
+    linear-attention layers and MoE MLPs are not written here; those models decode through
+    transformers (:mod:`rollout_sglang.hf_legacy`)."""
+    parts = _text_parts(model)
+    if parts is None:
+        return False
+    text, _ = parts
+    for layer in getattr(text, "layers", []):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or not all(hasattr(attn, n) for n in ("q_proj", "q_norm", "k_norm")):
+            return False
+        if mlp is None or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            return False
+        if getattr(attn.q_proj, "bias", None) is not None:
+            return False
+    config = text.config
+    return getattr(config, "hidden_act", "silu") == "silu" and len(text.layers) > 0
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """transformers' Qwen3 RMSNorm: normalise in float32, cast back, then scale."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """RoPE as transformers applies it, ``x * cos + rotate_half(x) * sin``, with the sign of
+    ``rotate_half`` folded into ``signed_sin`` (``[-sin, sin]`` halves): a roll replaces the
+    negate and the concatenation. (Not ``addcmul``: a fused multiply-add rounds once, and CPU
+    kernels fuse only in their vector body, so a row's result would depend on the batch.)"""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def _pre_attention(
+    h: Tensor,
+    ln: Tensor,
+    wq: Tensor,
+    wk: Tensor,
+    wv: Tensor,
+    qn: Tensor,
+    kn: Tensor,
+    cos: Tensor,
+    signed_sin: Tensor,
+    eps: float,
+    head_dim: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Norm, q/k/v projections, per-head q/k norm, rotary: ``[B, heads, head_dim]`` each.
+
+    q and k heads are normed and rotated as one tensor (each head with its own norm weight),
+    so those elementwise kernels run once per layer, not twice."""
+    x = _rms_norm(h, ln, eps)
+    batch = h.shape[0]
+    q = F.linear(x, wq).view(batch, -1, head_dim)
+    k = F.linear(x, wk).view(batch, -1, head_dim)
+    n_q, n_k = q.shape[1], k.shape[1]
+    norm = torch.cat((qn.expand(n_q, head_dim), kn.expand(n_k, head_dim)))
+    qk = _rotate(_rms_norm(torch.cat((q, k), dim=1), norm, eps), cos, signed_sin)
+    v = F.linear(x, wv).view(batch, -1, head_dim)
+    return qk[:, :n_q], qk[:, n_q:], v
+
+
+def _post_attention(
+    h: Tensor, attn: Tensor, wo: Tensor, ln: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, eps: float
+) -> Tensor:
+    """Output projection and residual, then norm, SwiGLU MLP and residual."""
+    h = h + F.linear(attn, wo)
+    x = _rms_norm(h, ln, eps)
+    return h + F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+
+class TextDecoder:
+    """The decode step over a Qwen3-VL model's text layers and a :class:`KVCache`.
+
+    ``attention``: "sdpa" (torch's fused kernels; the query heads of a KV head are its query
+    rows, so no KV repeat) or "matmul" (two batched matmuls and a float32 softmax over the
+    same strided cache views). ``compile=True`` runs the two per-layer blocks (everything but the cache write and the
+    attention read) through ``torch.compile`` with dynamic batch size, fusing their ~40 small
+    kernels per layer; the graph then replays the fused kernels.
+    """
+
+    def __init__(self, model: nn.Module, *, compile: bool = False, attention: str = "sdpa") -> None:
+        if attention not in ("sdpa", "matmul"):
+            raise ValueError(f"decode attention {attention!r}: 'sdpa' or 'matmul'")
+        self.attention = attention
+        parts = _text_parts(model)
+        if parts is None or not supports(model):
+            raise ValueError(f"{type(model).__name__}: not a dense Qwen3 text stack")
+        self.text, self.head = parts
+        config = self.text.config
+        self.num_layers = len(self.text.layers)
+        self.num_heads = int(config.num_attention_heads)
+        self.kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        self.eps = float(config.rms_norm_eps)
+        self.scaling = self.head_dim**-0.5
+        rotary = self.text.rotary_emb
+        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        self._pre: Callable[..., Any] = _pre_attention
+        self._post: Callable[..., Any] = _post_attention
+        self.compiled = compile
+        if compile:
+            self._pre = torch.compile(_pre_attention, dynamic=True)
+            self._post = torch.compile(_post_attention, dynamic=True)
+
+    def disable_compile(self) -> None:
+        """Back to the eager blocks (a compile failure must not stop a rollout)."""
+        self._pre, self._post, self.compiled = _pre_attention, _post_attention, False
+
+    def _attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+        """``q`` [B, kv_heads, group, D] over the live keys ``[B, kv_heads, kv_len, D]`` (views
+        of the cache: neither path copies them)."""
+        if self.attention == "sdpa":
+            return F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=self.scaling
+            )
+        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scaling
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(values.dtype)
+        return torch.matmul(probs, values)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.head.weight.dtype
+
+    def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and signed sin (see :func:`_rotate`) ``[B, 1, head_dim]`` at each row's
+        position, as transformers computes them (float32 angles, scaled, cast to the
+        activation dtype)."""
+        inv_freq = self.text.rotary_emb.inv_freq.to(positions.device, torch.float32)
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        cos = (freqs.cos() * self.rope_scale).to(dtype)
+        sin = (freqs.sin() * self.rope_scale).to(dtype)
+        signed_sin = torch.cat((-sin, sin), dim=-1)[:, None, :]
+        return torch.cat((cos, cos), dim=-1)[:, None, :], signed_sin
+
+    def step(
+        self,
+        cache: KVCache,
+        *,
+        tokens: Tensor,
+        positions: Tensor,
+        lengths: Tensor,
+        seeds: Tensor,
+        counters: Tensor,
+        kv_len: int,
+        sampling: SamplingKey,
+    ) -> tuple[Tensor, Tensor]:
+        """Decode one token for slots ``0..B-1``.
+
+        ``tokens`` [B] are the last tokens, ``positions`` [B] their rotary positions,
+        ``lengths`` [B] their cache index (their K/V is written there; keys ``0..length``
+        are attended), ``seeds`` / ``counters`` [B] pick each row's uniform. ``kv_len``
+        bounds the keys read (a bucket >= every ``length + 1``). Returns (next tokens,
+        their log-probs), [B] each. No host sync: capturable as a CUDA graph.
+        """
+        assert cache.keys is not None and cache.values is not None
+        batch = tokens.shape[0]
+        group = self.num_heads // self.kv_heads
+        rows = torch.arange(batch, device=tokens.device)
+        h = F.embedding(tokens, self.text.embed_tokens.weight)
+        cos, signed_sin = self._rope(positions, h.dtype)
+        mask = (torch.arange(kv_len, device=tokens.device)[None, :] <= lengths[:, None])[
+            :, None, None, :
+        ]
+        for i, layer in enumerate(self.text.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            q, k, v = self._pre(
+                h,
+                layer.input_layernorm.weight,
+                attn.q_proj.weight,
+                attn.k_proj.weight,
+                attn.v_proj.weight,
+                attn.q_norm.weight,
+                attn.k_norm.weight,
+                cos,
+                signed_sin,
+                self.eps,
+                self.head_dim,
+            )
+            keys, values = cache.keys[i], cache.values[i]
+            keys[rows, :, lengths] = k
+            values[rows, :, lengths] = v
+            out = self._attend(
+                q.reshape(batch, self.kv_heads, group, self.head_dim),
+                keys[:batch, :, :kv_len],
+                values[:batch, :, :kv_len],
+                mask,
+            )
+            h = self._post(
+                h,
+                out.reshape(batch, self.num_heads * self.head_dim),
+                attn.o_proj.weight,
+                layer.post_attention_layernorm.weight,
+                mlp.gate_proj.weight,
+                mlp.up_proj.weight,
+                mlp.down_proj.weight,
+                self.eps,
+            )
+        h = _rms_norm(h, self.text.norm.weight, self.eps)
+        logits = F.linear(h, self.head.weight).float()
+        return sample_logits(logits, seeds, counters, sampling)
+
+
+def sample_logits(
+    logits: Tensor, seeds: Tensor, counters: Tensor, sampling: SamplingKey
+) -> tuple[Tensor, Tensor]:
+    """Each row's token and log-prob, drawn with its (seed, counter) uniform."""
+    uniform = counter_uniform(seeds, counters)
+    return sample_with_uniform(
+        logits,
+        uniform,
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+    )
+
+
+class DecodeRunner:
+    """Runs :meth:`TextDecoder.step` for the first ``B`` slots, eagerly or as CUDA graphs.
+
+    Inputs live in static buffers (``state``: tokens, positions, lengths, seeds, counters per
+    slot) that the host fills each step with one copy; outputs land in static buffers too. With
+    graphs on, the first step of each (batch bucket, KV bucket, sampling) key captures one
+    graph (all graphs share one memory pool), later steps replay it. A KV-cache layout change,
+    or memory released, invalidates them (:meth:`reset`).
+    """
+
+    def __init__(
+        self, decoder: TextDecoder, cache: KVCache, device: torch.device, *, use_graphs: bool
+    ) -> None:
+        self.decoder, self.cache, self.device = decoder, cache, device
+        self.use_graphs = use_graphs and device.type == "cuda"
+        self._graphs: dict[tuple[int, int, SamplingKey], torch.cuda.CUDAGraph] = {}
+        self._pool: Any = None
+        self.state: Tensor | None = None  # [5, slots] int64
+        self.out_tokens: Tensor | None = None
+        self.out_logprobs: Tensor | None = None
+
+    def reset(self) -> None:
+        """Forget captured graphs and buffers (cache layout changed or memory released)."""
+        self._graphs.clear()
+        self._pool = None
+        self.state = self.out_tokens = self.out_logprobs = None
+
+    def _buffers(self) -> None:
+        if self.state is None or self.state.shape[1] != self.cache.slots:
+            self.reset()
+            slots = self.cache.slots
+            self.state = torch.zeros((5, slots), dtype=torch.long, device=self.device)
+            self.out_tokens = torch.zeros(slots, dtype=torch.long, device=self.device)
+            self.out_logprobs = torch.zeros(slots, dtype=torch.float32, device=self.device)
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def _body(self, batch: int, kv_len: int, sampling: SamplingKey) -> None:
+        assert self.state is not None and self.out_tokens is not None
+        assert self.out_logprobs is not None
+        state = self.state[:, :batch]
+        tokens, logprobs = self.decoder.step(
+            self.cache,
+            tokens=state[0],
+            positions=state[1],
+            lengths=state[2],
+            seeds=state[3],
+            counters=state[4],
+            kv_len=kv_len,
+            sampling=sampling,
+        )
+        self.out_tokens[:batch].copy_(tokens)
+        self.out_logprobs[:batch].copy_(logprobs)
+
+    def run(
+        self, host_state: Tensor, kv_len: int, sampling: SamplingKey
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One step for the first ``host_state.shape[1]`` slots (``host_state``: [5, B] int64
+        on the host). Returns the sampled tokens and log-probs ([B] host arrays)."""
+        self._buffers()
+        assert self.state is not None and self.out_tokens is not None
+        assert self.out_logprobs is not None
+        batch = host_state.shape[1]
+        self.state[:, :batch].copy_(host_state, non_blocking=True)
+        if not self.use_graphs:
+            self._body(batch, kv_len, sampling)
+        else:
+            key = (batch, kv_len, sampling)
+            graph = self._graphs.get(key)
+            if graph is None:
+                graph = self._capture(batch, kv_len, sampling)
+                self._graphs[key] = graph
+            graph.replay()
+        tokens = self.out_tokens[:batch].to("cpu", non_blocking=True)
+        logprobs = self.out_logprobs[:batch].to("cpu", non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return tokens.numpy(), logprobs.numpy()
+
+    def _capture(self, batch: int, kv_len: int, sampling: SamplingKey) -> torch.cuda.CUDAGraph:
+        # Warm up on a side stream (compiles, picks kernels), then capture. The warm-up computes
+        # the very step the replay will: the same K/V land in the same cache cells.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            try:
+                self._body(batch, kv_len, sampling)
+            except Exception as exc:
+                if not self.decoder.compiled:
+                    raise
+                logger.warning("compiled decode step failed (%s); decoding without compile", exc)
+                self.decoder.disable_compile()  # graphs captured before stay valid
+                self._body(batch, kv_len, sampling)
+            self._body(batch, kv_len, sampling)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._body(batch, kv_len, sampling)
+        return graph
