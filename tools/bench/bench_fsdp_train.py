@@ -362,12 +362,14 @@ def watch_host_phases(actor) -> list[dict[str, float]]:
     ``copy`` (pixels into pinned memory and every host-to-device copy); the pinned-memory
     stalls of the sixth round (docs/performance.md) showed in ``copy``."""
     import trainers_fsdp.actor as actor_module
-    from trainers_fsdp.microbatch import MicroBatch
+    from rl_algos import MicroBatches, StepMetrics
+    from vlm_models import MicroBatch
 
     rows: list[dict[str, float]] = []
     marks: dict[str, float] = {}
     parts = dict.fromkeys(("build", "vision", "copy"), 0.0)
-    plain = {n: getattr(actor, n) for n in ("train_step", "_micro_batches", "_read", "_update")}
+    plain = {n: getattr(actor, n) for n in ("train_step", "micro_batches", "apply_update")}
+    plain_read = StepMetrics.read
 
     def timed(fn, key):
         def run(*a, **k):
@@ -396,20 +398,25 @@ def watch_host_phases(actor) -> list[dict[str, float]]:
         return out
 
     def micro_batches(*a, **k):
-        for i, mb in enumerate(plain["_micro_batches"](*a, **k)):
-            if i == 0:
-                marks["packed"] = time.perf_counter()
-            yield mb
+        built = plain["micro_batches"](*a, **k)
 
-    def read(*a, **k):
+        def build(indices):
+            mb = built.build(indices)
+            marks.setdefault("packed", time.perf_counter())
+            return mb
+
+        marks.pop("packed", None)
+        return MicroBatches(built.plan, build)
+
+    def read(self, *a, **k):  # the step's one host read (rl_algos.StepMetrics.read)
         t = time.perf_counter()
-        out = plain["_read"](*a, **k)
+        out = plain_read(self, *a, **k)
         marks["read"], marks["read_start"] = time.perf_counter(), t
         return out
 
     def update(*a, **k):
         t = time.perf_counter()
-        out = plain["_update"](*a, **k)
+        out = plain["apply_update"](*a, **k)
         marks["phases"] = {
             "pack": marks["packed"] - marks["start"],
             "launch": marks["read_start"] - marks["packed"],
@@ -418,12 +425,8 @@ def watch_host_phases(actor) -> list[dict[str, float]]:
         }
         return out
 
-    actor.train_step, actor._micro_batches, actor._read, actor._update = (
-        train_step,
-        micro_batches,
-        read,
-        update,
-    )
+    StepMetrics.read = read
+    actor.train_step, actor.micro_batches, actor.apply_update = train_step, micro_batches, update
     return rows
 
 

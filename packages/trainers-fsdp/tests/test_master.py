@@ -164,8 +164,8 @@ def test_gradients_accumulate_in_float32(make_config, batch):
 @pytest.mark.parametrize("flat", [False, True], ids=["per-tensor", "flat"])
 def test_checkpoints_move_between_fsdp_and_masters(make_config, batch, tmp_path, flat):
     """A checkpoint of the FSDP actor resumes in the one-rank master-weight actor (same names,
-    float32 values, optimizer state) and the next step is the one FSDP would take: bit for bit
-    with torch's AdamW over the masters, to float32 rounding with the flat update."""
+    float32 values, optimizer state) and the next step is the one FSDP would take, to float32
+    rounding (FSDP and the masters sum the gradient norm in different orders)."""
     kw = dict(lr=1e-2, lr_schedule="cosine", warmup_steps=1, total_steps=5)
     fsdp = FsdpActor(make_config(shard_single_rank=True, optim=OptimConfig(**kw), **BF16))
     fsdp.train_step(batch, loss="grpo")
@@ -179,11 +179,10 @@ def test_checkpoints_move_between_fsdp_and_masters(make_config, batch, tmp_path,
     got = ours.train_step(batch, loss="grpo")
     for key in ("loss", "lr"):
         assert got[key] == expected[key], key
-    assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=0 if not flat else 1e-6)
+    assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-6)
     ref = fsdp.full_parameters()
     for name, p in ours.full_parameters().items():
-        tol = dict(rtol=0, atol=0) if not flat else dict(rtol=1e-6, atol=1e-7)
-        torch.testing.assert_close(p, ref[name], **tol, msg=name)
+        torch.testing.assert_close(p, ref[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_export_reads_the_float32_masters(make_config, batch):

@@ -5,9 +5,9 @@ import itertools
 import pytest
 import torch
 
+from rl_algos import LOSS_FIELDS
 from trainers_fsdp import TINY_OVERRIDES
-from trainers_fsdp.microbatch import PinnedStaging, build_micro_batch
-from vlm_models import tiny_config
+from vlm_models import PinnedStaging, build_micro_batch, tiny_config
 
 CPU = torch.device("cpu")
 
@@ -16,15 +16,15 @@ def test_image_placeholder_count_is_checked_on_the_host(batch):
     """The model's device-side count check is removed (a host sync), so a sample whose image
     placeholders do not match its image must be refused here, by name."""
     config = tiny_config(**TINY_OVERRIDES)
-    mb = build_micro_batch(batch, [0, 1, 2], config, need_vision=False)
+    mb = build_micro_batch(batch, [0, 1, 2], config, fields=LOSS_FIELDS)
     assert mb.image_grid_thw.shape[0] == 2
     ids = batch.input_ids[2].clone()
     flat = ids.reshape(-1)
     flat[(flat == config.image_token_id).nonzero()[0]] = 0  # one placeholder lost
     batch.input_ids[2] = ids
     with pytest.raises(ValueError, match=r"sample 2: 5 image placeholder tokens .* 6 merged"):
-        build_micro_batch(batch, [0, 1, 2], config, need_vision=False)
-    build_micro_batch(batch, [0, 1, 3], config, need_vision=False)  # the others still build
+        build_micro_batch(batch, [0, 1, 2], config, fields=LOSS_FIELDS)
+    build_micro_batch(batch, [0, 1, 3], config, fields=LOSS_FIELDS)  # the others still build
 
 
 def test_staged_tensors_are_copies_and_the_buffers_are_reused():
@@ -63,7 +63,7 @@ def test_a_micro_batch_moves_whole(batch):
     """``MicroBatch.to`` through a staging buffer gives every tensor back equal, and adds the
     sample boundaries the packed attention reads."""
     config = tiny_config(**TINY_OVERRIDES)
-    mb = build_micro_batch(batch, [0, 1, 3], config, need_vision=False)
+    mb = build_micro_batch(batch, [0, 1, 3], config, fields=LOSS_FIELDS)
     moved = mb.to(CPU, PinnedStaging(pin=False))
     assert torch.equal(moved.cu_seqlens, torch.tensor([0, *itertools.accumulate(mb.lengths)]))
     assert moved.cu_seqlens.dtype == torch.int32

@@ -39,7 +39,7 @@ def main(case_path: str, out_dir: str) -> None:
     for name, scenario in case["scenarios"].items():
         actor = MegatronActor(MegatronConfig(**case["config"], **scenario["config"]))
         batch = case["batch"] if scenario["share"] else case["batch"].select([rank])
-        for mb in actor._micro_batches(batch):  # the host's longest sample is the device's
+        for mb in actor.micro_batches(batch):  # the host's longest sample is the device's
             assert mb.max_seqlen == int((mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).max()), mb
         result = {"before": actor.compute_logprobs(batch)}
         result["metrics"] = actor.train_step(batch, loss="grpo")

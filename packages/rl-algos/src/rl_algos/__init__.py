@@ -1,5 +1,7 @@
-"""rl_algos: the GRPO core (advantages, losses, log-prob helpers, the TrainBatch type). Torch only."""
+"""rl_algos: the GRPO core (advantages, losses and loss objects, log-prob helpers, the TrainBatch
+type, and the backend-neutral trainer step of :mod:`rl_algos.train_step`). Torch only."""
 
+from rl_algos import train_step  # the step's functions: train_step.train_step(backend, ...)
 from rl_algos.advantages import (
     GroupFilterResult,
     broadcast_advantages,
@@ -8,34 +10,72 @@ from rl_algos.advantages import (
     group_index,
     whiten_advantages,
 )
-from rl_algos.batch import TrainBatch, pack_by_token_budget, pack_sequences, unpack_sequences
+from rl_algos.batch import (
+    LOSS_FIELDS,
+    TrainBatch,
+    pack_by_token_budget,
+    pack_sequences,
+    unpack_sequences,
+)
 from rl_algos.logprobs import (
     aligned_entropy,
     aligned_logprobs,
     entropy_from_logits,
     logprobs_from_logits,
+    scatter_rows,
 )
 from rl_algos.losses import (
+    GRPO_METRICS,
+    LOSSES,
+    EntropyMode,
+    GrpoLoss,
     GrpoLossConfig,
     LossAggMode,
+    SftLoss,
+    TrainLoss,
     aggregate_loss,
     grpo_loss,
     kl_penalty,
     loss_denominator,
     masked_mean,
     policy_loss,
+    resolve_loss,
     sft_loss,
+)
+from rl_algos.metrics import Reduce, StepMetrics
+from rl_algos.train_step import (
+    STEP_METRICS,
+    MicroBatches,
+    MicroBatchLoss,
+    TrainBackend,
+    collect_logprobs,
+    loss_units,
+    run_sequentially,
 )
 
 __all__ = [
+    "GRPO_METRICS",
+    "LOSSES",
+    "LOSS_FIELDS",
+    "STEP_METRICS",
+    "EntropyMode",
     "GroupFilterResult",
+    "GrpoLoss",
     "GrpoLossConfig",
     "LossAggMode",
+    "MicroBatchLoss",
+    "MicroBatches",
+    "Reduce",
+    "SftLoss",
+    "StepMetrics",
+    "TrainBackend",
     "TrainBatch",
+    "TrainLoss",
     "aggregate_loss",
     "aligned_entropy",
     "aligned_logprobs",
     "broadcast_advantages",
+    "collect_logprobs",
     "compute_grpo_advantages",
     "entropy_from_logits",
     "filter_zero_variance_groups",
@@ -44,11 +84,16 @@ __all__ = [
     "kl_penalty",
     "logprobs_from_logits",
     "loss_denominator",
+    "loss_units",
     "masked_mean",
     "pack_by_token_budget",
     "pack_sequences",
     "policy_loss",
+    "resolve_loss",
+    "run_sequentially",
+    "scatter_rows",
     "sft_loss",
+    "train_step",
     "unpack_sequences",
     "whiten_advantages",
 ]

@@ -17,14 +17,10 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-_TOKEN_FIELDS = (
-    "loss_mask",
-    "advantages",
-    "old_logprobs",
-    "ref_logprobs",
-    "rollout_logprobs",
-    "mm_token_type_ids",
-)
+# The per-token fields a training loss reads (packed into each micro-batch), and all the
+# fields aligned token by token with input_ids (checked on construction).
+LOSS_FIELDS = ("loss_mask", "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
+_TOKEN_FIELDS = (*LOSS_FIELDS, "mm_token_type_ids")
 
 
 @dataclass

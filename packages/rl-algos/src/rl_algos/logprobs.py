@@ -275,3 +275,10 @@ def aligned_entropy(
     ent = entropy_from_logits(logits, temperature, chunk_size=chunk_size)
     shifted = torch.cat([ent.new_zeros(1), ent[:-1]])
     return shifted.masked_fill(first_positions_mask(bounds, total, device=ent.device), 0.0)
+
+
+def scatter_rows(rows: Tensor, positions: Tensor, total: int) -> Tensor:
+    """Per-token values ``[total]`` from the values ``rows [R]`` of the tokens at ``positions``
+    (the loss tokens, when the LM head ran only on the rows predicting them); 0 elsewhere, as
+    the token alignment convention allows. Differentiable through ``rows``."""
+    return rows.new_zeros(total).index_copy(0, positions, rows)

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
 from torch import Tensor
+
+from rl_algos.batch import LOSS_FIELDS
+from rl_algos.metrics import Reduce
 
 logger = logging.getLogger(__name__)
 
@@ -349,3 +352,144 @@ def sft_loss(
     return aggregate_loss(
         -logprobs, loss_mask, cu_seqlens, mode, norm_length=norm_length, denominator=denominator
     )
+
+
+# ------------------------------------------------------------------------------- loss objects
+EntropyMode = Literal["grad", "metric"] | None
+
+# Every metric grpo_loss may return, with its reduction over micro-batches and ranks
+# (rl_algos.metrics). "loss" is left out: the trainer step reports the step's loss itself.
+GRPO_METRICS: dict[str, Reduce] = {
+    "pg_loss": "mean",
+    "clip_frac": "mean",
+    "clip_frac_low": "mean",
+    "clip_frac_high": "mean",
+    "dual_clip_frac": "mean",
+    "approx_kl": "mean",
+    "ppo_kl": "mean",
+    "ratio_mean": "mean",
+    "ratio_min": "min",
+    "ratio_max": "max",
+    "rollout_logprob_abs_diff": "mean",
+    "rollout_logprob_abs_diff_max": "max",
+    "tis_weight_mean": "mean",
+    "tis_clip_frac": "mean",
+    "kl_loss": "mean",
+    "entropy": "mean",
+}
+
+
+@dataclass(frozen=True)
+class GrpoLoss:
+    """:func:`grpo_loss` as an object a trainer step takes: what it reads, how it aggregates,
+    which metrics it returns and whether it needs the entropy.
+
+    Called on one micro-batch's flat tensors, it returns that micro-batch's own loss (its
+    aggregation over its own tokens or samples) and metrics; the trainer step scales it by the
+    micro-batch's share of the step's tokens or samples (``rl_algos.train_step``).
+    """
+
+    config: GrpoLossConfig = field(default_factory=GrpoLossConfig)
+    name: str = "grpo"
+    fields: tuple[str, ...] = LOSS_FIELDS
+    metrics: dict[str, Reduce] = field(default_factory=lambda: dict(GRPO_METRICS))
+
+    @property
+    def agg_mode(self) -> LossAggMode:
+        return self.config.loss_agg_mode
+
+    @property
+    def norm_length(self) -> float | None:
+        return self.config.norm_length
+
+    def with_norm_length(self, norm_length: float) -> GrpoLoss:
+        return replace(self, config=replace(self.config, norm_length=norm_length))
+
+    def entropy_mode(self, log_entropy: bool) -> EntropyMode:
+        """``"grad"`` for an entropy bonus, ``"metric"`` to only report it, else None."""
+        if self.config.entropy_coef:
+            return "grad"
+        return "metric" if log_entropy else None
+
+    def check(self, batch) -> None:
+        """The batch has what this loss reads (``batch``: a :class:`rl_algos.TrainBatch`)."""
+        if len(batch) and batch.advantages is None:
+            raise ValueError("train_step(loss='grpo') needs batch.advantages")
+        if self.config.kl_coef and batch.ref_logprobs is None:
+            raise ValueError(
+                "grpo kl_coef > 0 needs batch.ref_logprobs (compute_logprobs(batch, reference=True))"
+            )
+
+    def __call__(
+        self,
+        logprobs: Tensor,
+        fields: dict[str, Tensor],
+        cu_seqlens: Sequence[int],
+        entropy: Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        loss, metrics = grpo_loss(
+            logprobs,
+            old_logprobs=fields.get("old_logprobs", logprobs.detach()),
+            advantages=fields["advantages"],
+            loss_mask=fields["loss_mask"],
+            cu_seqlens=cu_seqlens,
+            config=self.config,
+            ref_logprobs=fields.get("ref_logprobs"),
+            rollout_logprobs=fields.get("rollout_logprobs"),
+            entropy=entropy,
+        )
+        metrics.pop("loss")
+        return loss, metrics
+
+
+@dataclass(frozen=True)
+class SftLoss:
+    """:func:`sft_loss` as a loss object (see :class:`GrpoLoss`); reports the entropy of the
+    masked tokens when the trainer computes it."""
+
+    agg_mode: LossAggMode = "token-mean"
+    norm_length: float | None = None
+    name: str = "sft"
+    fields: tuple[str, ...] = ("loss_mask",)
+    metrics: dict[str, Reduce] = field(default_factory=lambda: {"entropy": "mean"})
+
+    def with_norm_length(self, norm_length: float) -> SftLoss:
+        return replace(self, norm_length=norm_length)
+
+    def entropy_mode(self, log_entropy: bool) -> EntropyMode:
+        return "metric" if log_entropy else None
+
+    def check(self, batch) -> None:
+        pass
+
+    def __call__(
+        self,
+        logprobs: Tensor,
+        fields: dict[str, Tensor],
+        cu_seqlens: Sequence[int],
+        entropy: Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        mask = fields["loss_mask"]
+        value = sft_loss(logprobs, mask, cu_seqlens, self.agg_mode, norm_length=self.norm_length)
+        metrics = {}
+        if entropy is not None:
+            metrics["entropy"] = masked_mean(entropy.detach(), mask)
+        return value, metrics
+
+
+TrainLoss = GrpoLoss | SftLoss
+LOSSES = ("grpo", "sft")
+
+
+def resolve_loss(
+    loss: str | TrainLoss, *, grpo: GrpoLossConfig, sft_agg_mode: LossAggMode = "token-mean"
+) -> TrainLoss:
+    """A loss object from a name at the trainer protocol's boundary (``"grpo"`` with the
+    trainer's GRPO settings, ``"sft"``); a loss object is returned as it is."""
+    if not isinstance(loss, str):
+        return loss
+    if loss == "grpo":
+        return GrpoLoss(grpo)
+    if loss == "sft":
+        return SftLoss(sft_agg_mode)
+    raise ValueError(f"loss must be one of {LOSSES} or a loss object, got {loss!r}")

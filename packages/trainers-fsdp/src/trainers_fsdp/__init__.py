@@ -11,7 +11,7 @@ from trainers_fsdp.attention import PACKED_ATTENTION, PackedSeqInfo, register_pa
 from trainers_fsdp.config import FsdpConfig, OptimConfig
 from trainers_fsdp.distributed import build_mesh, init_distributed, resolve_device
 from trainers_fsdp.master import MasterWeights
-from trainers_fsdp.microbatch import MicroBatch, build_micro_batch, plan_micro_batches
+from trainers_fsdp.microbatch import plan_micro_batches
 from trainers_fsdp.optim import build_optimizer, build_scheduler, clip_grad_norm, lr_lambda
 from trainers_fsdp.parallelize import (
     apply_ac,
@@ -28,14 +28,12 @@ __all__ = [
     "FsdpActor",
     "FsdpConfig",
     "MasterWeights",
-    "MicroBatch",
     "OptimConfig",
     "PackedSeqInfo",
     "apply_ac",
     "apply_compile",
     "apply_fsdp",
     "build_mesh",
-    "build_micro_batch",
     "build_optimizer",
     "build_scheduler",
     "clip_grad_norm",

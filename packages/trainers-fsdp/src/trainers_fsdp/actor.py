@@ -12,12 +12,9 @@ sharding, for models that fit on one GPU).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import os
-import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 
 import torch
@@ -27,20 +24,25 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from rl_algos import (
+    EntropyMode,
+    MicroBatches,
+    MicroBatchLoss,
     TrainBatch,
+    TrainLoss,
     aligned_entropy,
     aligned_logprobs,
+    collect_logprobs,
     entropy_from_logits,
-    grpo_loss,
     logprobs_from_logits,
-    loss_denominator,
-    sft_loss,
+    resolve_loss,
+    run_sequentially,
+    scatter_rows,
 )
+from rl_algos import train_step as core
 from trainers_fsdp.attention import PACKED_ATTENTION, PackedSeqInfo, register_packed_attention
 from trainers_fsdp.checkpoint import load_checkpoint, save_checkpoint
 from trainers_fsdp.config import FsdpConfig
 from trainers_fsdp.distributed import (
-    all_reduce_,
     all_reduce_mean_,
     build_mesh,
     init_distributed,
@@ -49,12 +51,7 @@ from trainers_fsdp.distributed import (
 from trainers_fsdp.flat_adamw import FlatAdamW, move_optimizer_state
 from trainers_fsdp.fused import fuse_rms_norms
 from trainers_fsdp.master import MasterWeights
-from trainers_fsdp.microbatch import (
-    MicroBatch,
-    PinnedStaging,
-    build_micro_batch,
-    plan_micro_batches,
-)
+from trainers_fsdp.microbatch import plan_micro_batches
 from trainers_fsdp.optim import (
     build_optimizer,
     build_scheduler,
@@ -72,6 +69,9 @@ from trainers_fsdp.parallelize import (
 from trainers_fsdp.vision import VisionInputs, fuse_vision_attention
 from trainers_fsdp.weights import export_hf_folder, iter_hf_weight_buckets
 from vlm_models import (
+    MicroBatch,
+    PinnedStaging,
+    build_micro_batch,
     build_model,
     has_linear_attention,
     pack_linear_attention,
@@ -80,19 +80,6 @@ from vlm_models import (
 )
 
 logger = logging.getLogger(__name__)
-
-LOSSES = ("grpo", "sft")
-
-
-@dataclasses.dataclass
-class _Pending:
-    """A step's metrics reduced over ranks but not yet read from the device."""
-
-    mean_keys: list[str]
-    ext_keys: list[str]
-    mean_vec: Tensor  # token-weighted sums, then total weight, loss, tokens (float64)
-    ext_vec: Tensor  # maxima (minima negated), then a 0 pad
-    num_micro_batches: float = 0.0
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
@@ -226,24 +213,32 @@ class FsdpActor:
         return self.model.config
 
     # ----------------------------------------------------------------------------- forward
-    def _micro_batches(self, batch: TrainBatch, model: nn.Module) -> Iterator[MicroBatch]:
+    def micro_batches(
+        self, batch: TrainBatch, fields: Sequence[str] = (), model: nn.Module | None = None
+    ) -> MicroBatches:
+        """The step's micro-batches (the same count on every rank), each built and copied to
+        the device as it is iterated. ``fields``: the per-token fields the loss reads."""
         plan = plan_micro_batches(
             batch.lengths,
             self.config.max_tokens_per_gpu,
             one_per_micro_batch=self._one_per_micro_batch,
         )
         need_vision = self.world_size > 1
-        vision = self._vision_inputs.get(id(model))
-        for indices in plan:
+        vision = self._vision_inputs.get(id(model or self.model))
+
+        def build(indices: Sequence[int]) -> MicroBatch:
             with record_function("fsdp_actor.micro_batch"):  # host work the GPU may wait on
-                mb = build_micro_batch(batch, indices, self.model_config, need_vision=need_vision)
+                mb = build_micro_batch(
+                    batch, indices, self.model_config, fields=fields, need_vision=need_vision
+                )
                 if vision is not None and mb.image_grid_thw is not None:
                     mb.vision_inputs = vision.compute(mb.image_grid_thw)
-                mb = mb.to(self.device, self._staging)
-            yield mb
+                return mb.to(self.device, self._staging)
+
+        return MicroBatches(plan, build)
 
     def _forward(
-        self, model: nn.Module, mb: MicroBatch, *, entropy: str | None = None
+        self, model: nn.Module, mb: MicroBatch, *, entropy: EntropyMode = None
     ) -> tuple[Tensor, Tensor | None]:
         """Packed forward; aligned log-probs ``[T]`` (float32) and optionally entropy ``[T]``.
 
@@ -270,7 +265,7 @@ class FsdpActor:
             return self._scored_forward(model, mb, kwargs, entropy)
 
     def _scored_forward(
-        self, model: nn.Module, mb: MicroBatch, kwargs: dict, entropy: str | None
+        self, model: nn.Module, mb: MicroBatch, kwargs: dict, entropy: EntropyMode
     ) -> tuple[Tensor, Tensor | None]:
         """The model call and the log-prob (and entropy) rows of :meth:`_forward`."""
         temperature = self.config.temperature
@@ -297,14 +292,13 @@ class FsdpActor:
         logits = model(**kwargs, logits_to_keep=positions - 1).logits[0]  # [R, V]
         compiled = self.compile
         rows = logprobs_from_logits(logits, mb.input_ids[positions], temperature, compiled=compiled)
-        logprobs = torch.zeros(total, device=rows.device, dtype=rows.dtype)
-        logprobs = logprobs.index_copy(0, positions, rows)
+        logprobs = scatter_rows(rows, positions, total)
         ent = None
         if entropy is not None:
             with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
                 src = logits if entropy == "grad" else logits.detach()
                 ent_rows = entropy_from_logits(src, temperature, compiled=compiled)
-                ent = torch.zeros_like(logprobs).index_copy(0, positions, ent_rows)
+                ent = scatter_rows(ent_rows, positions, total)
         return logprobs, ent
 
     @torch.no_grad()
@@ -316,115 +310,64 @@ class FsdpActor:
         self._require_onloaded()
         was_training = model.training
         model.eval()
-        out: list[Tensor | None] = [None] * len(batch)
-        for mb in self._micro_batches(batch, model):
-            logprobs, _ = self._forward(model, mb)
-            logprobs = logprobs.float().cpu()
-            start = 0
-            for i, n in zip(mb.indices, mb.lengths, strict=False):
-                out[i] = logprobs[start : start + n]
-                start += n
+        out = collect_logprobs(
+            self.micro_batches(batch, model=model),
+            lambda mb: self._forward(model, mb)[0],
+            len(batch),
+        )
         model.train(was_training)
         return out  # type: ignore[return-value]
 
     # ----------------------------------------------------------------------------- training
-    def _loss_settings(self, batch: TrainBatch, loss: str) -> tuple[str, float | None]:
-        """Aggregation mode and the norm length fixed over the global batch."""
-        if loss == "grpo":
-            mode, norm = self.config.grpo.loss_agg_mode, self.config.grpo.norm_length
-        else:
-            mode, norm = self.config.sft_loss_agg_mode, None
-        if mode == "seq-mean-token-sum-norm" and norm is None:
-            longest = max([int((m > 0).sum()) for m in batch.loss_mask] or [0])
-            t = all_reduce_(torch.tensor([float(longest)]), dist.ReduceOp.MAX)
-            norm = max(1.0, float(t.item()))
-        return mode, norm
-
-    def _check_batch(self, batch: TrainBatch, loss: str) -> None:
-        if loss not in LOSSES:
-            raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
-        if loss == "grpo" and len(batch) and batch.advantages is None:
-            raise ValueError("train_step(loss='grpo') needs batch.advantages")
-        if loss == "grpo" and self.config.grpo.kl_coef and batch.ref_logprobs is None:
-            raise ValueError(
-                "grpo kl_coef > 0 needs batch.ref_logprobs (compute_logprobs(batch, reference=True))"
-            )
-
-    def train_step(self, batch: TrainBatch, *, loss: str = "grpo") -> dict[str, float]:
-        """One optimizer step over ``batch`` (this rank's part of the global batch).
-
-        :meth:`forward_backward` then :meth:`optimizer_step`; returns their metrics together
-        with ``tokens`` (global), ``step_time_s`` and ``tokens_per_s``. The host reads the
-        device once: the metrics and the gradient norm in one transfer, before the update. The
-        update is then queued without waiting for it, so whatever the host does next (the next
-        batch's packing, the next forward's launches) overlaps the optimizer on the GPU.
-        """
-        start = time.perf_counter()
-        pending = self._accumulate(batch, loss)
-        values = self._read(pending, extra=[self._grad_norm()])
-        grad_norm = values.pop("_extra_0")
-        out = {**values, **self._update(grad_norm)}
-        elapsed = time.perf_counter() - start
-        out.update(step_time_s=elapsed, tokens_per_s=out["tokens"] / elapsed)
-        return out
-
-    def forward_backward(self, batch: TrainBatch, *, loss: str = "grpo") -> dict[str, float]:
-        """Accumulate the gradient of the global-batch loss; no optimizer step.
-
-        Micro-batches are packed to ``max_tokens_per_gpu``; each micro-batch loss is scaled so
-        the accumulated gradient equals that of the loss aggregated over the whole global batch
-        (all micro-batches of all ranks) under the configured aggregation mode: token-mean
-        divides by the global count of loss tokens, the sequence modes by the global count of
-        samples.
-        """
-        return self._read(self._accumulate(batch, loss))
-
-    def _accumulate(self, batch: TrainBatch, loss: str) -> _Pending:
-        """:meth:`forward_backward` up to the reduced metrics, left on the device."""
-        self._check_batch(batch, loss)
-        self._require_onloaded()
+    def _loss(self, loss: str | TrainLoss) -> TrainLoss:
         cfg = self.config
-        mode, norm = self._loss_settings(batch, loss)
-        grpo_cfg = dataclasses.replace(cfg.grpo, loss_agg_mode=mode, norm_length=norm)
-        local_units = loss_denominator(batch.loss_mask, mode)
-        global_units = float(all_reduce_(torch.tensor([local_units], dtype=torch.float64)).item())
-        entropy_mode = None
-        if loss == "grpo" and cfg.grpo.entropy_coef:
-            entropy_mode = "grad"
-        elif cfg.log_entropy:
-            entropy_mode = "metric"
+        return resolve_loss(loss, grpo=cfg.grpo, sft_agg_mode=cfg.sft_loss_agg_mode)
 
+    def train_step(self, batch: TrainBatch, *, loss: str | TrainLoss = "grpo") -> dict[str, float]:
+        """One optimizer step over ``batch`` (this rank's part of the global batch): the step
+        of :mod:`rl_algos.train_step` over this actor's hooks. Returns global metrics with
+        ``tokens``, ``step_time_s`` and ``tokens_per_s``; the host reads the device once, and
+        the update is queued behind that read without waiting for it, so whatever the host
+        does next overlaps the optimizer on the GPU."""
+        self._require_onloaded()
+        return core.train_step(self, batch, self._loss(loss), log_entropy=self.config.log_entropy)
+
+    def forward_backward(
+        self, batch: TrainBatch, *, loss: str | TrainLoss = "grpo"
+    ) -> dict[str, float]:
+        """Accumulate the gradient of the global-batch loss; no optimizer step (the loss
+        scaling is :mod:`rl_algos.train_step`'s: the result equals one big batch's)."""
+        self._require_onloaded()
+        return core.forward_backward(
+            self, batch, self._loss(loss), log_entropy=self.config.log_entropy
+        )
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip, step AdamW and the LR schedule, zero the gradients. A non-finite gradient
+        norm skips the update (reported as ``update_skipped``)."""
+        return core.optimizer_step(self)
+
+    # ------------------------------------------------------------ the trainer step's hooks
+    @property
+    def group(self) -> None:
+        """The step's samples are split over all ranks (the default process group)."""
+        return None
+
+    def run_micro_batches(
+        self, micro_batches: MicroBatches, loss_fn: MicroBatchLoss, *, entropy: EntropyMode
+    ) -> None:
+        """Forward, loss and backward, one micro-batch after the other."""
         self.model.train()
-        sums: dict[str, Tensor] = {}
-        weights = 0.0
-        loss_total = torch.zeros((), device=self.device, dtype=torch.float64)
-        n_micro = 0
-        for mb in self._micro_batches(batch, self.model):
-            n_micro += 1
-            logprobs, ent = self._forward(self.model, mb, entropy=entropy_mode)
-            if not mb.indices:  # dummy row: run forward/backward for the collectives only
-                self._backward(logprobs.sum() * 0.0)
-                continue
-            with record_function("fsdp_actor.loss"):
-                value, metrics = self._micro_loss(loss, mb, logprobs, ent, grpo_cfg, mode, norm)
-            scale = mb.loss_units[mode] / global_units if global_units > 0 else 0.0
+
+        def forward(mb: MicroBatch) -> tuple[Tensor, Tensor | None]:
+            return self._forward(self.model, mb, entropy=entropy)
+
+        def backward(value: Tensor) -> None:
             # FSDP averages gradients over ranks; multiplying by world size makes it a sum.
-            self._backward(value * (scale * self.world_size))
-            loss_total += value.detach().double() * scale
-            tokens = float(mb.loss_units["token-mean"])
-            weights += tokens
-            for k, v in metrics.items():
-                if k == "loss":
-                    continue
-                v = v.detach().double()
-                if k.endswith(("_max", "_min")):
-                    v = v if k.endswith("_max") else -v
-                    sums[k] = v if k not in sums else torch.maximum(sums[k], v)
-                else:
-                    sums[k] = sums.get(k, 0.0) + v * tokens
-        pending = self._reduce_metrics(sums, weights, loss_total, float(batch.num_tokens))
-        pending.num_micro_batches = float(n_micro)
-        return pending
+            self._backward(value * self.world_size if self.world_size > 1 else value)
+
+        with record_function("fsdp_actor.micro_batches"):
+            run_sequentially(micro_batches, forward, backward, loss_fn)
 
     def _backward(self, loss: Tensor) -> None:
         """``loss.backward()``; with one-rank master weights, the bf16 gradient buffer is first
@@ -434,46 +377,6 @@ class FsdpActor:
         with record_function("fsdp_actor.backward"):
             loss.backward()
         self._grads_averaged = False
-
-    def _micro_loss(
-        self,
-        loss: str,
-        mb: MicroBatch,
-        logprobs: Tensor,
-        ent: Tensor | None,
-        grpo_cfg,
-        mode: str,
-        norm: float | None,
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        """One micro-batch's loss (before the global-batch scale) and its metrics."""
-        n_real = mb.num_real_tokens
-        lp = logprobs[:n_real]
-        f = mb.fields
-        cu = mb.real_cu_seqlens
-        mask = f["loss_mask"]
-        if loss == "grpo":
-            return grpo_loss(
-                lp,
-                old_logprobs=f.get("old_logprobs", lp.detach()),
-                advantages=f["advantages"],
-                loss_mask=mask,
-                cu_seqlens=cu,
-                config=grpo_cfg,
-                ref_logprobs=f.get("ref_logprobs"),
-                rollout_logprobs=f.get("rollout_logprobs"),
-                entropy=None if ent is None else ent[:n_real],
-            )
-        value = sft_loss(lp, mask, cu, mode, norm_length=norm)
-        metrics = {"loss": value.detach()}
-        if ent is not None:
-            on = (mask > 0).to(ent.dtype)
-            metrics["entropy"] = (ent[:n_real] * on).sum() / on.sum().clamp(min=1)
-        return value, metrics
-
-    def optimizer_step(self) -> dict[str, float]:
-        """Clip, step AdamW and the LR schedule, zero the gradients. A non-finite gradient
-        norm skips the update (reported as ``update_skipped``)."""
-        return self._update(float(self._grad_norm()))
 
     def _average_grads(self) -> None:
         """Replicated ranks (``FsdpConfig.replicate``): average the accumulated gradients over
@@ -493,35 +396,29 @@ class FsdpActor:
                     p.grad = g.copy_(part.view_as(g))
         self._grads_averaged = True
 
-    def _grad_norm(self) -> Tensor:
-        """The global norm of the accumulated gradients, on the device."""
+    def finish_grads(self) -> Tensor:
+        """The global norm of the accumulated gradients, on the device (replicated ranks
+        average theirs first; FSDP reduced them in its backward). Clipping waits for the
+        update, which scales the gradients as it reads them."""
         self._average_grads()
         with record_function("fsdp_actor.grad_norm"):
             if isinstance(self.optimizer, FlatAdamW):  # the master weights' own buffers
                 return self.optimizer.grad_norm()
             return grad_norm(self._trained.parameters())
 
-    def _update(self, grad_norm: float) -> dict[str, float]:
-        """Clip and step (skipped for a non-finite norm), zero the gradients, then the LR
-        schedule, step count and the step's metrics. Nothing here waits for the GPU."""
-        skipped = not math.isfinite(grad_norm)
+    def apply_update(self, grad_norm: float | None) -> float:
+        """Clip and step, then the LR schedule; ``None`` (a non-finite norm): no update, the
+        schedule stays. The gradients are dropped either way. Returns this step's LR. Nothing
+        here waits for the GPU."""
         lr = self.scheduler.get_last_lr()[0]
         with record_function("fsdp_actor.optimizer"):
-            if not skipped:
+            if grad_norm is not None:
                 coef = clip_coefficient(grad_norm, self.config.optim.max_grad_norm)
                 step_with_scaled_grads(self.optimizer, coef)
             self.zero_grad()
-        if skipped:
-            logger.warning("step %d: non-finite grad norm %s, update skipped", self.step, grad_norm)
-        else:
+        if grad_norm is not None:
             self.scheduler.step()
-        self.step += 1
-        return {
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "step": float(self.step),
-            "update_skipped": float(skipped),
-        }
+        return lr
 
     def zero_grad(self) -> None:
         """Drop the accumulated gradients (:meth:`forward_backward` adds to them)."""
@@ -546,62 +443,6 @@ class FsdpActor:
             for n, p in self._trained.named_parameters()
             if p.grad is not None
         }
-
-    def _reduce_metrics(
-        self, sums: dict[str, Tensor], weights: float, loss_total: Tensor, tokens: float
-    ) -> _Pending:
-        """Token-weighted sums (max / min for ``*_max`` / ``*_min``) reduced over all ranks,
-        still on the device: :meth:`_read` turns them into means with one host transfer."""
-        keys = sorted(sums)
-        if self.world_size > 1:
-            gathered: list[list[str]] = [[] for _ in range(self.world_size)]
-            dist.all_gather_object(gathered, keys)
-            keys = sorted(set().union(*gathered))
-        mean_keys = [k for k in keys if not (k.endswith("_max") or k.endswith("_min"))]
-        ext_keys = [k for k in keys if k not in mean_keys]
-
-        # Host numbers enter as fills (kernels with a scalar argument): torch.tensor(x,
-        # device=...) would be a copy from pageable memory, which waits for the GPU.
-        def fill(value: float) -> Tensor:
-            return torch.full((), value, dtype=torch.float64, device=self.device)
-
-        def on_device(key: str, default: float) -> Tensor:
-            return sums[key].to(self.device, torch.float64) if key in sums else fill(default)
-
-        mean_vec = torch.stack(
-            [on_device(k, 0.0) for k in mean_keys]
-            + [fill(weights), loss_total.to(self.device), fill(tokens)]
-        )
-        all_reduce_(mean_vec)
-        ext_vec = torch.stack([on_device(k, -float("inf")) for k in ext_keys] + [fill(0.0)])
-        all_reduce_(ext_vec, dist.ReduceOp.MAX)
-        return _Pending(mean_keys, ext_keys, mean_vec, ext_vec)
-
-    def _read(self, pending: _Pending, extra: list[Tensor] = ()) -> dict[str, float]:
-        """The metrics of :meth:`_reduce_metrics` (plus ``extra`` scalars as ``_extra_<i>``),
-        read from the device in one transfer: the step's single host sync."""
-        dev = pending.mean_vec.device
-        parts = [pending.mean_vec, pending.ext_vec]
-        parts += [torch.as_tensor(e).to(dev, torch.float64).reshape(1) for e in extra]
-        values = torch.cat(parts).tolist()
-        n_mean = len(pending.mean_keys)
-        mean_vals, rest = values[: n_mean + 3], values[n_mean + 3 :]
-        total_w, loss_value, tokens = mean_vals[-3:]
-        out = {
-            k: v / total_w if total_w > 0 else 0.0
-            for k, v in zip(pending.mean_keys, mean_vals, strict=False)
-        }
-        for k, v in zip(pending.ext_keys, rest, strict=False):
-            out[k] = v if k.endswith("_max") else -v
-        for i, v in enumerate(rest[len(pending.ext_keys) + 1 :]):
-            out[f"_extra_{i}"] = v
-        out.update(
-            loss=loss_value,
-            tokens=tokens,
-            loss_tokens=total_w,
-            num_micro_batches=pending.num_micro_batches,
-        )
-        return out
 
     # ----------------------------------------------------------------------------- weights
     def iter_hf_weights(

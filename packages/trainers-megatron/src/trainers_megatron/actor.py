@@ -19,13 +19,10 @@ never gathered; ``reference_model=True`` keeps a frozen copy of the initial weig
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import logging
-import math
 import os
-import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,19 +34,27 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from rl_algos import (
+    EntropyMode,
+    MicroBatches,
+    MicroBatchLoss,
     TrainBatch,
+    TrainLoss,
     aligned_logprobs,
-    grpo_loss,
+    collect_logprobs,
     logprobs_from_logits,
-    loss_denominator,
     pack_by_token_budget,
-    sft_loss,
+    resolve_loss,
+    run_sequentially,
+    scatter_rows,
 )
+from rl_algos import train_step as core
 from trainers_megatron.config import MegatronConfig
 from vlm_models import (
     PRESETS,
+    MicroBatch,
+    PinnedStaging,
+    build_micro_batch,
     build_model,
-    packed_position_ids,
     resolve_config,
     resolve_model_source,
 )
@@ -66,35 +71,6 @@ from vlm_models.megatron import (
 )
 
 logger = logging.getLogger(__name__)
-
-LOSSES = ("grpo", "sft")
-_TOKEN_FIELDS = ("loss_mask", "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
-
-
-@dataclasses.dataclass
-class MicroBatch:
-    """Samples packed end to end, padded (as one extra sample) to a multiple of TP under SP."""
-
-    indices: list[int]
-    lengths: list[int]
-    input_ids: Tensor  # [T]
-    position_ids: Tensor  # [3, T]
-    cu_seqlens: Tensor  # int32 [n (+1) + 1]
-    pixel_values: Tensor | None
-    image_grid_thw: Tensor | None  # on the host when vision_inputs are given
-    fields: dict[str, Tensor]  # packed per-token fields of the real samples
-    max_seqlen: int = 0  # the longest packed sample, known on the host
-    image_positions: Tensor | None = None  # flat indices of the image tokens, from the host
-    vision_inputs: dict | None = None  # the tower's inputs (vlm_models.VisionInputs)
-    loss_positions: Tensor | None = None  # tokens whose log-prob the loss needs (on device)
-
-    @property
-    def num_real(self) -> int:
-        return sum(self.lengths)
-
-    @property
-    def real_cu(self) -> list[int]:
-        return self.cu_seqlens[: len(self.lengths) + 1].tolist()
 
 
 def _vocab_parallel_aligned_logprobs(
@@ -135,11 +111,6 @@ def _lr_scheduler(optimizer: torch.optim.Optimizer, config: MegatronConfig) -> A
         use_checkpoint_opt_param_scheduler=False,
         override_opt_param_scheduler=True,
     )
-
-
-def _to(inputs: dict, device: torch.device) -> dict:
-    """The tensors of a dict on ``device``; other values as they are."""
-    return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in inputs.items()}
 
 
 class MegatronActor:
@@ -220,6 +191,8 @@ class MegatronActor:
         self.scheduler = _lr_scheduler(self.optimizer, config)
         self.step = 0
         self._offloaded = False
+        # reused pinned host buffers: each micro-batch reaches the GPU in one copy
+        self._staging = PinnedStaging() if self.device.type == "cuda" else None
 
     def _load_initial_weights(self) -> None:
         """The folder's weights; random ones only for a preset name or a config object."""
@@ -242,59 +215,25 @@ class MegatronActor:
         dist.broadcast_object_list(holder, src=src, group=self.tp_group)
         return holder[0]
 
-    def _micro_batches(self, batch: TrainBatch) -> Iterator[MicroBatch]:
-        grids_all = batch.image_grid_thw or [None] * len(batch)
-        pixels_all = batch.pixel_values or [None] * len(batch)
-        for indices in pack_by_token_budget(batch.lengths, self.config.max_tokens_per_gpu):
-            ids = [batch.input_ids[i] for i in indices]
-            grids = [grids_all[i] for i in indices]
-            lengths = [len(t) for t in ids]
-            positions = packed_position_ids(ids, grids, self.hf_config)
-            flat = torch.cat(ids)
-            cu = [0]
-            for n in lengths:
-                cu.append(cu[-1] + n)
-            pad = -len(flat) % self.tp_size if self.config.sp else 0
-            if pad:  # one padding sample, so every SP rank gets an equal slice
-                flat = torch.cat([flat, flat.new_zeros(pad)])
-                positions = torch.cat([positions, torch.arange(pad).expand(3, -1)], dim=1)
-                cu.append(cu[-1] + pad)
-            with_images = [i for i in indices if grids_all[i] is not None and len(grids_all[i])]
-            fields = {
-                name: torch.cat([getattr(batch, name)[i] for i in indices]).float().to(self.device)
-                for name in _TOKEN_FIELDS
-                if getattr(batch, name) is not None
-            }
-            masks = torch.cat([batch.loss_mask[i] for i in indices])
-            loss_positions = masks.nonzero()[:, 0].to(self.device)  # host mask, no device sync
-            grid = image_positions = vision_inputs = None
-            if with_images:
-                grid = torch.cat([grids_all[i] for i in with_images])
-                image_positions = (flat == self.hf_config.image_token_id).nonzero()[:, 0]
-                image_positions = image_positions.to(self.device)
-                vision = self.model.vision_inputs
-                if vision is None:  # the tower computes its inputs from a device grid
-                    grid = grid.to(self.device)
-                else:  # computed here; the grid stays on the host, read there as a list
-                    vision_inputs = _to(vision.compute(grid), self.device)
-            yield MicroBatch(
-                indices=indices,
-                lengths=lengths,
-                input_ids=flat.to(self.device),
-                position_ids=positions.to(self.device),
-                cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=self.device),
-                pixel_values=(
-                    torch.cat([pixels_all[i] for i in with_images]).to(self.device)
-                    if with_images
-                    else None
-                ),
-                image_grid_thw=grid,
-                fields=fields,
-                max_seqlen=max(b - a for a, b in itertools.pairwise(cu)),
-                image_positions=image_positions,
-                vision_inputs=vision_inputs,
-                loss_positions=loss_positions,
+    def micro_batches(self, batch: TrainBatch, fields: Sequence[str] = ()) -> MicroBatches:
+        """The micro-batches of this rank's samples (``max_tokens_per_gpu`` each), built and
+        copied to the device as iterated. Under sequence parallelism each row is padded (one
+        extra sample) to a multiple of TP so every rank gets an equal slice."""
+        pad = self.tp_size if self.config.sp else 1
+        vision = self.model.vision_inputs
+
+        def build(indices: Sequence[int]) -> MicroBatch:
+            mb = build_micro_batch(
+                batch, indices, self.hf_config, fields=fields, pad_to_multiple=pad
             )
+            if vision is not None and mb.image_grid_thw is not None:
+                # computed here; the grid then stays on the host, read there as a list
+                mb.vision_inputs = vision.compute(mb.image_grid_thw)
+            return mb.to(self.device, self._staging)
+
+        return MicroBatches(
+            pack_by_token_budget(batch.lengths, self.config.max_tokens_per_gpu), build
+        )
 
     def _logprobs(self, mb: MicroBatch, model: torch.nn.Module | None = None) -> Tensor:
         """Aligned log-probs ``[T_real]`` (float32) of a packed micro-batch.
@@ -315,7 +254,7 @@ class MegatronActor:
             positions = None  # nothing to score: the plain path keeps the graph whole
         logits = (model or self.model)(
             mb.input_ids[None],
-            mb.position_ids[:, None, :],
+            mb.position_ids[1:, None, :],  # the M-RoPE rows (t, h, w)
             pixel_values=mb.pixel_values,
             image_grid_thw=mb.image_grid_thw,
             packed_seq_params=packed,
@@ -331,7 +270,7 @@ class MegatronActor:
                 lp = _vocab_parallel_aligned_logprobs(
                     logits, mb.input_ids, mb.cu_seqlens, temperature
                 )
-            return lp[: mb.num_real]
+            return lp[: mb.num_real_tokens]
         targets = mb.input_ids[positions]
         if self.tp_size == 1:
             rows = logprobs_from_logits(logits, targets, temperature)
@@ -339,8 +278,7 @@ class MegatronActor:
             scaled = logits.float() / temperature
             rows = -tensor_parallel.vocab_parallel_cross_entropy(scaled[:, None], targets[:, None])
             rows = rows[:, 0]
-        lp = rows.new_zeros(mb.input_ids.shape[0]).index_copy(0, positions, rows)
-        return lp[: mb.num_real]
+        return scatter_rows(rows, positions, mb.input_ids.shape[0])[: mb.num_real_tokens]
 
     # ----------------------------------------------------------------------------- protocol
     @torch.no_grad()
@@ -353,110 +291,53 @@ class MegatronActor:
         self._require_onloaded()
         batch = self._group_batch(batch)
         model.eval()
-        out: list[Tensor | None] = [None] * len(batch)
-        for mb in self._micro_batches(batch):
-            lp = self._logprobs(mb, model).cpu()
-            for i, part in zip(mb.indices, lp.split(mb.lengths), strict=True):
-                out[i] = part
-        return out  # type: ignore[return-value]
+        return collect_logprobs(
+            self.micro_batches(batch), lambda mb: self._logprobs(mb, model), len(batch)
+        )
 
-    def train_step(self, batch: TrainBatch, *, loss: str = "grpo") -> dict[str, float]:
-        """One optimizer step over the global batch (this rank's part); metrics are global."""
-        if loss not in LOSSES:
-            raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
-        if loss == "grpo" and batch.advantages is None:
-            raise ValueError("train_step(loss='grpo') needs batch.advantages")
-        self._require_onloaded()
-        start = time.perf_counter()
-        batch = self._group_batch(batch)
+    def _loss(self, loss: str | TrainLoss) -> TrainLoss:
         cfg = self.config
-        mode = cfg.grpo.loss_agg_mode if loss == "grpo" else cfg.sft_loss_agg_mode
-        norm = cfg.grpo.norm_length if loss == "grpo" else None
-        if mode == "seq-mean-token-sum-norm" and norm is None:
-            longest = torch.tensor(
-                [max([float((m > 0).sum()) for m in batch.loss_mask] or [0.0])], device=self.device
-            )
-            dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=self.dp_group)
-            norm = max(1.0, float(longest))
-        # (collectives on self.device: NCCL reduces CUDA tensors only)
-        units = torch.tensor(
-            [loss_denominator(batch.loss_mask, mode)], dtype=torch.float64, device=self.device
-        )
-        dist.all_reduce(units, group=self.dp_group)
-        denominator = max(float(units), 1.0)
-        grpo_cfg = dataclasses.replace(cfg.grpo, loss_agg_mode=mode, norm_length=norm)
+        return resolve_loss(loss, grpo=cfg.grpo, sft_agg_mode=cfg.sft_loss_agg_mode)
 
+    def train_step(self, batch: TrainBatch, *, loss: str | TrainLoss = "grpo") -> dict[str, float]:
+        """One optimizer step over the global batch (this rank's part), the step of
+        :mod:`rl_algos.train_step` over this actor's hooks; metrics are global."""
+        self._require_onloaded()
+        return core.train_step(self, self._group_batch(batch), self._loss(loss))
+
+    def forward_backward(
+        self, batch: TrainBatch, *, loss: str | TrainLoss = "grpo"
+    ) -> dict[str, float]:
+        """Accumulate the gradient of the global-batch loss; no optimizer step."""
+        self._require_onloaded()
+        return core.forward_backward(self, self._group_batch(batch), self._loss(loss))
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Reduce and clip the gradients, step AdamW and the LR schedule (skipped for a
+        non-finite gradient norm, reported as ``update_skipped``)."""
+        return core.optimizer_step(self)
+
+    # ------------------------------------------------------------ the trainer step's hooks
+    @property
+    def group(self) -> Any:
+        """The step's samples are split over the data-parallel ranks (TP peers share them)."""
+        return self.dp_group
+
+    def run_micro_batches(
+        self, micro_batches: MicroBatches, loss_fn: MicroBatchLoss, *, entropy: EntropyMode
+    ) -> None:
+        """Forward, loss and backward, one micro-batch after the other (no entropy: the
+        vocabulary-parallel entropy is not written yet). A pipeline schedule (megatron-core's
+        ``get_forward_backward_func``) would take ``loss_fn`` as its per-micro-batch loss."""
+        if entropy == "grad":
+            raise ValueError("the Megatron actor has no entropy bonus (grpo.entropy_coef)")
         self.model.train()
-        sums: dict[str, float] = {}
-        total = 0.0
-        tokens = 0.0
-        for mb in self._micro_batches(batch):
-            lp = self._logprobs(mb)
-            f = mb.fields
-            if loss == "grpo":
-                value, metrics = grpo_loss(
-                    lp,
-                    old_logprobs=f.get("old_logprobs", lp.detach()),
-                    advantages=f["advantages"],
-                    loss_mask=f["loss_mask"],
-                    cu_seqlens=mb.real_cu,
-                    config=grpo_cfg,
-                    ref_logprobs=f.get("ref_logprobs"),
-                    rollout_logprobs=f.get("rollout_logprobs"),
-                    denominator=denominator,
-                )
-            else:
-                value = sft_loss(
-                    lp, f["loss_mask"], mb.real_cu, mode, norm_length=norm, denominator=denominator
-                )
-                metrics = {}
-            value.backward()
-            total += float(value.detach())
-            n = float((f["loss_mask"] > 0).sum())
-            tokens += n
-            for k, v in metrics.items():
-                if k != "loss" and not k.endswith(("_max", "_min")):
-                    sums[k] = sums.get(k, 0.0) + float(v) * n
-        grad_norm = self._reduce_and_clip()
-        skipped = not math.isfinite(grad_norm)
-        if skipped:
-            logger.warning("step %d: non-finite grad norm %s, update skipped", self.step, grad_norm)
-        else:
-            self._optimizer_step()
-        for p in self.params:
-            p.grad = None
-        self.step += 1
-        keys = sorted(sums)
-        if dist.get_world_size(self.dp_group) > 1:  # a rank without samples has no metrics
-            gathered: list[list[str]] = [[] for _ in range(dist.get_world_size(self.dp_group))]
-            dist.all_gather_object(gathered, keys, group=self.dp_group)
-            keys = sorted(set().union(*gathered))
-        stats = torch.tensor(
-            [total, tokens, *(sums.get(k, 0.0) for k in keys)],
-            dtype=torch.float64,
-            device=self.device,
+        run_sequentially(
+            micro_batches, lambda mb: (self._logprobs(mb), None), Tensor.backward, loss_fn
         )
-        dist.all_reduce(stats, group=self.dp_group)
-        weight = max(float(stats[1]), 1.0)
-        out = {k: float(v) / weight for k, v in zip(keys, stats[2:], strict=True)}
-        elapsed = time.perf_counter() - start
-        n_tokens = torch.tensor([float(batch.num_tokens)], device=self.device)
-        dist.all_reduce(n_tokens, group=self.dp_group)
-        out.update(
-            loss=float(stats[0]),
-            loss_tokens=float(stats[1]),
-            grad_norm=grad_norm,
-            lr=self.optimizer.param_groups[0]["lr"],
-            step=float(self.step),
-            update_skipped=float(skipped),
-            tokens=float(n_tokens),
-            step_time_s=elapsed,
-            tokens_per_s=float(n_tokens) / elapsed,
-        )
-        return out
 
-    def _reduce_and_clip(self) -> float:
-        """Finish the gradients (TP partial sums, DP sum), return the global norm, clip."""
+    def finish_grads(self) -> Tensor:
+        """Finish the gradients (TP partial sums, DP sum); their global norm, on the device."""
         qk_norm = self.model.config.qk_layernorm
         for name, p in self.model.named_parameters():
             if not p.requires_grad:
@@ -476,12 +357,20 @@ class MegatronActor:
                 square += p.grad.double().pow(2).sum()
         if self.tp_size > 1:
             dist.all_reduce(square, group=self.tp_group)
-        grad_norm = float(square.sqrt())
-        max_norm = self.config.max_grad_norm
-        if max_norm > 0 and math.isfinite(grad_norm) and grad_norm > max_norm:
-            for p in self.params:
-                p.grad.mul_(max_norm / (grad_norm + 1e-6))
-        return grad_norm
+        return square.sqrt()
+
+    def apply_update(self, grad_norm: float | None) -> float:
+        """Clip to ``max_grad_norm`` and step (``None``: no update, the schedule stays);
+        the gradients are dropped either way. Returns this step's LR."""
+        if grad_norm is not None:
+            max_norm = self.config.max_grad_norm
+            if max_norm > 0 and grad_norm > max_norm:
+                for p in self.params:
+                    p.grad.mul_(max_norm / (grad_norm + 1e-6))
+            self._optimizer_step()
+        for p in self.params:
+            p.grad = None
+        return self.optimizer.param_groups[0]["lr"]
 
     @torch.no_grad()
     def _optimizer_step(self) -> None:

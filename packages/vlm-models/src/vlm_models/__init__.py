@@ -1,8 +1,8 @@
 """vlm_models: Qwen3-VL / Qwen3.5 through transformers, with a fast vision path.
 
 Builders (:func:`build_model`, :func:`tiny_config`), the GEMM patch embedding, packed M-RoPE
-position ids, packed linear attention (state reset at sample boundaries) and utilities for MFU
-and weight sync. Megatron modules live in ``vlm_models.megatron`` and are not imported here.
+position ids, the packed :class:`MicroBatch` both trainers use, packed linear attention (state
+reset at sample boundaries) and utilities for MFU and weight sync. Megatron modules live in ``vlm_models.megatron`` and are not imported here.
 """
 
 from vlm_models.build import (
@@ -27,6 +27,7 @@ from vlm_models.linear_attention import (
     linear_attention_packs,
     pack_linear_attention,
 )
+from vlm_models.microbatch import MicroBatch, PinnedStaging, build_micro_batch, dummy_image
 from vlm_models.packing import (
     cu_seqlens_from_lengths,
     mm_token_types,
@@ -56,12 +57,16 @@ __all__ = [
     "TINY_PRESETS",
     "Conv3dPatchEmbed",
     "LinearPatchEmbed",
+    "MicroBatch",
     "ModelSourceError",
+    "PinnedStaging",
     "VisionInputs",
+    "build_micro_batch",
     "build_model",
     "check_attn_implementation",
     "count_parameters",
     "cu_seqlens_from_lengths",
+    "dummy_image",
     "flash_varlen",
     "flash_varlen_supported",
     "flops_per_token",

@@ -10,6 +10,7 @@ model's HF vision tower).
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 from types import MethodType
@@ -107,7 +108,11 @@ def _vision_attention_forward(
 
 @torch.no_grad()
 def _probe_vision_attention(module: nn.Module) -> bool:
-    """True when the fused forward equals the module's own on a small float32 input."""
+    """True when the fused forward equals the module's own on a small float32 input.
+
+    Probed on a float32 CPU copy, so a module already on the GPU in bf16 (the Megatron
+    model's tower is built there) is judged by its layout, not by rounding or device."""
+    module = copy.deepcopy(module).to("cpu", torch.float32)
     dim, head_dim = module.qkv.in_features, module.head_dim
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(7, dim, generator=gen, dtype=module.qkv.weight.dtype)
