@@ -49,7 +49,7 @@ class RolloutSection:
         "auto", "rollout engine; auto: SGLang on GPUs when installed, else transformers"
     )
     rollout_max_batch_size: int = option(
-        64, "transformers engine: sequences decoding at once (KV-cache slots)", ge=1
+        256, "transformers engine: sequences decoding at once (KV-cache slots)", ge=1
     )
     sglang_mem_fraction_static: float = option(
         0.6, "SGLang: GPU memory fraction for weights+KV", gt=0, lt=1
