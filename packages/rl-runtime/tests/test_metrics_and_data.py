@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from rl_runtime.data import PromptSampler
+from rl_runtime.data import PromptPrefetch, PromptSampler
 from rl_runtime.metrics import RunLogger, read_metrics
 from rl_runtime.preflight import PreflightError, check_backend, check_gpus
 
@@ -56,6 +56,32 @@ def test_sampler_is_deterministic_resumable_and_skips_bad_rows():
     seen = [x for batch in first + rest for x in batch]
     assert 3 not in seen and a.state.skipped >= 1
     assert sorted(seen[:9]) == [0, 1, 2, 4, 5, 6, 7, 8, 9]  # one epoch covers every good row
+
+
+def test_prefetched_prompts_equal_the_plain_sampler_and_resume_from_before_the_prefetch():
+    plain = PromptSampler(Source(10, bad={3}), seed=7)
+    expected = [plain.next_batch(4) for _ in range(4)]
+    ahead = PromptPrefetch(PromptSampler(Source(10, bad={3}), seed=7), 4)
+    got, saved = [], None
+    for step in range(4):
+        got.append(ahead.take())
+        ahead.start()  # the next batch builds while this step "trains"
+        ahead.start()  # a second start while one is in flight changes nothing
+        if step == 1:
+            saved = ahead.state_dict()  # a checkpoint of step 2, the step-3 batch in flight
+    ahead.close()
+    assert got == expected
+    resumed = PromptPrefetch(PromptSampler(Source(10, bad={3}), seed=7), 4)
+    resumed.sampler.load_state_dict(saved)
+    assert [resumed.take(), resumed.take()] == expected[2:]
+
+
+def test_a_failed_prefetch_raises_where_the_batch_is_taken():
+    ahead = PromptPrefetch(PromptSampler(Source(3, bad={0, 1, 2})), 1)
+    ahead.start()
+    with pytest.raises(RuntimeError, match="every row"):
+        ahead.take()
+    ahead.close()
 
 
 def test_sampler_all_bad_raises():

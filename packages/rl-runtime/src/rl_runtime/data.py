@@ -8,6 +8,7 @@ uninterrupted run would have drawn.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -81,3 +82,42 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.state = SamplerState(**state)
+
+
+class PromptPrefetch:
+    """The next step's prompts, built in a background thread while this step trains.
+
+    Building a batch (image decoding, the processor) is CPU work of the driver; the trainer and
+    engines run in other processes, so it overlaps with log-probs, training and weight sync.
+    The sampler is touched only by the prefetch while one is in flight, and
+    :meth:`state_dict` gives its state from *before* the prefetch: a checkpoint taken then
+    resumes with the prefetched batch, exactly as an uninterrupted run would draw it.
+    """
+
+    def __init__(self, sampler: PromptSampler, size: int) -> None:
+        self.sampler = sampler
+        self.size = size
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompts")
+        self._pending: Future[list[Any]] | None = None
+        self._state_before: dict[str, int] | None = None
+
+    def start(self) -> None:
+        """Begin building the next batch (no-op if one is already in flight)."""
+        if self._pending is None:
+            self._state_before = self.sampler.state_dict()
+            self._pending = self._pool.submit(self.sampler.next_batch, self.size)
+
+    def take(self) -> list[Any]:
+        """The next batch: the prefetched one if any (its error, if it failed), else built now."""
+        pending, self._pending = self._pending, None
+        return pending.result() if pending is not None else self.sampler.next_batch(self.size)
+
+    def state_dict(self) -> dict[str, int]:
+        """The sampler's state as of the last batch taken."""
+        if self._pending is not None and self._state_before is not None:
+            return dict(self._state_before)
+        return self.sampler.state_dict()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pending = None

@@ -8,7 +8,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +18,7 @@ import torch
 from rl_algos import compute_grpo_advantages, filter_zero_variance_groups
 from rl_runtime.checkpoint import CheckpointManager
 from rl_runtime.config import ConfigError, option
-from rl_runtime.data import PromptSampler
+from rl_runtime.data import PromptPrefetch, PromptSampler
 from rl_runtime.evaluation import eval_prompts, evaluate
 from rl_runtime.faults import NonFiniteStop, RestartingRollout, stop_with_checkpoint_note
 from rl_runtime.metrics import RunLogger
@@ -129,8 +129,11 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
     if p.offload_between_phases:
         p.train.offload()  # colocated: the first rollout needs the GPU memory
     engines = RestartingRollout(p.rollout, lambda: _resync(p, cfg), cfg.max_rollout_retries)
+    # the next step's prompts are built while this step computes log-probs, trains and syncs
+    prompts_ahead = PromptPrefetch(sampler, cfg.rollout_batch_size)
     nonfinite_in_row = 0
     with (
+        closing(prompts_ahead),
         stop_with_checkpoint_note(p.checkpoints),
         step_progress(cfg.num_rollout, start, "GRPO") as advance,
     ):
@@ -138,7 +141,7 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
             timer, t_step, row = Timer(), time.perf_counter(), {"step": step}
             # 1. Rollout: n responses for each prompt.
             with timer("rollout"):
-                prompts = sampler.next_batch(cfg.rollout_batch_size)
+                prompts = prompts_ahead.take()
                 seed = cfg.rollout_seed * 1_000_003 + step
                 groups = engines.generate(
                     prompts, n=cfg.n_samples_per_prompt, seed=seed, **sampling
@@ -174,14 +177,17 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
             lengths = [len(c.token_ids) for _, _, c in flat]
             row.update(_rollout_stats(rewards, lengths, flat, bad, cfg))
             row["skipped_rows"] = sampler.state.skipped
+            if step < cfg.num_rollout:
+                prompts_ahead.start()
             # 4. Old (and reference) log-probs, then the policy update.
             if keep:
                 batch = build_train_batch(
                     [flat[i][1] for i in keep], [flat[i][2] for i in keep], adv[keep].float()
                 )
                 if p.offload_between_phases:
-                    p.rollout.release_memory()
-                    p.train.onload()
+                    with timer("onload"):  # colocated: the engine gives the GPU to the trainer
+                        p.rollout.release_memory()
+                        p.train.onload()
                 with timer("logprobs"):
                     batch.old_logprobs = p.train.compute_logprobs(batch)
                     if cfg.use_ref_logprobs:
@@ -195,15 +201,19 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
                     timer.times["time_train_s"], 1e-9
                 )
                 # 5. Weight sync: the engines sample from the updated policy next step.
+                # (time_sync_s is the whole phase; its parts are timed too)
                 with timer("sync"):
                     if p.offload_between_phases:
                         # The trainer's allocator still caches the step's activations (over
                         # 100 GiB for Megatron on a 2B model); the engine needs that memory.
-                        p.train.release_cache()
-                        p.rollout.resume_memory()
-                    p.train.push_weights(p.rollout, cfg.weight_bucket_mb << 20)
+                        with timer("sync_resume"):
+                            p.train.release_cache()
+                            p.rollout.resume_memory()
+                    with timer("sync_push"):
+                        p.train.push_weights(p.rollout, cfg.weight_bucket_mb << 20)
                     if p.offload_between_phases:
-                        p.train.offload()
+                        with timer("sync_offload"):
+                            p.train.offload()
             else:
                 log.warning("step %d: no group with a learning signal; update skipped", step)
             # 6. Evaluation every eval_interval steps and at the end.
@@ -229,7 +239,7 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
                 )
             # 7. Checkpoint (after the row is logged, so a resumed run rewrites nothing twice).
             if step == cfg.num_rollout or (cfg.save_interval and step % cfg.save_interval == 0):
-                _save(p, step, sampler, rng)
+                _save(p, step, prompts_ahead, rng)
             advance(row)
     p.logger.plot()
     return p.logger.rows()
@@ -294,7 +304,7 @@ def _evaluate(p: GrpoParts, engines, evals, cfg: GrpoLoopConfig, step: int) -> d
     )
 
 
-def _save(p: GrpoParts, step: int, sampler: PromptSampler, rng: np.random.Generator) -> None:
+def _save(p: GrpoParts, step: int, sampler: PromptPrefetch, rng: np.random.Generator) -> None:
     if p.offload_between_phases:
         p.train.onload()
     state = {"sampler": sampler.state_dict(), "rng": rng.bit_generator.state}
