@@ -3,6 +3,7 @@ transformers engine, and (``gpu``) the real handle exchange between two processe
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 import threading
@@ -129,7 +130,12 @@ def test_transport_on_cpu_buffers_updates_every_engine_in_place():
 
 # The engine's side in a process of its own (started by path: test modules are not importable
 # by name here): an engine with in-place ``update_weights``, answering each job in order.
+# The engine's answers carry its parameters as torch.save bytes: once torch.multiprocessing is
+# imported (opening a handle imports it), a tensor pickled onto a Connection travels as a file
+# descriptor that only a multiprocessing child can fetch (AuthenticationError in this separately
+# started process: seen on the H200, 2026-12-01). The handles themselves are plain bytes.
 ENGINE_PROCESS = """
+import io
 import sys
 from multiprocessing.connection import Client
 
@@ -159,7 +165,9 @@ while True:
     fn, args = job
     result = fn(engine, *args)
     if fn is load_packed_bucket:
-        result = (result, {n: t.cpu() for n, t in engine.params.items()})
+        buf = io.BytesIO()
+        torch.save({n: t.cpu() for n, t in engine.params.items()}, buf)
+        result = (result, buf.getvalue())
     conn.send(result)
 """
 
@@ -179,7 +187,7 @@ class PipeLink:
             result = self.conn.recv()
         if fn is load_packed_bucket:
             result, params = result
-            self.seen.append(params)
+            self.seen.append(torch.load(io.BytesIO(params), weights_only=True))
         future.set_result(result)
         return future
 
@@ -229,3 +237,16 @@ def test_transport_choice_follows_the_layout():
     assert not Nccl().restartable and CudaIpc().restartable
     assert pick(colocate=False, use_gpu=True) is None  # the HF engine has no NCCL receiver
     assert pick(colocate=True, use_gpu=False) is None  # CPU: the caller's object store
+    # a forced kind: the object store serves every layout, the others only their own
+    assert pick(colocate=True, use_gpu=True, kind="object-store") is None
+    assert pick(colocate=True, use_gpu=True, kind="cuda-ipc") == CudaIpc()
+    assert pick(colocate=False, use_gpu=True, sglang=True, kind="nccl") == Nccl()
+    for bad in (
+        dict(colocate=True, use_gpu=True, num_trainers=2, kind="cuda-ipc"),
+        dict(colocate=True, use_gpu=False, kind="cuda-ipc"),
+        dict(colocate=False, use_gpu=True, kind="nccl"),  # the HF engine: no NCCL receiver
+        dict(colocate=True, use_gpu=True, sglang=True, kind="nccl"),
+        dict(colocate=True, use_gpu=True, kind="rdma"),
+    ):
+        with pytest.raises(ValueError, match="weight transport"):
+            pick(**bad)

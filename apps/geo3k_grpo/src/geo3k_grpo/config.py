@@ -60,6 +60,11 @@ class RolloutSection:
     sglang_mm_attention_backend: str | None = option(
         None, "SGLang vision attention kernel ('sdpa' on B200, where fa3 is missing)"
     )
+    weight_transport: Literal["auto", "object-store", "cuda-ipc", "nccl"] = option(
+        "auto",
+        "how weights reach the engines; auto: CUDA IPC colocated on one trainer GPU, NCCL to "
+        "SGLang on GPUs of its own, else Ray's object store (which serves every layout)",
+    )
 
 
 @dataclass

@@ -212,6 +212,17 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
     )
     loop_cfg = dataclasses.replace(cfg.loop, use_ref_logprobs=loss.kl_coef > 0)
     lay = engine_layout(layout(cfg.run), cfg.rollout.rollout_num_gpus_per_engine)
+    try:  # colocated on a GPU: CUDA IPC; SGLang on GPUs of its own: NCCL; else Ray's store
+        transport = choose_weight_transport(
+            colocate=lay.colocate,
+            use_gpu=lay.use_gpu,
+            sglang=uses_sglang(cfg, lay.use_gpu),
+            num_trainers=lay.num_trainers,
+            ranks_per_engine=cfg.rollout.rollout_num_gpus_per_engine,
+            kind=cfg.rollout.weight_transport,
+        )
+    except ValueError as err:
+        raise PreflightError(f"--weight-transport {cfg.rollout.weight_transport}: {err}") from None
     ray_handle = start_ray(cfg.run, lay)
     scorer = BatchScorer(loss.reward_type, num_workers=loss.reward_workers, **rewards)
     try:
@@ -223,14 +234,7 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
             request_fn=GenerateRequest.from_prompt,
             params_fn=SamplingParams,
             num_cpus=actor_cpus(lay),
-            # colocated on a GPU: CUDA IPC; SGLang on GPUs of its own: NCCL; else Ray's store
-            transport=choose_weight_transport(
-                colocate=lay.colocate,
-                use_gpu=lay.use_gpu,
-                sglang=uses_sglang(cfg, lay.use_gpu),
-                num_trainers=lay.num_trainers,
-                ranks_per_engine=cfg.rollout.rollout_num_gpus_per_engine,
-            ),
+            transport=transport,
         )
         ray_handle.actors.append(rollout)
         logger = RunLogger(

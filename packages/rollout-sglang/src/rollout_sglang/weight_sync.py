@@ -376,6 +376,10 @@ class Nccl:
         )
 
 
+#: What ``choose_weight_transport(kind=...)`` (and the launchers' ``--weight-transport``) take.
+TRANSPORT_KINDS = ("auto", "object-store", "cuda-ipc", "nccl")
+
+
 def choose_weight_transport(
     *,
     colocate: bool,
@@ -384,9 +388,12 @@ def choose_weight_transport(
     num_trainers: int = 1,
     ranks_per_engine: int = 1,
     weight_names: WeightNameCheck | None = None,
+    kind: str = "auto",
 ) -> Any | None:
     """The transport factory for a layout, or None for the caller's default (rl-runtime:
     Ray's object store).
+
+    ``kind="auto"`` picks by the layout:
 
     - colocated on GPUs with one trainer rank: CUDA IPC (rank 0 shares its GPU with every
       engine); with several ranks, engines sit on other ranks' GPUs, which rank 0's handles do
@@ -394,15 +401,34 @@ def choose_weight_transport(
     - separate placement on GPUs, SGLang engines: NCCL broadcast (the transformers engine has
       no receiving side for it: the object store);
     - CPU: the object store.
+
+    Another kind forces that transport, and a layout it cannot serve raises ``ValueError``
+    saying why (``object-store`` serves every layout: the fallback when a faster one fails).
     """
     from rollout_sglang.cuda_ipc import CudaIpc
 
+    if kind not in TRANSPORT_KINDS:
+        raise ValueError(f"weight transport {kind!r}: expected one of {', '.join(TRANSPORT_KINDS)}")
+    ipc = CudaIpc(sglang=sglang, tp_size=ranks_per_engine, weight_names=weight_names)
+    nccl = Nccl(ranks_per_engine=ranks_per_engine, weight_names=weight_names)
+    if kind == "object-store":
+        return None
+    if kind == "cuda-ipc":
+        if not (use_gpu and colocate and num_trainers == 1):
+            raise ValueError(
+                "weight transport cuda-ipc needs the engines colocated with one trainer rank on "
+                "its GPU (several ranks, CPU runs and separate rollout GPUs use another)"
+            )
+        return ipc
+    if kind == "nccl":
+        if not (use_gpu and not colocate and sglang):
+            raise ValueError(
+                "weight transport nccl needs SGLang engines on GPUs of their own "
+                "(--no-colocate; the transformers engine has no receiving side)"
+            )
+        return nccl
     if not use_gpu:
         return None
     if colocate:
-        if num_trainers == 1:
-            return CudaIpc(sglang=sglang, tp_size=ranks_per_engine, weight_names=weight_names)
-        return None
-    if sglang:
-        return Nccl(ranks_per_engine=ranks_per_engine, weight_names=weight_names)
-    return None
+        return ipc if num_trainers == 1 else None
+    return nccl if sglang else None
