@@ -34,7 +34,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-PHASES = ("rollout", "reward", "logprobs", "train", "sync")
+PHASES = ("rollout", "reward", "onload", "logprobs", "train", "sync")
+#: The sync phase's parts (colocated): the engine's memory back, the weights, the trainer's offload.
+SYNC_PARTS = ("sync_resume", "sync_push", "sync_offload")
 
 
 def shared_dir() -> Path:
@@ -53,7 +55,8 @@ def build_hf_folder(shape: str, tokenizer: Path, out: Path, seed: int) -> Path:
     torch.manual_seed(seed)
     processor = build_processor(str(tokenizer))
     config = preset_config(shape)
-    model = build_model(config, dtype=torch.bfloat16)
+    device = "cuda" if torch.cuda.is_available() else None  # random init on the GPU: seconds
+    model = build_model(config, dtype=torch.bfloat16, device=device)
     model.save_pretrained(out)
     processor.save_pretrained(out)
     return out
@@ -122,6 +125,32 @@ def launcher_command(args: argparse.Namespace, backend: str, model: Path, run_di
     ]  # fmt: skip
 
 
+def _rows_logged(metrics: Path) -> int:
+    try:
+        return sum(1 for line in metrics.read_text().splitlines() if line.strip())
+    except OSError:
+        return 0
+
+
+def wait_for_run(proc: subprocess.Popen, metrics: Path, args: argparse.Namespace) -> str | None:
+    """Wait for the launcher; None if it ended by itself. ``"timeout"`` past ``--timeout``;
+    ``"after_last_step"`` when ``--after-last-step S`` is set and the run is still busy (its
+    final checkpoint and export) S seconds after the last step's row was written."""
+    deadline = time.monotonic() + args.timeout
+    last_row_at = None
+    while proc.poll() is None:
+        now = time.monotonic()
+        if now > deadline:
+            return "timeout"
+        if args.after_last_step is not None:
+            if last_row_at is None and _rows_logged(metrics) >= args.steps:
+                last_row_at = now
+            if last_row_at is not None and now - last_row_at > args.after_last_step:
+                return "after_last_step"
+        time.sleep(0.5)
+    return None
+
+
 def run_backend(args: argparse.Namespace, backend: str, model: Path) -> dict[str, Any]:
     run_dir = Path(args.work_dir) / f"run_{backend}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -132,10 +161,9 @@ def run_backend(args: argparse.Namespace, backend: str, model: Path) -> dict[str
     timed_out = False
     with GpuMemorySampler() as mem, open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:  # keep what the finished steps logged
-            timed_out = True
+        stopped = wait_for_run(proc, run_dir / "metrics.jsonl", args)
+        timed_out = stopped == "timeout"
+        if stopped:  # keep what the finished steps logged
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     wall = time.perf_counter() - start
@@ -149,14 +177,15 @@ def run_backend(args: argparse.Namespace, backend: str, model: Path) -> dict[str
         "wall_s": round(wall, 1),
         "steps_done": len(rows),
         "timed_out": timed_out,
+        "stopped_after_last_step": stopped == "after_last_step",
         "peak_gpu_mib": mem.peak_mib if mem.available else None,
         "peak_gpu_mib_by_pid": mem.peak_by_pid,
         "log": str(log_path),
     }
-    if proc.returncode != 0:
+    if proc.returncode != 0 and not stopped:
         result["log_tail"] = log_path.read_text()[-4000:]
     steady = rows[1:] or rows  # the first step includes compilation and allocator warm-up
-    for key in (*(f"time_{p}_s" for p in PHASES), "time_step_s"):
+    for key in (*(f"time_{p}_s" for p in (*PHASES, *SYNC_PARTS)), "time_step_s"):
         values = [r[key] for r in steady if key in r]
         if values:
             result[key] = round(statistics.median(values), 3)
@@ -180,6 +209,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--train-split", default="validation", help="geo3k split to sample from")
     p.add_argument("--work-dir", default="/tmp/bench_grpo_e2e")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per backend")
+    p.add_argument(
+        "--after-last-step",
+        type=float,
+        help="stop a run this many seconds after its last step is logged (its final save and "
+        "export are then cut short: a timing run that need not wait for them)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("extra", nargs="*", help="more launcher flags, after --")
@@ -190,7 +225,11 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     model = build_hf_folder(args.shape, tokenizer, work / f"model_{args.shape}", args.seed)
     print(f"model folder {model} ready in {time.perf_counter() - t0:.1f} s", flush=True)
-    results = [run_backend(args, b, model) for b in args.backends.split(",") if b]
+    results = []
+    for backend in (b for b in args.backends.split(",") if b):
+        results.append(run_backend(args, backend, model))
+        if args.out:  # written after each backend, so a cut-short call keeps what finished
+            write_json(Path(args.out), args, results)
     header = f"{'backend':<9} {'rc':>3} {'steps':>5} {'step_s':>7} " + " ".join(
         f"{ph:>9}" for ph in PHASES
     )
@@ -203,19 +242,24 @@ def main(argv: list[str] | None = None) -> None:
             f"{r.get('time_step_s', float('nan')):7.2f} {phases} "
             f"{r.get('train_tokens_per_s', float('nan')):11.0f} {peak:8.1f}"
         )
-        if r["returncode"]:
+        if "log_tail" in r:
             print(f"--- {r['backend']} failed; log tail:\n{r['log_tail']}")
-    if args.out:
-        meta = {"shape": args.shape, "python": platform.python_version(), "argv": sys.argv}
-        try:
-            import torch
+        sync = ", ".join(f"{k} {r[f'time_{k}_s']:.2f}" for k in SYNC_PARTS if f"time_{k}_s" in r)
+        if sync:
+            print(f"    {r['backend']} sync parts (s): {sync}")
 
-            meta["torch"] = torch.__version__
-            if torch.cuda.is_available():
-                meta["gpu"] = torch.cuda.get_device_name()
-        except ImportError:
-            pass
-        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+
+def write_json(path: Path, args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+    meta = {"shape": args.shape, "python": platform.python_version(), "argv": sys.argv}
+    try:
+        import torch
+
+        meta["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            meta["gpu"] = torch.cuda.get_device_name()
+    except ImportError:
+        pass
+    path.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
 
 
 if __name__ == "__main__":

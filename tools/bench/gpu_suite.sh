@@ -9,21 +9,30 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  # the slimmed Ray's vendored dist-infos carry empty RECORD files, which make
+  # importlib.metadata (called by transformers at import) raise once Ray is imported first
+  find /tmp/site/ray -path '*.dist-info/RECORD' -size -2c -delete 2>/dev/null
 fi
-export PYTHONPATH=/tmp/site:$(ls -d packages/*/src | paste -sd:)
+export PYTHONPATH=/tmp/site:$(ls -d packages/*/src apps/*/src | paste -sd:)
+# ../shared does not travel: a git-ignored copy of what the benchmarks read (processor files,
+# geo3k's validation.parquet) is carried as .gpu_shared
+[ -d .gpu_shared ] && export GLIMPSE_SHARED=$PWD/.gpu_shared
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 log="$OUT/log.txt"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, "gpus", torch.cuda.device_count())'
 } >>"$log" 2>&1
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+last_rc=0
 run() {  # name timeout command...
   local name=$1 t=$2; shift 2
   echo "===== $name: $*" >>"$log"
   local s=$SECONDS
   timeout "$t" "$@" >>"$log" 2>&1
-  echo "===== $name rc=$? in $((SECONDS - s)) s" >>"$log"
+  last_rc=$?
+  echo "===== $name rc=$last_rc in $((SECONDS - s)) s" >>"$log"
 }
+ipc_ok=1
 for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; do
   for w in $what; do
     case $w in
@@ -48,6 +57,17 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
       hf_engine) run hf_engine 540 python3 tools/bench/bench_hf_engine.py --device cuda --variants graph,graph-matmul,graph-compile --out "$OUT/hf_engine.json" ;;
       weight_sync)  # colocated sync, object store vs CUDA IPC, FSDP and Megatron (GLIMPSE_SHARED: the processor)
         run weight_sync 540 python3 tools/bench/bench_weight_sync.py --out "$OUT/weight_sync.json" ;;
+      ipc_probe)  # the real CUDA IPC handle exchange between two processes on this GPU
+        run ipc_probe 120 python3 -m pytest -q -p no:cacheprovider -m gpu -k real_cuda_ipc \
+          packages/rollout-sglang/tests/test_cuda_ipc.py
+        [ "$last_rc" = 0 ] || ipc_ok=0 ;;
+      e2e)  # the launcher, 5 colocated GRPO steps per backend (issue #19 / #22 harness); if the
+        # IPC probe failed, the weights go through the object store so the other phases still time
+        transport=(); [ "$ipc_ok" = 1 ] || transport=(--weight-transport object-store)
+        run e2e "${E2E_TIMEOUT:-540}" python3 tools/bench/bench_grpo_e2e.py --steps "${E2E_STEPS:-5}" \
+          --backends "${E2E_BACKENDS:-fsdp,megatron}" --timeout "${E2E_BACKEND_TIMEOUT:-240}" \
+          --after-last-step 20 --work-dir /tmp/e2e --out "$OUT/e2e.json" -- ${E2E_ARGS:-} "${transport[@]}"
+        for f in /tmp/e2e/*.log; do [ -f "$f" ] && tail -c 400000 "$f" >"$OUT/e2e_$(basename "$f")"; done ;;
       gpu_tests) run gpu_tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider -o log_level=WARNING packages ;;
       *) echo "unknown benchmark $w" >>"$log" ;;
     esac

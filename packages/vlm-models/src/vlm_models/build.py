@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import logging
@@ -117,9 +118,11 @@ def build_model(
             str(source), config=config, dtype=dtype, attn_implementation=attn
         )
     else:
-        model = AutoModelForImageTextToText.from_config(
-            config, dtype=dtype, attn_implementation=attn
-        )
+        # random init where the model will live: billions of parameters take minutes on a CPU
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            model = AutoModelForImageTextToText.from_config(
+                config, dtype=dtype, attn_implementation=attn
+            )
     logger.info(
         "built %s (%s, text attn %s, vision attn %s, %.1fM params)",
         type(model).__name__,
