@@ -31,7 +31,7 @@ from rollout_sglang.scheduler import Scheduler, SeqState, round_up
 from rollout_sglang.types import Completion, GenerateRequest, NamedTensors, SamplingParams
 from rollout_sglang.validation import RequestLimits, request_error
 from rollout_sglang.weights import WeightLoader
-from vlm_models import sample_position_ids
+from vlm_models import HostCopies, sample_position_ids
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,7 @@ class HFEngine:
         self.admit_fraction = admit_fraction
         self._loader = WeightLoader(model)
         self._released = False
+        self._host = HostCopies()  # pinned host twins of the weights while released
         self._rope_memo: dict = {}  # M-RoPE ids of prompt heads, per generate call
         self._legacy: LegacyHFEngine | None = None
         self.cache: KVCache | None = None
@@ -352,8 +353,9 @@ class HFEngine:
             if self.cache is not None:
                 self.cache.release()
             if self.device.type != "cpu":
-                self.model.to("cpu")
+                self._host.move_module(self.model, torch.device("cpu"))
             if self.device.type == "cuda":
+                torch.cuda.synchronize()  # the copies out are done before the memory goes
                 torch.cuda.empty_cache()
         self._released = True
 
@@ -363,7 +365,7 @@ class HFEngine:
         if self._legacy is not None:
             self._legacy.resume_memory()
         elif self.device.type != "cpu":
-            self.model.to(self.device)
+            self._host.move_module(self.model, self.device)
         self._released = False
 
     def begin_weight_update(self) -> None:

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from trainers_fsdp.master import MasterWeights, compiled_on
+from vlm_models import HostCopies
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class FlatAdamW(torch.optim.AdamW):
         if flat and self._runs is None:
             logger.info("optimizer groups are not contiguous in the master buffers: per tensor")
         self.exp_avg = self.exp_avg_sq = None
+        self._host = HostCopies()  # pinned host buffers for offload, reused (vlm_models)
         if self._runs is not None:
             n = masters.num_trainable
             self.exp_avg = torch.zeros(n, dtype=torch.float32, device=masters.device)
@@ -101,8 +103,8 @@ class FlatAdamW(torch.optim.AdamW):
         if self._runs is None:
             _move_state_tensors(self, device)
             return
-        self.exp_avg = self.exp_avg.to(device, non_blocking=True)
-        self.exp_avg_sq = self.exp_avg_sq.to(device, non_blocking=True)
+        self.exp_avg = self._host.move("exp_avg", self.exp_avg, device)
+        self.exp_avg_sq = self._host.move("exp_avg_sq", self.exp_avg_sq, device)
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state[p]

@@ -28,6 +28,7 @@ from vlm_models.linear_attention import (
     pack_linear_attention,
 )
 from vlm_models.microbatch import MicroBatch, PinnedStaging, build_micro_batch, dummy_image
+from vlm_models.offload import HostCopies
 from vlm_models.packing import (
     cu_seqlens_from_lengths,
     mm_token_types,
@@ -56,6 +57,7 @@ __all__ = [
     "SHAPE_PRESETS",
     "TINY_PRESETS",
     "Conv3dPatchEmbed",
+    "HostCopies",
     "LinearPatchEmbed",
     "MicroBatch",
     "ModelSourceError",
