@@ -234,6 +234,9 @@ def test_compiled_layers_trace_whole_and_match_eager(tp1, tiny_setup, to_megatro
     results = []
     for compiled in (False, True):
         torch._dynamo.reset()
+        # reset() leaves the process-wide counters: an earlier test's graph breaks (the FSDP
+        # actor's compiled CPU vision attention has some) would be counted as ours
+        torch._dynamo.utils.counters.clear()
         model = build_megatron_model(config, Parallelism()).train()
         load_hf_weights(model, hf_model.state_dict())
         counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
