@@ -129,6 +129,11 @@ def test_continuous_batching_equals_one_at_a_time_when_sampling(tiny_model, requ
         r.seed = 100 + i
     two_slots = HFEngine(tiny_model, max_batch_size=2)
     batched = two_slots.generate(many, params)
+    stats = two_slots.last_stats  # where the call's time went: 8 requests, 2 at a time
+    assert stats["requests"] == 8 and stats["prefills"] >= 4
+    assert stats["decode_steps"] >= 8 * 4 / 2  # 4 decoded tokens each (the first: prefill)
+    assert 0 < stats["prefill_s"] + stats["decode_s"] <= stats["seconds"]
+    assert stats["graph_captures"] == 0  # CPU: eager steps
     alone = [HFEngine(tiny_model, max_batch_size=1).generate([r], params)[0] for r in many]
     assert [c.token_ids for c in batched] == [c.token_ids for c in alone]
     for a, b in zip(batched, alone, strict=True):

@@ -18,6 +18,7 @@ SwiGLU MLP, final norm and LM head; then sampling and the token's log-prob
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -290,6 +291,8 @@ class DecodeRunner:
         self.state: Tensor | None = None  # [5, slots] int64
         self.out_tokens: Tensor | None = None
         self.out_logprobs: Tensor | None = None
+        self.captures = 0  # graphs captured and the wall time it took, since construction
+        self.capture_s = 0.0
 
     def reset(self) -> None:
         """Forget captured graphs and buffers (cache layout changed or memory released)."""
@@ -342,8 +345,11 @@ class DecodeRunner:
             key = (batch, kv_len, sampling)
             graph = self._graphs.get(key)
             if graph is None:
+                start = time.perf_counter()
                 graph = self._capture(batch, kv_len, sampling)
                 self._graphs[key] = graph
+                self.captures += 1
+                self.capture_s += time.perf_counter() - start
             graph.replay()
         tokens = self.out_tokens[:batch].to("cpu", non_blocking=True)
         logprobs = self.out_logprobs[:batch].to("cpu", non_blocking=True)

@@ -18,6 +18,7 @@ requests share the call, nor on the slot or step it ran in.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -110,6 +111,7 @@ class HFEngine:
         self._loader = WeightLoader(model)
         self._released = False
         self._host = HostCopies()  # pinned host twins of the weights while released
+        self.last_stats: dict[str, float] = {}  # where the last generate's time went
         self._rope_memo: dict = {}  # M-RoPE ids of prompt heads, per generate call
         self._legacy: LegacyHFEngine | None = None
         self.cache: KVCache | None = None
@@ -224,8 +226,26 @@ class HFEngine:
                 prefill_tokens=self.prefill_tokens,
                 admit_min=int(self.admit_fraction * cache.slots),
             )
+            captures, capture_s, start = runner.captures, runner.capture_s, time.perf_counter()
             with torch.inference_mode():
                 scheduler.run(seqs)
+            self.last_stats = {
+                "requests": len(seqs),
+                "seconds": time.perf_counter() - start,
+                "prefills": scheduler.prefills,
+                "prefill_s": scheduler.prefill_s,
+                "decode_steps": scheduler.steps,
+                "decode_s": scheduler.decode_s,  # graph captures included
+                "graph_captures": runner.captures - captures,
+                "capture_s": runner.capture_s - capture_s,
+            }
+            logger.info(
+                "generate: %d requests in %.2f s: %d prefills %.2f s, %d decode steps %.2f s "
+                "(%d graphs captured in %.2f s)",
+                *(self.last_stats[k] for k in ("requests", "seconds", "prefills", "prefill_s")),
+                *(self.last_stats[k] for k in ("decode_steps", "decode_s", "graph_captures")),
+                self.last_stats["capture_s"],
+            )
         for seq in seqs:
             request = seq.request
             if seq.error is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -109,6 +110,8 @@ class Scheduler:
         self.admit_min = max(1, admit_min)
         self.steps = 0
         self.prefills = 0
+        self.prefill_s = 0.0  # wall time in prefill and decode calls (each reads the device)
+        self.decode_s = 0.0
 
     def run(self, sequences: Sequence[SeqState]) -> None:
         # Per-slot state as arrays, updated in place each step (no per-row Python work for
@@ -165,7 +168,7 @@ class Scheduler:
     def _prefill_isolated(self, chunk: list[SeqState]) -> list[SeqState]:
         self.prefills += 1
         try:
-            firsts = self.prefill(chunk, [s.slot for s in chunk])
+            firsts = self._timed_prefill(chunk)
         except Exception as exc:
             if len(chunk) > 1:
                 logger.warning("prefill of %d failed (%s); retrying one by one", len(chunk), exc)
@@ -178,6 +181,13 @@ class Scheduler:
             seq.tokens, seq.logprobs = [token], [logprob]
             seq.stopped = token in self.stop_ids
         return chunk
+
+    def _timed_prefill(self, chunk: list[SeqState]) -> list[tuple[int, float]]:
+        start = time.perf_counter()
+        try:
+            return self.prefill(chunk, [s.slot for s in chunk])
+        finally:
+            self.prefill_s += time.perf_counter() - start
 
     def _start(self, seq: SeqState) -> bool:
         """Put a prefilled sequence into its slot's arrays; False when it is already done."""
@@ -202,6 +212,7 @@ class Scheduler:
         kv_len = int(self._state[2, rows].max()) + 1
         kv_len = min(round_up(kv_len, self.kv_block), self.seq_cap)
         self.steps += 1
+        start = time.perf_counter()
         try:
             tokens, logprobs = self.decode(
                 torch.from_numpy(np.ascontiguousarray(self._state[:, :batch])), kv_len
@@ -214,6 +225,8 @@ class Scheduler:
                 self._state[:, slot] = 0
                 heapq.heappush(free, slot)
             return
+        finally:
+            self.decode_s += time.perf_counter() - start
         tokens, logprobs = np.asarray(tokens)[rows], np.asarray(logprobs)[rows]
         count = self._count[rows]
         self._tokens[rows, count] = tokens
