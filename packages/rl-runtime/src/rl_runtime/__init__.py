@@ -5,7 +5,7 @@ from rl_runtime.actor_group import EngineWorker, RolloutGroup, TrainGroup, Train
 from rl_runtime.checkpoint import CheckpointManager, ResumeError, resume_step
 from rl_runtime.cli import user_errors
 from rl_runtime.config import ConfigError, option, parse_config, to_dict, to_json, validate
-from rl_runtime.data import PromptSampler
+from rl_runtime.data import PromptPrefetch, PromptSampler
 from rl_runtime.evaluation import eval_prompts, evaluate
 from rl_runtime.faults import CheckpointFailed, NonFiniteStop, RunStopped, WorkerDied
 from rl_runtime.gc_policy import PeriodicGC
@@ -30,7 +30,7 @@ from rl_runtime.protocols import (
     TransportFactory,
     WeightTransport,
 )
-from rl_runtime.rollout_batch import build_train_batch
+from rl_runtime.rollout_batch import ScoredGroups, build_train_batch
 from rl_runtime.sft import SftLoopConfig, run_sft, sft_batch
 from rl_runtime.weight_push import ObjectStoreTransport, RemoteEngine, object_store
 
@@ -49,6 +49,7 @@ __all__ = [
     "PeriodicGC",
     "Placement",
     "PreflightError",
+    "PromptPrefetch",
     "PromptSampler",
     "PromptSource",
     "RemoteEngine",
@@ -57,6 +58,7 @@ __all__ = [
     "RolloutGroup",
     "RunLogger",
     "RunStopped",
+    "ScoredGroups",
     "SftLoopConfig",
     "TrainActor",
     "TrainGroup",

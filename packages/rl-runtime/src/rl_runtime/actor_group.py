@@ -341,9 +341,20 @@ class RolloutGroup:
         gather([self.workers[i].health.remote() for i in indices], names, "restart")
         log.info("rollout engine(s) %s restarted", list(indices))
 
-    def generate(self, prompts: Sequence[Any], *, n: int, **sampling: Any) -> list[list[Any]]:
+    def generate(
+        self,
+        prompts: Sequence[Any],
+        *,
+        n: int,
+        on_ready: Callable[[list[int], list[list[Any]]], None] | None = None,
+        **sampling: Any,
+    ) -> list[list[Any]]:
         """`n` completions for each prompt, grouped per prompt, in prompt order. A `seed` in
-        `sampling` is offset per engine so that engines do not repeat each other."""
+        `sampling` is offset per engine so that engines do not repeat each other.
+
+        ``on_ready(prompt_indices, groups)`` receives each engine's groups as soon as they
+        arrive while other engines still generate (the loop scores them meanwhile); the
+        returned list holds the same group lists."""
         chunks = _split(prompts, len(self.workers))
         futures = []
         for i, (w, idx) in enumerate(zip(self.workers, chunks, strict=True)):
@@ -351,8 +362,26 @@ class RolloutGroup:
             if params.get("seed") is not None:
                 params["seed"] = int(params["seed"]) + 1000003 * i
             futures.append(w.generate.remote([prompts[j] for j in idx], n, params))
-        flat = [c for out in gather(futures, self._names(), "generate") for c in out]
-        return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
+        groups: list[list[Any]] = [[] for _ in prompts]
+        placed: set[int] = set()
+
+        def place(i: int, out: list[Any]) -> list[list[Any]]:
+            mine = [out[k * n : (k + 1) * n] for k in range(len(chunks[i]))]
+            for j, group in zip(chunks[i], mine, strict=True):
+                groups[j] = group
+            placed.add(i)
+            return mine
+
+        def ready(i: int, out: list[Any]) -> None:
+            mine = place(i, out)
+            if on_ready is not None:
+                on_ready(list(chunks[i]), mine)
+
+        outs = gather(futures, self._names(), "generate", while_waiting=ready)
+        for i, out in enumerate(outs):
+            if i not in placed:
+                place(i, out)
+        return groups
 
     @property
     def engines_restartable(self) -> bool:

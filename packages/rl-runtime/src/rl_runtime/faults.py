@@ -51,8 +51,16 @@ def short_error(err: BaseException) -> str:
     return f"{type(cause).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-def gather(futures: Sequence[Any], names: Sequence[str], what: str) -> list[Any]:
+def gather(
+    futures: Sequence[Any],
+    names: Sequence[str],
+    what: str,
+    while_waiting: Callable[[int, Any], None] | None = None,
+) -> list[Any]:
     """`ray.get` over one call per actor, in order, that fails as soon as an actor dies.
+
+    ``while_waiting(i, result)`` is called for each result that arrives while other calls are
+    still running (work that can overlap them); the last one is left to the caller.
 
     On the first failure, waits up to :data:`SETTLE_S` for the other calls; if any actor died,
     raises :class:`WorkerDied` naming it (peers that failed because of it are left out of the
@@ -80,6 +88,8 @@ def gather(futures: Sequence[Any], names: Sequence[str], what: str) -> list[Any]
             raise WorkerDied(
                 f"{who} died during {what} ({short_error(first)})", sorted(dead)
             ) from first
+        if pending and while_waiting is not None:
+            while_waiting(index[ready[0]], results[index[ready[0]]])
     return results
 
 

@@ -24,7 +24,7 @@ from rl_runtime.faults import NonFiniteStop, RestartingRollout, stop_with_checkp
 from rl_runtime.metrics import RunLogger
 from rl_runtime.progress import step_progress
 from rl_runtime.protocols import Decoder, PromptSource
-from rl_runtime.rollout_batch import build_train_batch, usable
+from rl_runtime.rollout_batch import ScoredGroups, build_train_batch
 
 log = logging.getLogger(__name__)
 
@@ -139,27 +139,19 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
     ):
         for step in range(start + 1, cfg.num_rollout + 1):
             timer, t_step, row = Timer(), time.perf_counter(), {"step": step}
-            # 1. Rollout: n responses for each prompt.
+            # 1. Rollout: n responses for each prompt; an engine's groups are scored as soon
+            # as they arrive while other engines still generate.
             with timer("rollout"):
                 prompts = prompts_ahead.take()
+                scored = ScoredGroups(prompts, p.decode, p.score, p.forbidden_token_ids)
                 seed = cfg.rollout_seed * 1_000_003 + step
                 groups = engines.generate(
-                    prompts, n=cfg.n_samples_per_prompt, seed=seed, **sampling
+                    prompts, n=cfg.n_samples_per_prompt, seed=seed, on_ready=scored, **sampling
                 )
-            # 2. Reward, over every usable completion (engine errors are counted and dropped).
+            # 2. Reward, over every usable completion (engine errors and completions holding
+            # an image placeholder are counted and dropped): what is not scored yet.
             with timer("reward"):
-                flat = [
-                    (g, pr, c)
-                    for g, (pr, cs) in enumerate(zip(prompts, groups, strict=True))
-                    for c in cs
-                ]
-                bad = sum(not usable(c) for _, _, c in flat)
-                flat = [x for x in flat if usable(x[2])]
-                n_ok = len(flat)
-                flat = [x for x in flat if not p.forbidden_token_ids.intersection(x[2].token_ids)]
-                row["malformed_completions"] = n_ok - len(flat)
-                texts = [p.decode(c.token_ids) for _, _, c in flat]
-                rewards = p.score(texts, [str(pr.answer) for _, pr, _ in flat])
+                flat, rewards, bad, row["malformed_completions"] = scored.finish(groups)
             # 3. Advantages within each prompt's group; optional dynamic-sampling filter.
             gids = torch.tensor([g for g, _, _ in flat])
             r = torch.tensor(rewards, dtype=torch.float64)

@@ -8,7 +8,8 @@ the rollout log-probs sit at the response positions (0 on the prompt).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,6 +24,77 @@ def usable(completion: Any) -> bool:
     if getattr(completion, "error", None):
         return False
     return getattr(completion, "finish_reason", None) != "error"
+
+
+@dataclass
+class _GroupScore:
+    completions: list[Any]  # the group's list as the engines returned it (identity checked)
+    kept: list[Any]  # usable, well-formed completions
+    rewards: list[float]
+    bad: int  # engine errors
+    malformed: int  # usable, but holding a forbidden token
+
+
+class ScoredGroups:
+    """Rewards of each prompt's group, computed as soon as its engine's results arrive.
+
+    ``RolloutGroup.generate(..., on_ready=scored)`` hands over the groups of each engine that
+    finishes while others still generate, so their scoring overlaps the rest of the rollout;
+    :meth:`finish` scores what is left (all of it with one engine) and flattens the result in
+    prompt order. A group is scored again if the rollout was repeated (a restarted engine):
+    the groups :meth:`finish` receives are the ones that count.
+    """
+
+    def __init__(
+        self,
+        prompts: Sequence[Any],
+        decode: Callable[[Sequence[int]], str],
+        score: Callable[[Sequence[str], Sequence[str]], list[float]],
+        forbidden_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        self.prompts, self.decode, self.score = prompts, decode, score
+        self.forbidden = forbidden_token_ids
+        self._groups: dict[int, _GroupScore] = {}
+
+    def __call__(self, indices: Sequence[int], groups: Sequence[list[Any]]) -> None:
+        self._score(list(indices), list(groups))
+
+    def _score(self, indices: list[int], groups: list[list[Any]]) -> None:
+        kept_by_group, texts, answers = [], [], []
+        for g, completions in zip(indices, groups, strict=True):
+            ok = [c for c in completions if usable(c)]
+            kept = [c for c in ok if not self.forbidden.intersection(c.token_ids)]
+            kept_by_group.append(
+                (completions, kept, len(completions) - len(ok), len(ok) - len(kept))
+            )
+            texts += [self.decode(c.token_ids) for c in kept]
+            answers += [str(self.prompts[g].answer)] * len(kept)
+        rewards = iter(self.score(texts, answers) if texts else [])
+        for g, (completions, kept, bad, malformed) in zip(indices, kept_by_group, strict=True):
+            group_rewards = [next(rewards) for _ in kept]
+            self._groups[g] = _GroupScore(completions, kept, group_rewards, bad, malformed)
+
+    def finish(
+        self, groups: Sequence[list[Any]]
+    ) -> tuple[list[tuple[int, Any, Any]], list[float], int, int]:
+        """Score the groups not scored yet; returns ``(flat, rewards, bad, malformed)``:
+        ``(group index, prompt, completion)`` of every kept completion in prompt order, their
+        rewards, and the counts of engine errors and of malformed completions."""
+        todo = [
+            g
+            for g, completions in enumerate(groups)
+            if g not in self._groups or self._groups[g].completions is not completions
+        ]
+        if todo:
+            self._score(todo, [groups[g] for g in todo])
+        flat, rewards, bad, malformed = [], [], 0, 0
+        for g in range(len(groups)):
+            entry = self._groups[g]
+            flat += [(g, self.prompts[g], c) for c in entry.kept]
+            rewards += entry.rewards
+            bad += entry.bad
+            malformed += entry.malformed
+        return flat, rewards, bad, malformed
 
 
 def build_train_batch(
