@@ -103,11 +103,11 @@ def test_grpo_from_sft_raises_the_reward(sft_run: Path, tmp_path: Path) -> None:
         "--output-dir",
         str(run),
         "--num-rollout",
-        "30",
+        "20",  # 2026-12-01, CPU: reward 0.23 over steps 1-6, 0.45 over 15-20, 0.68 over 25-30
         log=tmp_path / "log.txt",
     )
     rows = _rows(run)
-    assert [r["step"] for r in rows] == list(range(1, 31))
+    assert [r["step"] for r in rows] == list(range(1, 21))
     for r in rows:
         assert {"reward_mean", "response_length_mean", "time_step_s"} <= r.keys()
     rewards = [r["reward_mean"] for r in rows]
@@ -116,7 +116,7 @@ def test_grpo_from_sft_raises_the_reward(sft_run: Path, tmp_path: Path) -> None:
     assert rewards[0] > 0.05, rewards
     assert last > first + 0.15, (first, last, rewards)
     evals = [r for r in rows if "eval_accuracy" in r]
-    assert [r["step"] for r in evals] == [10, 20, 30]
+    assert [r["step"] for r in evals] == [10, 20]
     assert (run / "reward.png").read_bytes()[:4] == b"\x89PNG"
 
 
