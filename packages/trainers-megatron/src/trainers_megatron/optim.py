@@ -87,11 +87,11 @@ def grad_norm(optimizer: MegatronOptimizer) -> Tensor:
     """
     total = None
     for opt in optimizers(optimizer):
-        grads = opt.get_main_grads_for_grad_norm()
-        device = grads[0].device if grads else torch.device(_device())
-        square = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            square += g.float().square().sum()
+        grads = [g.float() for g in opt.get_main_grads_for_grad_norm()]
+        if grads:  # one fused pass over the tensors
+            square = torch.stack(torch._foreach_norm(grads)).square().sum()
+        else:
+            square = torch.zeros((), dtype=torch.float32, device=_device())
         dist.all_reduce(square, group=opt.get_grad_stats_parallel_group())
         total = square if total is None else total + square
     assert total is not None
