@@ -79,6 +79,7 @@ from vlm_models.megatron import (
     initialize_model_parallel,
     iter_hf_weights,
     load_hf_weights,
+    text_arch,
 )
 
 logger = logging.getLogger(__name__)
@@ -164,6 +165,9 @@ class MegatronActor:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         default_dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = getattr(torch, config.param_dtype or default_dtype)
+        self.hf_config = resolve_config(config.model, **config.model_overrides)
+        if config.ep > 1 and not text_arch(self.hf_config).num_experts:
+            raise ValueError(f"ep={config.ep} (expert parallel) needs an MoE model")
         if self.device.type == "cpu":
             # megatron-core 0.16.1 assumes CUDA in a few places; CPU runs (tests, debugging)
             # need the compatibility layer, which refuses to run where CUDA exists.
@@ -177,7 +181,6 @@ class MegatronActor:
         self.dp_group = parallel_state.get_data_parallel_group()
         self.first_stage = parallel_state.is_pipeline_first_stage()
         self.last_stage = parallel_state.is_pipeline_last_stage()
-        self.hf_config = resolve_config(config.model, **config.model_overrides)
         overrides = dict(schedule_config(config.pp), **recompute_settings(config))
         if config.pipeline_first_stage_layers is not None:
             overrides["num_layers_in_first_pipeline_stage"] = config.pipeline_first_stage_layers
