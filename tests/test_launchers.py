@@ -84,6 +84,34 @@ def test_fsdp_options_reach_the_actor_config():
     assert not actor([]).replicate  # FSDP sharding unless asked
 
 
+def test_megatron_options_reach_the_actor_config():
+    """The miles / slime Megatron flags' counterparts: pipeline and expert parallelism, the
+    recompute granularity (--gradient-checkpointing is full), the distributed optimizer."""
+    from geo3k_sft.common import actor_config
+
+    def actor(argv: list[str]):
+        cfg = parse_grpo(["--preset", "tiny", "--backend", "megatron", *argv], env={})
+        return actor_config(cfg.model, cfg.run, cfg.model.model_name, cfg.optim)
+
+    default = actor([])
+    assert (default.pp, default.ep, default.recompute, default.distributed_optimizer) == (
+        1,
+        1,
+        "none",
+        True,
+    )
+    argv = ["--pipeline-parallel", "2", "--expert-parallel", "4", "--recompute", "selective"]
+    chosen = actor([*argv, "--no-distributed-optimizer"])
+    assert (chosen.pp, chosen.ep, chosen.recompute, chosen.distributed_optimizer) == (
+        2,
+        4,
+        "selective",
+        False,
+    )
+    assert actor(["--gradient-checkpointing"]).recompute == "full"
+    assert actor(["--recompute", "full", "--gradient-checkpointing"]).recompute == "full"
+
+
 def test_print_config_and_help_as_processes():
     out = subprocess.run(
         [sys.executable, "apps/geo3k_grpo", "--preset", "tiny", "--print-config"],
@@ -155,6 +183,10 @@ GRPO_BAD = [
     (["--template", "cot"], "--template cot: expected one of"),
     (["--global-batch-size", "48"], "--global-batch-size 48 must divide the 128 samples"),
     (["--tensor-parallel", "2"], "--tensor-parallel / --sequence-parallel are for --backend"),
+    (["--pipeline-parallel", "2"], "--pipeline-parallel / --expert-parallel are for --backend"),
+    (["--recompute", "selective"], "--recompute selective is for --backend megatron"),
+    (["--gradient-checkpointing", "--recompute", "none"], "--recompute none contradicts"),
+    (["--recompute", "some"], "--recompute: cannot read 'some'"),
     (["--num-gpus", "4", "--no-colocate", "--rollout-num-gpus", "4"], "leaves no GPU"),
     (["--min-pixels", "100", "--max-pixels", "10"], "--min-pixels 100 is above --max-pixels"),
 ]

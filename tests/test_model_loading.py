@@ -104,23 +104,26 @@ def test_shapes_from_the_real_configs(qwen3vl_dir, shared_dir):
 
 
 def test_unset_layout_is_chosen_and_shown_by_print_config(capsys):
-    """The 8B recipe on 8 GPUs: unset, the layout becomes the first that fits (on 80 GB GPUs
-    the miles recipe's TP4 + SP + recompute); --print-config shows it with the estimate."""
+    """The 8B recipe on 8 GPUs: unset, the layout becomes the first that fits. On 80 GB GPUs
+    with the distributed optimizer (the default) that is TP1 + recompute; with the optimizer
+    state whole on every rank the miles recipe's TP4 + SP + recompute. --print-config shows it
+    with the estimate."""
     argv = ["--model-name", "Qwen3-VL-8B-Instruct", "--gpu-memory-gib", "80"]
     cfg = parse_grpo(argv, env={})
     assert model_config(cfg.model, cfg.run).text_config.hidden_size == 4096  # no download
     model, estimate = plan_layout(cfg.model, cfg.run)
-    assert (model.tensor_parallel, model.sequence_parallel, model.gradient_checkpointing) == (
-        4,
-        True,
-        True,
-    )
+    chosen = (model.tensor_parallel, model.sequence_parallel, model.gradient_checkpointing)
+    assert chosen == (1, False, True)
     assert estimate is not None and estimate.total <= 80 * GiB
+    plain = parse_grpo([*argv, "--no-distributed-optimizer"], env={})
+    model, _ = plan_layout(plain.model, plain.run)
+    chosen = (model.tensor_parallel, model.sequence_parallel, model.gradient_checkpointing)
+    assert chosen == (4, True, True)
     with pytest.raises(SystemExit) as done:
         parse_grpo([*argv, "--print-config"], env={})
     assert done.value.code == 0
     shown = json.loads(capsys.readouterr().out)["layout"]
-    assert shown["description"].startswith("megatron TP4, DP2, SP, recompute")
+    assert shown["description"].startswith("megatron TP1, DP8, distributed optimizer, recompute")
     assert shown["fits"] is True and shown["gpu_gib"] == 80.0
     fsdp, _ = plan_layout(parse_grpo([*argv, "--backend", "fsdp"], env={}).model, cfg.run)
     assert fsdp.gradient_checkpointing is True  # FSDP keeps its backend and recomputes

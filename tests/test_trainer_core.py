@@ -1,11 +1,14 @@
 """The trainer step written once (rl_algos.train_step) gives the same step on both backends.
 
 Two gloo processes run one GRPO step with one loss object on the FSDP actor (two data-parallel
-ranks) and on the Megatron actor (TP=1 as two data-parallel ranks; TP=2 with sequence
-parallelism), float32 on CPU, several micro-batches per rank, from the same tiny random
-weights. Log-probs before the step, the step's metrics (means, minima and maxima over
-micro-batches and ranks) and the HF-named weights after it agree; a step with NaN advantages is
-skipped and counted on both.
+ranks) and on the Megatron actor in every layout it trains with (``trainer_core_worker.SCENARIOS``:
+two data-parallel ranks with megatron-core's distributed optimizer; TP=2 with sequence
+parallelism and the plain optimizer; two pipeline stages under megatron-core's 1F1B schedule;
+full and selective recomputation; the MoE preset with its experts over two expert-parallel
+ranks, against FSDP on the same MoE), float32 on CPU, several micro-batches per rank, from the
+same tiny random weights. Log-probs before the step, the step's metrics (means, minima and
+maxima over micro-batches and ranks) and the HF-named weights after it agree; recomputation
+gives the gradients of none; a step with NaN advantages is skipped and counted on all.
 """
 
 from __future__ import annotations
@@ -23,7 +26,16 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("trainer_core_worker.py")
-BACKENDS = ("fsdp", "megatron_tp1", "megatron_tp2")
+#: each Megatron scenario and the FSDP run it must match
+REFERENCE = {
+    "megatron_tp1": "fsdp",
+    "megatron_tp2": "fsdp",
+    "megatron_pp2": "fsdp",
+    "megatron_full": "fsdp",
+    "megatron_selective": "fsdp",
+    "megatron_moe_ep2": "fsdp_moe",
+}
+WHOLE_BATCH = ("megatron_tp2", "megatron_pp2")  # one replica: both ranks hold every sample
 
 
 def _free_port() -> int:
@@ -60,45 +72,73 @@ def results(tmp_path_factory) -> list[dict]:
 
 def _whole(results: list[dict], backend: str, key: str) -> list[torch.Tensor]:
     """Per-sample tensors of the whole batch (data-parallel halves joined)."""
-    if backend == "megatron_tp2":
+    if backend in WHOLE_BATCH:
         return results[0][backend][key]
     return results[0][backend][key] + results[1][backend][key]
 
 
-def test_logprobs_agree(results):
-    fsdp = _whole(results, "fsdp", "before")
-    for backend in BACKENDS[1:]:
-        for a, b in zip(fsdp, _whole(results, backend, "before"), strict=True):
-            assert float((a - b).abs().max()) < 1e-5, backend
+@pytest.mark.parametrize("backend", REFERENCE)
+def test_logprobs_agree(results, backend):
+    fsdp = _whole(results, REFERENCE[backend], "before")
+    for a, b in zip(fsdp, _whole(results, backend, "before"), strict=True):
+        assert float((a - b).abs().max()) < 1e-5
 
 
-def test_one_loss_object_gives_the_same_metrics(results):
-    ref = results[0]["fsdp"]["metrics"]
+@pytest.mark.parametrize("backend", REFERENCE)
+def test_one_loss_object_gives_the_same_metrics(results, backend):
+    ref = results[0][REFERENCE[backend]]["metrics"]
     assert ref["num_micro_batches"] >= 2  # per rank: the loop and its scaling are exercised
     assert ref["clip_frac"] > 0 and ref["ratio_min"] < 0.9 < 1.1 < ref["ratio_max"]
     keys = ("loss", "pg_loss", "clip_frac", "ratio_mean", "ratio_min", "ratio_max", "approx_kl")
-    for backend in BACKENDS[1:]:
-        for r in range(2):
-            got = results[r][backend]["metrics"]
-            for k in keys:
-                assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-7), (backend, k)
-            assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), backend
-            assert got["tokens"] == ref["tokens"] and got["loss_tokens"] == ref["loss_tokens"]
-            assert set(got) == set(ref), backend  # the same metrics, declared once
+    for r in range(2):  # every rank (every pipeline stage) reports the global metrics
+        got = results[r][backend]["metrics"]
+        for k in keys:
+            assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-7), k
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+        assert got["tokens"] == ref["tokens"] and got["loss_tokens"] == ref["loss_tokens"]
+        # the same metrics, declared once (a step run in two halves is not timed)
+        assert set(got) | {"step_time_s", "tokens_per_s"} == set(ref)
 
 
-def test_weights_after_one_step_agree(results):
-    ref = results[0]["fsdp"]["after"]
-    assert results[0]["fsdp"]["moved"] > 5e-5  # the step moved the weights (LR 1e-4)
-    for backend in BACKENDS[1:]:
-        got = results[0][backend]["after"]
-        assert set(got) == set(ref), backend
+@pytest.mark.parametrize("backend", REFERENCE)
+def test_weights_after_one_step_agree(results, backend):
+    ref = results[0][REFERENCE[backend]]["after"]
+    assert results[0][REFERENCE[backend]]["moved"] > 5e-5  # the step moved them (LR 1e-4)
+    for r in range(2):  # full HF tensors on every rank: each stage / expert rank gave its part
+        got = results[r][backend]["after"]
+        assert set(got) == set(ref)
         worst = max(float((got[k] - ref[k]).abs().max()) for k in ref)
-        assert worst < 1e-5, (backend, worst)
+        assert worst < 1e-5, worst
+
+
+@pytest.mark.parametrize("mode", ["megatron_full", "megatron_selective"])
+def test_recompute_gives_the_gradients_of_none(results, mode):
+    for r in range(2):
+        none, got = results[r]["megatron_tp1"], results[r][mode]
+        assert set(got["grads"]) == set(none["grads"])
+        scale = max(float(g.abs().max()) for g in none["grads"].values())
+        assert scale > 0
+        worst = max(float((got["grads"][k] - g).abs().max()) for k, g in none["grads"].items())
+        assert worst <= 1e-6 * scale, worst
+        # the core attention really ran again in the backward (once per layer and micro-batch)
+        assert got["attention_calls"] == 2 * none["attention_calls"] > 0
+
+
+def test_distributed_optimizer_shards_its_state(results):
+    """Each data-parallel rank keeps AdamW moments for about half of the parameters."""
+    held = [results[r]["megatron_tp1"]["optimizer_numel"] for r in range(2)]
+    total = held[0][1]
+    assert all(0.4 * total < h < 0.6 * total for h, _ in held), held
+    assert total <= held[0][0] + held[1][0] < 1.01 * total  # all of them, padding aside
+
+
+def test_experts_are_split_over_the_expert_parallel_ranks(results):
+    assert [results[r]["megatron_moe_ep2"]["local_experts"] for r in range(2)] == [4, 4]
+    assert results[0]["megatron_tp1"]["local_experts"] == 0  # dense: no experts
 
 
 def test_nonfinite_step_is_skipped_and_counted(results):
-    for backend in BACKENDS:
+    for backend in ["fsdp", "fsdp_moe", *REFERENCE]:
         for r in range(2):
             res = results[r][backend]
             assert res["nonfinite"]["update_skipped"] == 1.0, backend

@@ -1,6 +1,8 @@
 """One rank of tests/test_trainer_core.py: the same GRPO step on the FSDP actor and on the
-Megatron actor (TP=1 as two data-parallel ranks, TP=2 with sequence parallelism), float32 on
-CPU over gloo, with one loss object; then a step whose gradient is not finite.
+Megatron actor in several layouts (``SCENARIOS``: data parallel with the distributed optimizer,
+TP=2 with sequence parallelism, two pipeline stages, recomputation, MoE with expert
+parallelism), float32 on CPU over gloo, with one loss object; then a step whose gradient is not
+finite.
 
 Usage: ``RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python trainer_core_worker.py
 out_dir``.
@@ -8,6 +10,7 @@ out_dir``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -48,11 +51,35 @@ def the_batch() -> TrainBatch:
     )
 
 
+#: scenario -> (backend, model preset, actor settings, whether both ranks hold the whole batch)
+SCENARIOS: dict[str, tuple[str, str, dict, bool]] = {
+    "fsdp": ("fsdp", "qwen3-vl-tiny", {}, False),
+    # two data-parallel ranks, megatron-core's distributed optimizer (the default)
+    "megatron_tp1": ("megatron", "qwen3-vl-tiny", {}, False),
+    # one replica over two TP ranks; megatron-core's non-distributed optimizer
+    "megatron_tp2": (
+        "megatron",
+        "qwen3-vl-tiny",
+        dict(tp=2, sp=True, distributed_optimizer=False),
+        True,
+    ),
+    # one replica over two pipeline stages (3 + 1 layers: the deepstack layers on the first)
+    "megatron_pp2": ("megatron", "qwen3-vl-tiny", dict(pp=2), True),
+    # recomputation: the same gradients as none (megatron_tp1)
+    "megatron_full": ("megatron", "qwen3-vl-tiny", dict(recompute="full"), False),
+    "megatron_selective": ("megatron", "qwen3-vl-tiny", dict(recompute="selective"), False),
+    # MoE: FSDP, and Megatron with the 8 experts split over the two data-parallel ranks
+    "fsdp_moe": ("fsdp", "qwen3-vl-moe-tiny", {}, False),
+    "megatron_moe_ep2": ("megatron", "qwen3-vl-moe-tiny", dict(ep=2), False),
+}
+
+
 def build(name: str):
-    if name == "fsdp":
+    backend, preset, settings, _ = SCENARIOS[name]
+    if backend == "fsdp":
         return FsdpActor(
             FsdpConfig(
-                model="qwen3-vl-tiny",
+                model=preset,
                 model_overrides=dict(TINY_OVERRIDES),
                 device="cpu",
                 max_tokens_per_gpu=MAX_TOKENS,
@@ -61,20 +88,52 @@ def build(name: str):
                 export_dtype="float32",
             )
         )
-    tp = 2 if name == "megatron_tp2" else 1
     return MegatronActor(
         MegatronConfig(
-            model="qwen3-vl-tiny",
+            model=preset,
             model_overrides=dict(TINY_OVERRIDES),
-            tp=tp,
-            sp=tp > 1,
             max_tokens_per_gpu=MAX_TOKENS,
             lr=LR,
             weight_decay=0.0,
             max_grad_norm=1.0,
             export_dtype="float32",
+            **settings,
         )
     )
+
+
+def local_grads(actor) -> dict[str, torch.Tensor]:
+    """This rank's gradients before any reduction (megatron-core's ``main_grad`` buffers)."""
+    return {n: p.main_grad.clone() for n, p in actor.module.named_parameters()}
+
+
+@contextlib.contextmanager
+def count_core_attention(actor):
+    """How often the decoder's core attention runs (recomputation runs it again in backward)."""
+    calls = [0]
+
+    def count(*_):
+        calls[0] += 1
+
+    layers = actor.module.language_model.decoder.layers
+    hooks = [layer.self_attention.core_attention.register_forward_hook(count) for layer in layers]
+    try:
+        yield calls
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def optimizer_numel(actor) -> tuple[int, int]:
+    """(AdamW moment elements this rank holds, trainable parameter elements of its model)."""
+    from trainers_megatron.optim import optimizers
+
+    held = sum(
+        int(state["exp_avg"].numel())
+        for opt in optimizers(actor.optimizer)
+        for state in opt.optimizer.state.values()
+    )
+    return held, sum(p.numel() for p in actor.module.parameters() if p.requires_grad)
 
 
 def weights(actor) -> dict[str, torch.Tensor]:
@@ -88,10 +147,10 @@ def main(out_dir: str) -> None:
     rank = int(os.environ["RANK"])
     batch = the_batch()
     results = {}
-    for name in ("fsdp", "megatron_tp1", "megatron_tp2"):
+    for name, (backend, *_, whole) in SCENARIOS.items():
         actor = build(name)
-        # data parallel: each rank its half; TP=2: both ranks hold the whole batch
-        idx = [0, 1, 2, 3] if name == "megatron_tp2" else [[0, 1], [2, 3]][rank]
+        # data parallel: each rank its half; one replica (TP, PP): both ranks hold it all
+        idx = [0, 1, 2, 3] if whole else [[0, 1], [2, 3]][rank]
         part = batch.select(idx)
         initial = weights(actor)
         before = actor.compute_logprobs(part)
@@ -101,13 +160,26 @@ def main(out_dir: str) -> None:
             for i, b, m in zip(idx, before, part.loss_mask, strict=True)
         ]
         part = dataclasses.replace(part, old_logprobs=old)
-        metrics = actor.train_step(part, loss=LOSS)
+        result: dict = dict(before=before)
+        if backend == "megatron" and not whole:  # the step in two halves, gradients between
+            with count_core_attention(actor) as calls:
+                halves = actor.forward_backward(part, loss=LOSS)
+            result.update(grads=local_grads(actor), attention_calls=calls[0])
+            metrics = {**halves, **actor.optimizer_step()}
+            result["optimizer_numel"] = optimizer_numel(actor)
+        else:
+            metrics = actor.train_step(part, loss=LOSS)
         after = weights(actor)
         bad = dataclasses.replace(part, advantages=[a * float("nan") for a in part.advantages])
         nonfinite = actor.train_step(bad, loss=LOSS)
         unchanged = all(torch.equal(after[k], v) for k, v in weights(actor).items())
+        if backend == "megatron":
+            mlp = actor.module.language_model.decoder.layers[0].mlp
+            result["local_experts"] = len(
+                getattr(getattr(mlp, "experts", None), "local_experts", [])
+            )
         results[name] = dict(
-            before=before,
+            result,
             metrics=metrics,
             after=after,
             moved=max(float((after[k] - v).abs().max()) for k, v in initial.items()),
@@ -115,6 +187,7 @@ def main(out_dir: str) -> None:
             unchanged=unchanged,
             step=actor.step,
         )
+        del actor
         dist.barrier()
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()

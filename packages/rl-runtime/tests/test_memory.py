@@ -37,16 +37,41 @@ def test_fsdp_shards_the_training_state_over_the_world():
     assert replicated.optimizer == one.optimizer and eight.activations == one.activations
 
 
-def test_megatron_splits_the_language_model_by_tp_only():
-    """Today's Megatron actor: AdamW state whole on every data-parallel rank, the vision tower
-    whole on every tensor-parallel rank; a distributed optimizer would shard it over DP."""
-    tp1 = estimate_memory(QWEN3_VL_8B, TrainLayout("megatron", 8, 4096, tp=1))
-    tp4 = estimate_memory(QWEN3_VL_8B, TrainLayout("megatron", 8, 4096, tp=4))
+def test_megatron_splits_by_tp_and_shards_the_optimizer_over_dp():
+    """The plain optimizer keeps AdamW state whole on every data-parallel rank (the vision
+    tower whole on every tensor-parallel rank); the distributed optimizer, the default, shards
+    masters, moments and float32 gradients over the DP ranks."""
     shape = QWEN3_VL_8B
-    assert tp1.optimizer == 12 * (shape.language_params + shape.vision_params)
-    assert tp4.optimizer == 12 * (shape.language_params / 4 + shape.vision_params)
-    dist = TrainLayout("megatron", 8, 4096, tp=4, distributed_optimizer=True)
-    assert estimate_memory(shape, dist).optimizer == pytest.approx(tp4.optimizer / 2)
+    held4 = shape.language_params / 4 + shape.vision_params
+    plain1 = estimate_memory(shape, TrainLayout("megatron", 8, 4096, distributed_optimizer=False))
+    plain4 = TrainLayout("megatron", 8, 4096, tp=4, distributed_optimizer=False)
+    assert plain1.optimizer == 12 * (shape.language_params + shape.vision_params)
+    assert estimate_memory(shape, plain4).optimizer == 12 * held4
+    dist4 = estimate_memory(shape, TrainLayout("megatron", 8, 4096, tp=4))  # DP2
+    assert dist4.optimizer == pytest.approx(12 * held4 / 2)
+    assert dist4.gradients == pytest.approx(2 * held4 + 4 * held4 / 2)
+    assert dist4.weights == estimate_memory(shape, plain4).weights
+
+
+def test_pipeline_and_expert_parallel_split_the_weights():
+    """PP splits the language model over stages; EP splits the routed experts, whose
+    optimizer state is sharded over the expert-data-parallel ranks (DP / EP)."""
+    moe = ModelShape(30_000_000_000, 500_000_000, 2048, 6144, 48, 151936, 1024, 4096, 24,
+                     expert_params=28_000_000_000)  # fmt: skip
+    dense = moe.language_params - moe.expert_params
+    one = TrainLayout("megatron", 8, 4096, distributed_optimizer=False)
+    pp2 = TrainLayout("megatron", 8, 4096, pp=2, distributed_optimizer=False)
+    ep4 = TrainLayout("megatron", 8, 4096, ep=4, distributed_optimizer=False)
+    assert estimate_memory(moe, one).weights == 2 * (moe.language_params + moe.vision_params)
+    assert estimate_memory(moe, pp2).weights == 2 * (moe.language_params / 2 + moe.vision_params)
+    assert estimate_memory(moe, ep4).weights == 2 * (
+        dense + moe.expert_params / 4 + moe.vision_params
+    )
+    sharded = estimate_memory(moe, TrainLayout("megatron", 8, 4096, ep=4))  # DP8, expert DP2
+    expected = dense / 8 + moe.vision_params / 8 + moe.expert_params / 4 / 2
+    assert sharded.optimizer == pytest.approx(12 * expected)
+    assert "megatron TP1, EP4, DP8" in TrainLayout("megatron", 8, 4096, ep=4).describe()
+    assert "--pipeline-parallel 2" in pp2.flags() and "--no-distributed-optimizer" in pp2.flags()
 
 
 def test_recompute_and_sequence_parallel_cut_activations():
@@ -61,14 +86,16 @@ def test_recompute_and_sequence_parallel_cut_activations():
 
 
 def test_8b_at_tp1_is_refused_with_numbers_and_a_layout_that_fits():
-    """The issue's arithmetic: ~160 GB of training state per GPU at TP=1, more than an H200."""
-    layout = TrainLayout("megatron", 8, 16384)
+    """The issue's arithmetic: with the optimizer state whole on every rank (the plain
+    optimizer) ~160 GB of training state per GPU at TP=1, more than an H200."""
+    layout = TrainLayout("megatron", 8, 16384, distributed_optimizer=False)
     with pytest.raises(PreflightError) as err:
         check_layout(QWEN3_VL_8B, layout, H200, model="Qwen3-VL-8B-Instruct")
     message = err.value.message
     assert "Qwen3-VL-8B-Instruct (8.77B parameters) does not fit in 141.0 GiB" in message
     assert "megatron TP1" in message and "optimizer 98.0" in message
     assert "Try --backend megatron --tensor-parallel 2 --sequence-parallel" in message
+    assert "--no-distributed-optimizer" in message  # the suggestion keeps the user's choice
     assert "or --backend fsdp" in message
     assert "\n" not in message
     chosen, estimate = choose_layout(QWEN3_VL_8B, layout, H200)
@@ -76,9 +103,23 @@ def test_8b_at_tp1_is_refused_with_numbers_and_a_layout_that_fits():
     assert estimate.total <= H200 and check_layout(QWEN3_VL_8B, chosen, H200) == estimate
 
 
+def test_distributed_optimizer_lets_8b_train_without_tensor_parallelism():
+    """The default: masters and moments sharded over 8 DP ranks (98 GiB -> 12 GiB), so TP=1
+    with recomputation fits an H200, and an 80 GB GPU too."""
+    layout = TrainLayout("megatron", 8, 16384)
+    with pytest.raises(PreflightError, match=r"optimizer 12\.2"):  # activations: recompute
+        check_layout(QWEN3_VL_8B, layout, H200)
+    for gpu in (H200, 80 * GiB):
+        chosen, estimate = choose_layout(QWEN3_VL_8B, layout, gpu)
+        assert (chosen.tp, chosen.recompute, chosen.distributed_optimizer) == (1, True, True)
+        assert estimate.total <= gpu
+
+
 def test_80gb_gpus_get_the_recipes_tp4_layout():
-    """On 80 GB GPUs the first megatron layout that fits is the miles recipe's for 8B."""
-    chosen, _ = choose_layout(QWEN3_VL_8B, TrainLayout("megatron", 8, 16384), 80 * GiB)
+    """On 80 GB GPUs, with the plain optimizer, the first megatron layout that fits is the miles
+    recipe's for 8B."""
+    plain = TrainLayout("megatron", 8, 16384, distributed_optimizer=False)
+    chosen, _ = choose_layout(QWEN3_VL_8B, plain, 80 * GiB)
     assert (chosen.tp, chosen.sp, chosen.recompute) == (4, True, True)
 
 

@@ -32,6 +32,21 @@ class RunsCode:
         return (exec, (f"open({self.marker!r}, 'w').close()",))
 
 
+def saved_moments(optimizer_state: list[dict]) -> int:
+    """AdamW first-moment elements in a saved optimizer state (plain torch state dicts, or the
+    distributed optimizer's per-bucket shards)."""
+    total = 0
+    for entry in optimizer_state:
+        if "param_state" in entry:
+            for key, by_dtype in entry["param_state"].items():
+                if isinstance(key, int):
+                    for buckets in by_dtype.values():
+                        total += sum(e["exp_avg"].numel() for b in buckets for e in b)
+        else:
+            total += sum(s["exp_avg"].numel() for s in entry["state"].values())
+    return total
+
+
 def main(case_path: str, out_dir: str) -> None:
     case = torch.load(case_path, weights_only=False)
     rank = int(os.environ["RANK"])
@@ -61,6 +76,10 @@ def main(case_path: str, out_dir: str) -> None:
         if scenario.get("resume"):
             ckpt = Path(out_dir) / f"ckpt_{name}"
             actor.save_checkpoint(ckpt)
+            saved = torch.load(ckpt / f"rank{rank:05d}.pt", weights_only=True)
+            result["saved_moments"] = saved_moments(saved["optimizer"])
+            trainable = [p for p in actor.module.parameters() if p.requires_grad]
+            result["trainable"] = sum(p.numel() for p in trainable)
             actor.train_step(batch, loss="grpo")
             result["second"] = actor.compute_logprobs(batch)
             actor.load_checkpoint(ckpt)

@@ -2,8 +2,8 @@
 
 The reference: the HF model with the same random init, log-probs of each sample alone,
 ``rl_algos.grpo_loss`` (token-mean over the whole batch), gradient clipping, one AdamW step.
-The actor runs it as TP=2 with sequence parallelism (both ranks hold both samples) and as
-DP=2 (one sample per rank).
+The actor runs it as TP=2 with sequence parallelism (both ranks hold both samples; megatron-core's
+plain optimizer) and as DP=2 (one sample per rank; the distributed optimizer).
 """
 
 from __future__ import annotations
@@ -30,8 +30,14 @@ COMMON = dict(
     model="qwen3-vl-tiny", lr=LR, weight_decay=0.0, max_grad_norm=1.0, export_dtype="float32"
 )
 SCENARIOS = {
-    "tp2_sp": dict(config=dict(tp=2, sp=True, reference_model=True), share=True, resume=True),
-    "dp2": dict(config=dict(tp=1), share=False, sft=True, nonfinite=True),
+    # megatron-core's plain optimizer (the whole state on each rank)
+    "tp2_sp": dict(
+        config=dict(tp=2, sp=True, reference_model=True, distributed_optimizer=False),
+        share=True,
+        resume=True,
+    ),
+    # the distributed optimizer: each rank saves and resumes its own shard of the state
+    "dp2": dict(config=dict(tp=1), share=False, sft=True, nonfinite=True, resume=True),
 }
 
 
@@ -187,19 +193,33 @@ def test_sft_step_loss_is_the_global_token_mean_nll(run):
         assert abs(results[r]["dp2"]["sft"]["loss"] - expected) < 1e-3
 
 
-def test_checkpoint_resume_is_exact(run):
+@pytest.mark.parametrize("scenario", ["tp2_sp", "dp2"])
+def test_checkpoint_resume_is_exact(run, scenario):
     _, results = run
     for r in range(2):
-        res = results[r]["tp2_sp"]
+        res = results[r][scenario]
         assert all(
             torch.equal(a, b) for a, b in zip(res["second"], res["second_resumed"], strict=True)
         )
+        # the resumed step is a real one: a second update moved the model again
+        assert any(not torch.equal(a, b) for a, b in zip(res["after"], res["second"], strict=True))
 
 
-def test_export_has_hf_names(run):
+def test_distributed_optimizer_checkpoint_holds_this_ranks_shard(run):
+    """Each DP rank's file keeps AdamW moments for about half of the parameters; the plain
+    optimizer's holds them all."""
+    _, results = run
+    for r in range(2):
+        sharded, whole = results[r]["dp2"], results[r]["tp2_sp"]
+        assert 0.4 < sharded["saved_moments"] / sharded["trainable"] < 0.6
+        assert whole["saved_moments"] == whole["trainable"]
+
+
+@pytest.mark.parametrize("scenario", ["tp2_sp", "dp2"])
+def test_export_has_hf_names(run, scenario):
     ref, results = run
     expected = sorted(k for k in ref["state"] if k != "lm_head.weight")
-    assert results[0]["tp2_sp"]["exported_keys"] == expected
+    assert results[0][scenario]["exported_keys"] == expected
 
 
 def test_reference_model_keeps_the_initial_weights(run):

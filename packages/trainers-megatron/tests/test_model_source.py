@@ -38,3 +38,12 @@ def test_unloadable_source_is_an_error_not_random_weights(tmp_path: Path, source
         MegatronActor(MegatronConfig(model=source))
     # refused before any process group or model-parallel state was set up
     assert (dist.is_initialized(), parallel_state.model_parallel_is_initialized()) == before
+
+
+def test_expert_parallel_on_a_dense_model_is_refused_before_any_process_group():
+    from megatron.core import parallel_state
+
+    before = (dist.is_initialized(), parallel_state.model_parallel_is_initialized())
+    with pytest.raises(ValueError, match=r"ep=2 .*needs an MoE model"):
+        MegatronActor(MegatronConfig(model="qwen3-vl-tiny", ep=2))
+    assert (dist.is_initialized(), parallel_state.model_parallel_is_initialized()) == before

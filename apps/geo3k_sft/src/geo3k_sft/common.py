@@ -160,10 +160,42 @@ class ModelSection:
     sequence_parallel: bool | None = option(
         None, "megatron backend: sequence parallel (needs TP > 1; default: on with TP > 1 chosen)"
     )
+    pipeline_parallel: int = option(
+        1, "megatron backend: pipeline stages (megatron-core's 1F1B schedule)", ge=1
+    )
+    expert_parallel: int = option(
+        1,
+        "megatron backend, MoE models: split the experts over this many data-parallel ranks",
+        ge=1,
+    )
+    recompute: Literal["auto", "none", "selective", "full"] = option(
+        "auto",
+        "activation recomputation: full (whole decoder layers), selective (megatron backend: "
+        "core attention) or none; auto: full with --gradient-checkpointing, none with "
+        "--no-gradient-checkpointing, else as the memory estimate needs",
+    )
+    distributed_optimizer: bool = option(
+        True,
+        "megatron backend: megatron-core's distributed optimizer (float32 masters and AdamW "
+        "moments sharded over data-parallel ranks); --no-distributed-optimizer keeps them whole",
+    )
 
     def check(self) -> None:
         if self.sequence_parallel and (self.tensor_parallel or 1) < 2:
             raise ConfigError("--sequence-parallel needs --tensor-parallel of 2 or more")
+        gc, mode = self.gradient_checkpointing, self.recompute
+        if mode != "auto" and gc is not None and gc != (mode == "full"):
+            raise ConfigError(
+                f"--recompute {mode} contradicts --{'' if gc else 'no-'}gradient-checkpointing "
+                "(which means --recompute full / none); give one of them"
+            )
+
+
+def recompute_mode(model: ModelSection) -> str:
+    """The recomputation ``model`` asks for: ``--recompute``, else ``--gradient-checkpointing``."""
+    if model.recompute != "auto":
+        return model.recompute
+    return "full" if model.gradient_checkpointing else "none"
 
 
 @dataclass
@@ -209,6 +241,10 @@ def check_backend_options(run: RunSection, model: ModelSection) -> None:
             "--tensor-parallel / --sequence-parallel are for --backend megatron; "
             "the fsdp backend shards instead"
         )
+    if run.backend == "fsdp" and max(model.pipeline_parallel, model.expert_parallel) > 1:
+        raise ConfigError("--pipeline-parallel / --expert-parallel are for --backend megatron")
+    if run.backend == "fsdp" and model.recompute == "selective":
+        raise ConfigError("--recompute selective is for --backend megatron (fsdp: full or none)")
 
 
 def optim_config(opt: OptimSection, total_steps: int | None = None) -> Any:
@@ -419,7 +455,7 @@ def fsdp_config(
         freeze_vision=model.freeze_vision,
         device="cuda" if run.num_gpus > 0 else "cpu",
         param_dtype=model.param_dtype,
-        activation_checkpointing=bool(model.gradient_checkpointing),
+        activation_checkpointing=recompute_mode(model) == "full",
         compile=model.compile,
         max_tokens_per_gpu=model.max_tokens_per_gpu,
         replicate=model.fsdp_replicate,
@@ -451,8 +487,11 @@ def megatron_config(
         model=source,
         tp=model.tensor_parallel or 1,
         sp=bool(model.sequence_parallel),
+        pp=model.pipeline_parallel,
+        ep=model.expert_parallel,
+        distributed_optimizer=model.distributed_optimizer,
         param_dtype=model.param_dtype,
-        recompute=bool(model.gradient_checkpointing),
+        recompute=recompute_mode(model),
         reference_model=reference_model,
         max_tokens_per_gpu=model.max_tokens_per_gpu,
         temperature=temperature,
@@ -490,6 +529,10 @@ def trainer_factory(run: RunSection, actor_config: Any) -> Any:
 
 def tp_size(run: RunSection, model: ModelSection) -> int:
     return (model.tensor_parallel or 1) if run.backend == "megatron" else 1
+
+
+def pp_size(run: RunSection, model: ModelSection) -> int:
+    return model.pipeline_parallel if run.backend == "megatron" else 1
 
 
 # ---------------------------------------------------------------------------------- Ray
@@ -565,6 +608,7 @@ def train_group(
         placement=ray_handle.placement,
         num_cpus=actor_cpus(lay),
         tp_size=tp_size(run, model),
+        pp_size=pp_size(run, model),
     )
     ray_handle.actors.append(group)
     return group

@@ -11,7 +11,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from geo3k_sft.common import TINY_MODEL, ModelSection, RunSection, layout, resolve_load
+from geo3k_sft.common import (
+    TINY_MODEL,
+    ModelSection,
+    RunSection,
+    layout,
+    recompute_mode,
+    resolve_load,
+)
 from rl_runtime import (
     MemoryEstimate,
     ModelShape,
@@ -92,10 +99,13 @@ def model_shape(config: Any) -> ModelShape:
     from vlm_models import parameter_counts
 
     tc = getattr(config, "text_config", config)
-    inter = tc.intermediate_size
+    inter, experts = tc.intermediate_size, 0
     if getattr(tc, "num_experts", 0):
         shared = getattr(tc, "shared_expert_intermediate_size", 0) or 0
         inter = tc.num_experts_per_tok * tc.moe_intermediate_size + shared
+        # gate, up and down projections of every routed expert of every layer
+        experts = tc.num_hidden_layers * tc.num_experts * 3 * tc.hidden_size
+        experts *= tc.moe_intermediate_size
     vc = getattr(config, "vision_config", None)
     counts = parameter_counts(config)
     return ModelShape(
@@ -108,6 +118,7 @@ def model_shape(config: Any) -> ModelShape:
         vision_hidden_size=vc.hidden_size if vc else 0,
         vision_intermediate_size=vc.intermediate_size if vc else 0,
         vision_depth=vc.depth if vc else 0,
+        expert_params=experts,
     )
 
 
@@ -127,14 +138,18 @@ def gpu_memory_bytes(run: RunSection) -> float | None:
 
 
 def _requested(model: ModelSection, run: RunSection, world: int) -> TrainLayout:
+    megatron = run.backend == "megatron"
     return TrainLayout(
         backend=run.backend,
         world_size=world,
         max_tokens_per_gpu=model.max_tokens_per_gpu,
-        tp=(model.tensor_parallel or 1) if run.backend == "megatron" else 1,
-        sp=bool(model.sequence_parallel) and run.backend == "megatron",
-        recompute=bool(model.gradient_checkpointing),
+        tp=(model.tensor_parallel or 1) if megatron else 1,
+        sp=bool(model.sequence_parallel) and megatron,
+        recompute=recompute_mode(model) == "full",  # selective: counted as none
         replicate=model.fsdp_replicate and run.backend == "fsdp",
+        pp=model.pipeline_parallel if megatron else 1,
+        ep=model.expert_parallel if megatron else 1,
+        distributed_optimizer=model.distributed_optimizer,
     )
 
 
@@ -146,7 +161,7 @@ def plan_layout(
     that fits; set ones are kept, and a layout that cannot fit stops the run with the numbers
     and a suggestion."""
     unset = model.tensor_parallel is None and model.sequence_parallel is None
-    unset = unset and model.gradient_checkpointing is None
+    unset = unset and model.gradient_checkpointing is None and model.recompute == "auto"
     estimate = None
     if run.num_gpus > 0:
         config = model_config(model, run)
@@ -175,7 +190,7 @@ def plan_layout(
         model,
         tensor_parallel=model.tensor_parallel or 1,
         sequence_parallel=bool(model.sequence_parallel),
-        gradient_checkpointing=bool(model.gradient_checkpointing),
+        gradient_checkpointing=recompute_mode(model) == "full",
     ), estimate
 
 

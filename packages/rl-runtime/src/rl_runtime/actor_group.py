@@ -173,6 +173,12 @@ class EngineWorker:
         self.engine.shutdown()
 
 
+def data_rank(rank: int, tp: int, dp: int) -> int:
+    """The data-parallel rank of global ``rank`` in Megatron's order (TP fastest, then DP, then
+    pipeline stages); with TP = PP = 1 the rank itself."""
+    return (rank // tp) % dp
+
+
 def _split(items: Sequence[Any], parts: int) -> list[list[int]]:
     """Contiguous, near-equal index ranges (the order of results stays the order of items)."""
     n = len(items)
@@ -191,17 +197,22 @@ class TrainGroup:
         placement: Placement,
         num_cpus: float = 0.25,
         tp_size: int = 1,
+        pp_size: int = 1,
         log_level: str = "WARNING",
         gc_every: int = 50,
     ) -> None:
         """``gc_every``: each rank collects Python's garbage every that many train steps, with
-        automatic collection off (:class:`rl_runtime.gc_policy.PeriodicGC`); 0 leaves it on."""
-        if world_size % tp_size:
-            raise ValueError(f"world size {world_size} is not a multiple of TP size {tp_size}")
+        automatic collection off (:class:`rl_runtime.gc_policy.PeriodicGC`); 0 leaves it on.
+        ``tp_size`` / ``pp_size``: ranks per model replica, in Megatron's rank order (TP
+        fastest, then data parallel, then pipeline stages)."""
+        if world_size % (tp_size * pp_size):
+            raise ValueError(
+                f"world size {world_size} is not a multiple of TP x PP = {tp_size * pp_size}"
+            )
         remote_cls = ray.remote(TrainWorker)
         self.world_size = world_size
-        # Ranks r*tp .. r*tp+tp-1 form one tensor-parallel group and share one data shard.
         self.tp_size = tp_size
+        self.pp_size = pp_size
         self.workers: list[Any] = []
         master: tuple[str, int] | None = None
         for rank in range(world_size):
@@ -234,17 +245,18 @@ class TrainGroup:
         return gather(futures, names, method)
 
     def _shard(self, batch: Any) -> list[Any]:
-        """One shard per data-parallel rank, repeated over the ranks of its TP group."""
+        """One shard per data-parallel rank, repeated over the ranks of its model replica."""
         if self.world_size == 1:
             return [batch]
-        dp = self.world_size // self.tp_size
+        dp = self.world_size // (self.tp_size * self.pp_size)
         parts = [batch.select(idx) for idx in _split(range(len(batch)), dp)]
-        return [parts[rank // self.tp_size] for rank in range(self.world_size)]
+        return [parts[data_rank(r, self.tp_size, dp)] for r in range(self.world_size)]
 
     def compute_logprobs(self, batch: Any, *, reference: bool = False) -> list[Any]:
         outs = self._call("compute_logprobs", self._shard(batch), reference=reference)
-        # the first rank of each TP group speaks for its shard
-        return [lp for out in outs[:: self.tp_size] for lp in out]
+        # the first rank of each replica (first stage, TP rank 0) speaks for its shard
+        dp = self.world_size // (self.tp_size * self.pp_size)
+        return [lp for out in outs[: dp * self.tp_size : self.tp_size] for lp in out]
 
     def train_step(self, batch: Any, *, loss: str = "grpo") -> dict[str, float]:
         return self._call("train_step", self._shard(batch), loss=loss)[0]

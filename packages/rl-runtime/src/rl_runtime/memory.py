@@ -5,15 +5,18 @@ the model's shape (:class:`ModelShape`), the layout (:class:`TrainLayout`) and t
 The parts, per GPU, in bytes:
 
 - training state per parameter held: bf16 weights (2) and gradients (2), float32 masters (4),
-  float32 gradients (4: FSDP's reduce dtype; the flat masters' and Megatron's master grads)
+  float32 gradients (4: FSDP's reduce dtype; the flat masters' and Megatron's DDP buffers)
   and AdamW's two moments (8). FSDP shards all of it over the world (only the bf16 copies of
   the units being gathered are whole); ``replicate`` and one rank hold it whole. Megatron
-  splits the language model by TP (the vision tower is whole on every rank) and keeps the whole
-  optimizer state on every data-parallel rank unless ``distributed_optimizer`` shards it.
+  splits the language model by TP and PP (the vision tower is whole on every first-stage
+  rank), routed experts by EP x TP, and its distributed optimizer (the default) shards the
+  masters, moments and reduced float32 gradients over the data-parallel ranks (experts over
+  the expert-data-parallel ranks); without it every rank holds them whole.
 - activations of one micro-batch of ``max_tokens_per_gpu`` tokens, bf16: per decoder layer and
   token ``2 * (8 h + 4 I)`` bytes (norm, attention and gated-MLP inputs and outputs), split by
   TP under sequence parallelism; with recomputation only each layer's input (``2 h``) is kept,
-  plus one layer being recomputed. The vision tower's blocks are counted the same way for
+  plus one layer being recomputed. Pipeline parallelism does not cut them: under 1F1B the first
+  stage keeps ``pp`` micro-batches in flight, each through ``1 / pp`` of the layers. The vision tower's blocks are counted the same way for
   ``vision_patches_per_token`` patches per token (Megatron does not recompute them).
 - logits of the micro-batch: bf16 and their gradient (FSDP, which chunks its float32 work);
   Megatron's are bf16 plus a float32 copy in its vocab-parallel cross entropy.
@@ -52,6 +55,7 @@ class ModelShape:
     vision_hidden_size: int = 0
     vision_intermediate_size: int = 0
     vision_depth: int = 0
+    expert_params: int = 0  # the part of language_params in routed experts (MoE)
 
 
 @dataclass(frozen=True)
@@ -65,11 +69,19 @@ class TrainLayout:
     sp: bool = False
     recompute: bool = False
     replicate: bool = False  # fsdp: the whole model on every rank
-    distributed_optimizer: bool = False  # megatron: masters and moments sharded over DP
+    pp: int = 1  # megatron: pipeline stages
+    ep: int = 1  # megatron: expert-parallel ranks (MoE)
+    distributed_optimizer: bool = True  # megatron: masters and moments sharded over DP
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas (megatron: ranks per replica are TP x PP)."""
+        return max(1, self.world_size // (self.tp * self.pp))
 
     def describe(self) -> str:
         if self.backend == "megatron":
-            parts = [f"megatron TP{self.tp}", f"DP{max(1, self.world_size // self.tp)}"]
+            parts = [f"megatron TP{self.tp}"] + [f"PP{self.pp}"] * (self.pp > 1)
+            parts += [f"EP{self.ep}"] * (self.ep > 1) + [f"DP{self.dp}"]
             parts += ["SP"] * self.sp + ["distributed optimizer"] * self.distributed_optimizer
         else:
             how = "replicated" if self.replicate or self.world_size == 1 else "sharded"
@@ -83,6 +95,9 @@ class TrainLayout:
         if self.backend == "megatron":
             out.append(f"--tensor-parallel {self.tp}")
             out += ["--sequence-parallel"] * self.sp
+            out += [f"--pipeline-parallel {self.pp}"] * (self.pp > 1)
+            out += [f"--expert-parallel {self.ep}"] * (self.ep > 1)
+            out += ["--no-distributed-optimizer"] * (not self.distributed_optimizer)
         elif self.replicate:
             out.append("--fsdp-replicate")
         out += ["--gradient-checkpointing"] * self.recompute
@@ -138,9 +153,14 @@ def estimate_memory(
     total_params = shape.language_params + shape.vision_params
     per_layer_token = 2 * (8 * h + 4 * inter)  # bf16 activations of a decoder layer, per token
     if layout.backend == "megatron":
-        tp, dp = layout.tp, max(1, layout.world_size // layout.tp)
-        held = shape.language_params / tp + shape.vision_params
-        opt_held = held / dp if layout.distributed_optimizer else held
+        tp, pp, ep = layout.tp, layout.pp, layout.ep
+        dense = (shape.language_params - shape.expert_params) / (tp * pp) + shape.vision_params
+        experts = shape.expert_params / (ep * tp * pp)
+        held = dense + experts
+        if layout.distributed_optimizer:  # experts over the expert-data-parallel ranks
+            opt_held = dense / layout.dp + experts / max(1, layout.dp // ep)
+        else:
+            opt_held = held
         weights, gradients = 2 * held, 2 * held + 4 * opt_held
         optimizer = 12 * opt_held
         if layout.sp:
@@ -179,10 +199,19 @@ def candidate_layouts(layout: TrainLayout) -> list[TrainLayout]:
     """Layouts to suggest instead of ``layout``, cheapest first: the same backend with more
     tensor parallelism and recomputation, then the other backend, then fewer tokens."""
     world, same = layout.world_size, layout.backend
+    # megatron: the requested pipeline / expert split and optimizer kept, TP and recompute varied
+    base = layout if layout.backend == "megatron" else TrainLayout("megatron", world, 1)
     megatron = [
-        TrainLayout("megatron", world, layout.max_tokens_per_gpu, tp, tp > 1, recompute)
+        dataclasses.replace(
+            base,
+            max_tokens_per_gpu=layout.max_tokens_per_gpu,
+            tp=tp,
+            sp=tp > 1,
+            recompute=recompute,
+            replicate=False,
+        )
         for tp in (1, 2, 4, 8)
-        if tp <= world and world % tp == 0
+        if tp * base.pp <= world and world % (tp * base.pp) == 0
         for recompute in (False, True)
     ]
     fsdp = [

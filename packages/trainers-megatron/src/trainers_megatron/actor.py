@@ -2,18 +2,18 @@
 
 It implements the trainer protocol of ``docs/architecture.md`` on
 :mod:`vlm_models.megatron` (native Megatron decoder + HF vision tower). One actor runs in each
-rank's process; every method is collective. Ranks of one tensor-parallel group work on the
-same samples (the group's first rank's batch is broadcast to the others); data-parallel
-replicas each take their own part of the global batch.
+rank's process; every method is collective. Ranks of one model replica (its tensor- and
+pipeline-parallel ranks) work on the same samples (the replica's first rank's batch is
+broadcast to the others); data-parallel replicas each take their own part of the global batch.
 
-Samples are packed into THD micro-batches of at most ``max_tokens_per_gpu`` tokens. Gradients
-are reduced by hand (no Megatron DDP wrapper): sequence-parallel norms and QK-norms over the TP
-group, everything over the data-parallel group. With ``param_dtype`` below float32 the
-optimizer (torch AdamW) keeps float32 master weights.
-
-Limits of this first version: no pipeline parallelism, no expert parallelism, no distributed
-optimizer. Log-probs use Megatron's vocab-parallel cross entropy, so full-vocabulary logits are
-never gathered; ``reference_model=True`` keeps a frozen copy of the initial weights for KL.
+Samples are packed into THD micro-batches of at most ``max_tokens_per_gpu`` tokens and run
+through megatron-core's forward-backward schedule (:mod:`trainers_megatron.schedule`: 1F1B
+across pipeline stages). The model is wrapped in megatron-core's DDP (float32 gradient buffers
+and reduction) and stepped by megatron-core's optimizer, by default the distributed optimizer
+(float32 masters and AdamW moments sharded over the data-parallel group;
+:mod:`trainers_megatron.optim`). MoE experts can be split over ``ep`` data-parallel ranks.
+Log-probs use Megatron's vocab-parallel cross entropy, so full-vocabulary logits are never
+gathered; ``reference_model=True`` keeps a frozen copy of the initial weights for KL.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import finalize_model_grads
 from megatron.core.packed_seq_params import PackedSeqParams
 from safetensors.torch import save_file
 from torch import Tensor
@@ -40,15 +41,24 @@ from rl_algos import (
     TrainBatch,
     TrainLoss,
     aligned_logprobs,
-    collect_logprobs,
     logprobs_from_logits,
     pack_by_token_budget,
     resolve_loss,
-    run_sequentially,
     scatter_rows,
 )
 from rl_algos import train_step as core
 from trainers_megatron.config import MegatronConfig
+from trainers_megatron.offload import StorageOffload
+from trainers_megatron.optim import (
+    build_optimizer,
+    clip_,
+    grad_norm,
+    load_optimizer_state,
+    optimizer_state,
+    optimizers,
+    wrap_ddp,
+)
+from trainers_megatron.schedule import run_schedule, schedule_config
 from vlm_models import (
     PRESETS,
     MicroBatch,
@@ -60,6 +70,7 @@ from vlm_models import (
 )
 from vlm_models.megatron import (
     Parallelism,
+    Qwen3VLMegatronModel,
     SafetensorsReader,
     apply_cpu_compat,
     build_megatron_model,
@@ -68,6 +79,7 @@ from vlm_models.megatron import (
     initialize_model_parallel,
     iter_hf_weights,
     load_hf_weights,
+    text_arch,
 )
 
 logger = logging.getLogger(__name__)
@@ -90,9 +102,10 @@ def _vocab_parallel_aligned_logprobs(
     return shifted.masked_fill(first, 0.0)
 
 
-def _lr_scheduler(optimizer: torch.optim.Optimizer, config: MegatronConfig) -> Any:
-    """megatron-core's scheduler over the AdamW groups: linear warmup from 0, then constant or
-    cosine down to ``min_lr_ratio * lr`` at ``total_steps``; weight decay constant."""
+def _lr_scheduler(optimizer: Any, config: MegatronConfig) -> Any:
+    """megatron-core's scheduler over the optimizer's groups: linear warmup from 0, then
+    constant or cosine down to ``min_lr_ratio * lr`` at ``total_steps``; weight decay constant
+    (times each group's ``wd_mult``: 0 for 1-D tensors and biases)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     warmup = config.warmup_steps
@@ -111,6 +124,25 @@ def _lr_scheduler(optimizer: torch.optim.Optimizer, config: MegatronConfig) -> A
         use_checkpoint_opt_param_scheduler=False,
         override_opt_param_scheduler=True,
     )
+
+
+def recompute_settings(config: MegatronConfig) -> dict[str, Any]:
+    """The ``TransformerConfig`` fields of ``config.recompute`` (megatron-core's own
+    activation recomputation)."""
+    if config.recompute == "full":
+        return dict(
+            recompute_granularity="full",
+            recompute_method=config.recompute_method,
+            recompute_num_layers=config.recompute_num_layers,
+        )
+    if config.recompute == "selective":
+        modules = (
+            {}
+            if config.recompute_modules is None
+            else {"recompute_modules": list(config.recompute_modules)}
+        )
+        return dict(recompute_granularity="selective", **modules)
+    return {}
 
 
 class MegatronActor:
@@ -133,26 +165,27 @@ class MegatronActor:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         default_dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = getattr(torch, config.param_dtype or default_dtype)
+        self.hf_config = resolve_config(config.model, **config.model_overrides)
+        if config.ep > 1 and not text_arch(self.hf_config).num_experts:
+            raise ValueError(f"ep={config.ep} (expert parallel) needs an MoE model")
         if self.device.type == "cpu":
             # megatron-core 0.16.1 assumes CUDA in a few places; CPU runs (tests, debugging)
             # need the compatibility layer, which refuses to run where CUDA exists.
             apply_cpu_compat()
-        initialize_model_parallel(Parallelism(tp=config.tp, sp=config.sp), seed=config.seed)
+        parallel = Parallelism(tp=config.tp, pp=config.pp, ep=config.ep, sp=config.sp)
+        initialize_model_parallel(parallel, seed=config.seed)
         self.rank = dist.get_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
-        self.hf_config = resolve_config(config.model, **config.model_overrides)
-        recompute = (
-            dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-            if config.recompute
-            else {}
-        )
-        self.model = build_megatron_model(
-            self.hf_config,
-            Parallelism(tp=config.tp, sp=config.sp),
-            params_dtype=self.dtype,
-            **recompute,
+        self.first_stage = parallel_state.is_pipeline_first_stage()
+        self.last_stage = parallel_state.is_pipeline_last_stage()
+        overrides = dict(schedule_config(config.pp), **recompute_settings(config))
+        if config.pipeline_first_stage_layers is not None:
+            overrides["num_layers_in_first_pipeline_stage"] = config.pipeline_first_stage_layers
+        self.module: Qwen3VLMegatronModel = build_megatron_model(
+            self.hf_config, parallel, params_dtype=self.dtype, **overrides
         )
         self._load_initial_weights()
         self.compiled = config.compile
@@ -160,37 +193,29 @@ class MegatronActor:
             self.compiled = self.device.type == "cuda" and compiles_by_default(self.hf_config)
         if self.compiled:
             compile_decoder_layers(
-                self.model, backend="inductor" if self.device.type == "cuda" else "aot_eager"
+                self.module, backend="inductor" if self.device.type == "cuda" else "aot_eager"
             )
         self.ref_model = None
         if config.reference_model:  # the initial policy, frozen: the KL penalty's reference
             self.ref_model = build_megatron_model(
-                self.hf_config, Parallelism(tp=config.tp, sp=config.sp), params_dtype=self.dtype
+                self.hf_config, parallel, params_dtype=self.dtype, **overrides
             )
-            self.ref_model.load_state_dict(self.model.state_dict())
+            self.ref_model.load_state_dict(self.module.state_dict())
             self.ref_model.requires_grad_(False).eval()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        # float32 master weights when the model computes in a lower precision
-        self.masters = (
-            self.params
-            if self.dtype == torch.float32
-            else [p.detach().float().clone().requires_grad_() for p in self.params]
-        )
-        decay = [m for m, p in zip(self.masters, self.params, strict=True) if p.dim() >= 2]
-        no_decay = [m for m, p in zip(self.masters, self.params, strict=True) if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": config.weight_decay},
-                # wd_mult: megatron-core's scheduler sets every group's decay, times this
-                {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},
-            ],
+        # megatron-core's DDP (float32 gradient buffers) and optimizer (see trainers_megatron.optim)
+        self.model = wrap_ddp(self.module, distributed_optimizer=config.distributed_optimizer)
+        self.optimizer = build_optimizer(
+            self.model,
             lr=config.lr,
+            min_lr=config.lr * config.min_lr_ratio,
             betas=config.betas,
             eps=config.eps,
+            weight_decay=config.weight_decay,
+            distributed_optimizer=config.distributed_optimizer,
         )
         self.scheduler = _lr_scheduler(self.optimizer, config)
         self.step = 0
-        self._offloaded = False
+        self._offload = StorageOffload()
         # reused pinned host buffers: each micro-batch reaches the GPU in one copy
         self._staging = PinnedStaging() if self.device.type == "cuda" else None
 
@@ -199,28 +224,40 @@ class MegatronActor:
         source = self.config.model
         if isinstance(source, str) and source not in PRESETS:
             with SafetensorsReader(source) as reader:
-                load_hf_weights(self.model, reader)
+                load_hf_weights(self.module, reader)
             return
         torch.manual_seed(self.config.seed)  # the same random init on every rank
         hf = build_model(self.hf_config)
-        load_hf_weights(self.model, hf.state_dict())
+        load_hf_weights(self.module, hf.state_dict())
 
     # ----------------------------------------------------------------------------- batches
     def _group_batch(self, batch: TrainBatch) -> TrainBatch:
-        """The TP group's batch: its first rank's, on every rank of the group."""
-        if self.tp_size == 1:
+        """The model replica's batch (its tensor- and pipeline-parallel ranks): the replica's
+        first rank's, on every rank of it."""
+        group = parallel_state.get_model_parallel_group()
+        if dist.get_world_size(group) == 1:
             return batch
         holder = [batch]
-        src = parallel_state.get_tensor_model_parallel_src_rank()
-        dist.broadcast_object_list(holder, src=src, group=self.tp_group)
+        dist.broadcast_object_list(holder, src=dist.get_process_group_ranks(group)[0], group=group)
         return holder[0]
+
+    def _plan(self, lengths: Sequence[int]) -> list[list[int]]:
+        """Packs of at most ``max_tokens_per_gpu`` tokens. With expert parallelism every
+        data-parallel rank runs as many micro-batches as the busiest (empty ones run a dummy
+        sample): the experts' token exchange is collective in every MoE layer."""
+        plan = pack_by_token_budget(lengths, self.config.max_tokens_per_gpu) if lengths else []
+        if self.config.ep > 1:
+            count = torch.tensor([len(plan)], device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
+            plan += [[] for _ in range(int(count.item()) - len(plan))]
+        return plan
 
     def micro_batches(self, batch: TrainBatch, fields: Sequence[str] = ()) -> MicroBatches:
         """The micro-batches of this rank's samples (``max_tokens_per_gpu`` each), built and
         copied to the device as iterated. Under sequence parallelism each row is padded (one
         extra sample) to a multiple of TP so every rank gets an equal slice."""
         pad = self.tp_size if self.config.sp else 1
-        vision = self.model.vision_inputs
+        vision = self.module.vision_inputs
 
         def build(indices: Sequence[int]) -> MicroBatch:
             mb = build_micro_batch(
@@ -231,12 +268,11 @@ class MegatronActor:
                 mb.vision_inputs = vision.compute(mb.image_grid_thw)
             return mb.to(self.device, self._staging)
 
-        return MicroBatches(
-            pack_by_token_budget(batch.lengths, self.config.max_tokens_per_gpu), build
-        )
+        return MicroBatches(self._plan(batch.lengths), build)
 
-    def _logprobs(self, mb: MicroBatch, model: torch.nn.Module | None = None) -> Tensor:
-        """Aligned log-probs ``[T_real]`` (float32) of a packed micro-batch.
+    def _stage_forward(self, mb: MicroBatch, model: torch.nn.Module) -> Tensor:
+        """This stage's output for a packed micro-batch: hidden states for the next stage, or
+        on the last stage the aligned log-probs ``[T_real]`` (float32).
 
         Only the rows that predict loss tokens go through the output layer; other positions
         hold 0, which the token alignment convention allows (as in the FSDP actor).
@@ -252,16 +288,20 @@ class MegatronActor:
         positions = mb.loss_positions
         if positions is not None and positions.numel() == 0:
             positions = None  # nothing to score: the plain path keeps the graph whole
-        logits = (model or self.model)(
+        rows = None if positions is None or not self.last_stage else positions - 1
+        out = model(
             mb.input_ids[None],
             mb.position_ids[1:, None, :],  # the M-RoPE rows (t, h, w)
-            pixel_values=mb.pixel_values,
-            image_grid_thw=mb.image_grid_thw,
+            pixel_values=mb.pixel_values if self.first_stage else None,
+            image_grid_thw=mb.image_grid_thw if self.first_stage else None,
             packed_seq_params=packed,
             image_positions=mb.image_positions,
             vision_inputs=mb.vision_inputs,
-            logit_rows=None if positions is None else positions - 1,
-        )[0]  # [T or R, V / tp]: this rank's slice of the vocabulary
+            logit_rows=rows,
+        )
+        if not self.last_stage:
+            return out  # [T(/tp), 1, H]: the next stage's input
+        logits = out[0]  # [T or R, V / tp]: this rank's slice of the vocabulary
         temperature = self.config.temperature
         if positions is None:
             if self.tp_size == 1:
@@ -273,27 +313,44 @@ class MegatronActor:
             return lp[: mb.num_real_tokens]
         targets = mb.input_ids[positions]
         if self.tp_size == 1:
-            rows = logprobs_from_logits(logits, targets, temperature)
+            scored = logprobs_from_logits(logits, targets, temperature)
         else:  # vocabulary-parallel: the full-vocabulary logits are never gathered
             scaled = logits.float() / temperature
-            rows = -tensor_parallel.vocab_parallel_cross_entropy(scaled[:, None], targets[:, None])
-            rows = rows[:, 0]
-        return scatter_rows(rows, positions, mb.input_ids.shape[0])[: mb.num_real_tokens]
+            scored = -tensor_parallel.vocab_parallel_cross_entropy(
+                scaled[:, None], targets[:, None]
+            )[:, 0]
+        return scatter_rows(scored, positions, mb.input_ids.shape[0])[: mb.num_real_tokens]
+
+    def _from_last_stage(self, value: Any) -> Any:
+        """``value`` as the last pipeline stage has it, on every stage."""
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            return value
+        holder = [value]
+        src = parallel_state.get_pipeline_model_parallel_last_rank()
+        dist.broadcast_object_list(holder, src=src, group=self.pp_group)
+        return holder[0]
 
     # ----------------------------------------------------------------------------- protocol
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, *, reference: bool = False) -> list[Tensor]:
         """Per-sample log-probs ``[L_i]`` (float32, CPU) of this rank's samples, under the
-        policy or (``reference=True``) the frozen initial weights."""
+        policy or (``reference=True``) the frozen initial weights; on every pipeline stage."""
         model = self.ref_model if reference else self.model
         if model is None:
             raise ValueError("reference=True needs MegatronConfig(reference_model=True)")
         self._require_onloaded()
         batch = self._group_batch(batch)
         model.eval()
-        return collect_logprobs(
-            self.micro_batches(batch), lambda mb: self._logprobs(mb, model), len(batch)
-        )
+        out: list[Tensor | None] = [None] * len(batch)
+
+        def keep(mb: MicroBatch, logprobs: Tensor) -> Tensor:
+            real = logprobs.float().cpu()[: mb.num_real_tokens].split(mb.lengths[: len(mb.indices)])
+            for i, part in zip(mb.indices, real, strict=True):
+                out[i] = part
+            return logprobs.new_zeros(())
+
+        run_schedule(model, self.micro_batches(batch), self._stage_forward, keep, forward_only=True)
+        return self._from_last_stage(out)
 
     def _loss(self, loss: str | TrainLoss) -> TrainLoss:
         cfg = self.config
@@ -301,16 +358,21 @@ class MegatronActor:
 
     def train_step(self, batch: TrainBatch, *, loss: str | TrainLoss = "grpo") -> dict[str, float]:
         """One optimizer step over the global batch (this rank's part), the step of
-        :mod:`rl_algos.train_step` over this actor's hooks; metrics are global."""
+        :mod:`rl_algos.train_step` over this actor's hooks; metrics are global (the loss's
+        from the last pipeline stage)."""
         self._require_onloaded()
-        return core.train_step(self, self._group_batch(batch), self._loss(loss))
+        return self._from_last_stage(
+            core.train_step(self, self._group_batch(batch), self._loss(loss))
+        )
 
     def forward_backward(
         self, batch: TrainBatch, *, loss: str | TrainLoss = "grpo"
     ) -> dict[str, float]:
         """Accumulate the gradient of the global-batch loss; no optimizer step."""
         self._require_onloaded()
-        return core.forward_backward(self, self._group_batch(batch), self._loss(loss))
+        return self._from_last_stage(
+            core.forward_backward(self, self._group_batch(batch), self._loss(loss))
+        )
 
     def optimizer_step(self) -> dict[str, float]:
         """Reduce and clip the gradients, step AdamW and the LR schedule (skipped for a
@@ -320,79 +382,58 @@ class MegatronActor:
     # ------------------------------------------------------------ the trainer step's hooks
     @property
     def group(self) -> Any:
-        """The step's samples are split over the data-parallel ranks (TP peers share them)."""
+        """The step's samples are split over the data-parallel ranks (replica peers share them)."""
         return self.dp_group
 
     def run_micro_batches(
         self, micro_batches: MicroBatches, loss_fn: MicroBatchLoss, *, entropy: EntropyMode
     ) -> None:
-        """Forward, loss and backward, one micro-batch after the other (no entropy: the
-        vocabulary-parallel entropy is not written yet). A pipeline schedule (megatron-core's
-        ``get_forward_backward_func``) would take ``loss_fn`` as its per-micro-batch loss."""
+        """Forward, loss and backward of every micro-batch under megatron-core's schedule
+        (``loss_fn`` is the schedule's per-micro-batch loss, on the last stage). No entropy:
+        the vocabulary-parallel entropy is not written yet."""
         if entropy == "grad":
             raise ValueError("the Megatron actor has no entropy bonus (grpo.entropy_coef)")
         self.model.train()
-        run_sequentially(
-            micro_batches, lambda mb: (self._logprobs(mb), None), Tensor.backward, loss_fn
+        run_schedule(
+            self.model,
+            micro_batches,
+            self._stage_forward,
+            lambda mb, logprobs: loss_fn(mb, logprobs, None),
         )
 
     def finish_grads(self) -> Tensor:
-        """Finish the gradients (TP partial sums, DP sum); their global norm, on the device."""
-        qk_norm = self.model.config.qk_layernorm
-        for name, p in self.model.named_parameters():
-            if not p.requires_grad:
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            partial = getattr(p, "sequence_parallel", False) and self.config.sp
-            partial = partial or (qk_norm and ("q_layernorm" in name or "k_layernorm" in name))
-            if partial and self.tp_size > 1:
-                dist.all_reduce(p.grad, group=self.tp_group)
-            dist.all_reduce(p.grad, group=self.dp_group)
-        # Norm: TP-sharded tensors count on every TP rank, replicated ones once.
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        square = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
-        for p in self.params:
-            if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
-                square += p.grad.double().pow(2).sum()
-        if self.tp_size > 1:
-            dist.all_reduce(square, group=self.tp_group)
-        return square.sqrt()
+        """Finish the gradients with megatron-core's ``finalize_model_grads`` (DP
+        reduce-scatter or all-reduce, SP norms and QK-norms over TP, tied embeddings over the
+        first and last stages), hand them to the optimizer's main gradients; their global
+        norm, on the device."""
+        finalize_model_grads([self.model])
+        self.optimizer.prepare_grads()
+        return grad_norm(self.optimizer)
 
     def apply_update(self, grad_norm: float | None) -> float:
         """Clip to ``max_grad_norm`` and step (``None``: no update, the schedule stays);
         the gradients are dropped either way. Returns this step's LR."""
         if grad_norm is not None:
-            max_norm = self.config.max_grad_norm
-            if max_norm > 0 and grad_norm > max_norm:
-                for p in self.params:
-                    p.grad.mul_(max_norm / (grad_norm + 1e-6))
-            self._optimizer_step()
-        for p in self.params:
-            p.grad = None
+            self.scheduler.step(1)  # this step's LR (the scheduler counts steps from 1)
+            if self.config.max_grad_norm > 0:
+                clip_(self.optimizer, self.config.max_grad_norm, grad_norm)
+            # AdamW on the float32 masters, then the weights (all-gathered under the
+            # distributed optimizer)
+            self.optimizer.step_with_ready_grads()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
         return self.optimizer.param_groups[0]["lr"]
-
-    @torch.no_grad()
-    def _optimizer_step(self) -> None:
-        self.scheduler.step(1)  # this step's LR (the scheduler counts steps from 1)
-        if self.masters is not self.params:
-            for master, p in zip(self.masters, self.params, strict=True):
-                master.grad = p.grad.float()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.masters is not self.params:
-            for master, p in zip(self.masters, self.params, strict=True):
-                p.copy_(master)
 
     # ----------------------------------------------------------------------------- weights
     def iter_hf_weights(
         self, bucket_bytes: int = 1 << 30, *, device: str | None = "cpu"
     ) -> Iterator[list[tuple[str, Tensor]]]:
         """Full HF-named tensors (``export_dtype``, on ``device``; None: the weights' own) in
-        buckets; collective over TP."""
+        buckets, on every rank; collective over TP, PP (each stage broadcasts its part) and EP
+        (each rank's experts gathered)."""
         self._require_onloaded()
         dtype = getattr(torch, self.config.export_dtype)
-        for bucket in iter_hf_weights(self.model, bucket_bytes):
+        for bucket in iter_hf_weights(self.module, bucket_bytes):
             yield [(n, t.to(device=device, dtype=dtype)) for n, t in bucket]
 
     def export_hf(self, path: str | os.PathLike) -> None:
@@ -408,53 +449,90 @@ class MegatronActor:
             save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
         dist.barrier()
 
+    def _layout(self) -> dict[str, Any]:
+        cfg = self.config
+        return {
+            "world_size": dist.get_world_size(),
+            "tp": cfg.tp,
+            "pp": cfg.pp,
+            "ep": cfg.ep,
+            "distributed_optimizer": cfg.distributed_optimizer,
+        }
+
     def save_checkpoint(self, path: str | os.PathLike) -> None:
-        """Each rank's shard, master weights, optimizer state and step (same layout to resume)."""
+        """Each rank's shard, optimizer state (this rank's shard of the masters and moments
+        under the distributed optimizer), LR schedule and step (same layout to resume)."""
         self._require_onloaded()
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = {
-            "model": self.model.state_dict(),
-            "masters": None if self.masters is self.params else [m.detach() for m in self.masters],
-            "optimizer": self.optimizer.state_dict(),
+            "model": self.module.state_dict(),
+            "optimizer": optimizer_state(self.optimizer),
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
             "rng": torch.get_rng_state(),
         }
         torch.save(state, path / f"rank{self.rank:05d}.pt")
         if self.rank == 0:
-            meta = {"world_size": dist.get_world_size(), "tp": self.config.tp, "sp": self.config.sp}
+            meta = {**self._layout(), "sp": self.config.sp}
             (path / "actor.json").write_text(json.dumps(meta) + "\n")
         dist.barrier()
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
-        """Resume from :meth:`save_checkpoint`'s folder (same world size and TP)."""
+        """Resume from :meth:`save_checkpoint`'s folder (same world size and layout)."""
         self._require_onloaded()
         path = Path(path)
         meta = json.loads((path / "actor.json").read_text())
-        if (meta["world_size"], meta["tp"]) != (dist.get_world_size(), self.config.tp):
-            raise ValueError(f"{path} was saved with {meta}; this run has tp={self.config.tp}")
+        saved = {k: meta.get(k, default) for k, default in self._default_layout().items()}
+        if saved != self._layout():
+            raise ValueError(f"{path} was saved with {saved}; this run has {self._layout()}")
         state = torch.load(path / f"rank{self.rank:05d}.pt", weights_only=True)  # no code runs
-        self.model.load_state_dict(state["model"], strict=False)
-        if state["masters"] is not None:
-            with torch.no_grad():
-                for master, saved in zip(self.masters, state["masters"], strict=True):
-                    master.copy_(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.module.load_state_dict(state["model"], strict=False)
+        load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
         torch.set_rng_state(state["rng"])
 
+    @staticmethod
+    def _default_layout() -> dict[str, Any]:
+        """What a checkpoint folder that does not record a field was saved with."""
+        return {"world_size": 1, "tp": 1, "pp": 1, "ep": 1, "distributed_optimizer": False}
+
     # ----------------------------------------------------------------------------- offload
+    def _device_tensors(self) -> Iterator[Tensor]:
+        """Everything the actor keeps on the GPU: parameters, buffers, DDP gradient (and,
+        under the distributed optimizer, parameter) buffers, optimizer masters and moments,
+        the reference model."""
+        modules = [self.module] + ([self.ref_model] if self.ref_model is not None else [])
+        for module in modules:
+            yield from module.parameters()
+            yield from module.buffers()
+        for buffer in self.model.buffers + self.model.expert_parallel_buffers:
+            for t in (buffer.param_data, buffer.grad_data):
+                if t is not None:
+                    yield t
+        for opt in optimizers(self.optimizer):
+            for p in opt.get_parameters():
+                yield p
+                if p.grad is not None:
+                    yield p.grad
+            for state in opt.optimizer.state.values():
+                yield from (v for v in state.values() if isinstance(v, Tensor))
+
     def offload(self) -> None:
-        """Move parameters, master weights and optimizer state to CPU (frees the GPU)."""
-        self._move(torch.device("cpu"))
-        self._offloaded = self.device.type != "cpu"
+        """Move parameters, gradient buffers, master weights and optimizer state to the host
+        (frees the GPU; views into megatron-core's buffers stay valid)."""
+        if self.device.type == "cpu":
+            return
+        torch.cuda.synchronize()
+        moved = self._offload.offload(t for t in self._device_tensors() if t.is_cuda)
+        torch.cuda.empty_cache()
+        logger.info("offloaded %.1f GiB to the host", moved / 2**30)
+        _report_leftovers()
 
     def onload(self) -> None:
         """Bring back everything :meth:`offload` moved."""
-        self._move(self.device)
-        self._offloaded = False
+        self._offload.onload()
 
     def release_cache(self) -> None:
         """Give the allocator's cached, unused blocks back to the device (a colocated engine
@@ -469,28 +547,8 @@ class MegatronActor:
                 torch.cuda.memory_allocated() / 2**30,
             )
 
-    def _move(self, device: torch.device) -> None:
-        if self.device.type == "cpu":
-            return
-        with torch.no_grad():
-            self.model.to(device)  # parameters and buffers (rotary tables, vision embeddings)
-            if self.ref_model is not None:
-                self.ref_model.to(device)
-            for t in {id(x): x for x in [*self.params, *self.masters]}.values():
-                t.data = t.data.to(device)
-                if t.grad is not None:
-                    t.grad = t.grad.to(device)
-        for state in self.optimizer.state.values():
-            for k, v in state.items():
-                if isinstance(v, Tensor):
-                    state[k] = v.to(device)
-        if device.type == "cpu":
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            _report_leftovers()
-
     def _require_onloaded(self) -> None:
-        if self._offloaded:
+        if self._offload.offloaded:
             raise RuntimeError("the actor is offloaded: call onload() first")
 
 

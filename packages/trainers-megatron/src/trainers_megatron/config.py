@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from rl_algos import GrpoLossConfig
 
@@ -22,8 +22,23 @@ class MegatronConfig:
     model_overrides: dict[str, Any] = field(default_factory=dict)
     tp: int = 1  # tensor parallel
     sp: bool = False  # sequence parallel (needs tp > 1)
+    pp: int = 1  # pipeline parallel: stages, run by megatron-core's 1F1B schedule
+    # decoder layers on the first pipeline stage (None: an even split, or the fewest that hold
+    # every deepstack layer when the even split does not)
+    pipeline_first_stage_layers: int | None = None
+    ep: int = 1  # expert parallel (MoE): experts split over this many data-parallel ranks
+    # megatron-core's distributed optimizer: float32 masters and AdamW moments sharded over the
+    # data-parallel ranks (False: every rank holds them whole)
+    distributed_optimizer: bool = True
     param_dtype: str | None = None  # compute dtype; None: bfloat16 on CUDA, float32 on CPU
-    recompute: bool = False  # full activation recomputation of every decoder layer
+    # activation recomputation (TransformerConfig.recompute_granularity): "full" recomputes
+    # whole decoder layers (recompute_method / recompute_num_layers say which), "selective"
+    # the parts in recompute_modules (None: megatron-core's default, core attention);
+    # True / False mean "full" / "none"
+    recompute: Literal["none", "selective", "full"] | bool = "none"
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    recompute_num_layers: int = 1
+    recompute_modules: tuple[str, ...] | None = None
     # torch.compile each decoder layer (one function shared by all). Off by default: on the
     # H200 the first compiled step had not finished after 3.5 min (2026-12-01), not yet
     # understood; None: on CUDA for dense models (compiles_by_default)
@@ -52,6 +67,16 @@ class MegatronConfig:
             raise ValueError(f"temperature must be positive, got {self.temperature}")
         if self.sp and self.tp < 2:
             raise ValueError("sp=True (sequence parallel) needs tp > 1")
+        if min(self.tp, self.pp, self.ep) < 1:
+            raise ValueError(f"tp, pp and ep must be >= 1, got {self.tp}, {self.pp}, {self.ep}")
+        if isinstance(self.recompute, bool):
+            self.recompute = "full" if self.recompute else "none"
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(
+                f"recompute must be 'none', 'selective' or 'full', got {self.recompute!r}"
+            )
+        if self.recompute_num_layers < 1:
+            raise ValueError(f"recompute_num_layers must be >= 1, got {self.recompute_num_layers}")
         if self.lr_schedule not in ("constant", "cosine"):
             raise ValueError(
                 f"lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}"

@@ -28,7 +28,13 @@ from vlm_models.megatron.checkpoint import (
     megatron_to_hf_checkpoint,
 )
 from vlm_models.megatron.compiling import compile_decoder_layers, compiles_by_default
-from vlm_models.megatron.config import Parallelism, TextArch, text_arch, transformer_config
+from vlm_models.megatron.config import (
+    Parallelism,
+    TextArch,
+    first_stage_layers,
+    text_arch,
+    transformer_config,
+)
 from vlm_models.megatron.convert import (
     ParamMap,
     StageLayout,
@@ -78,6 +84,7 @@ __all__ = [
     "compile_decoder_layers",
     "compiles_by_default",
     "destroy_model_parallel",
+    "first_stage_layers",
     "from_file_layout",
     "fuse_qkv",
     "hf_state_dict_to_megatron",

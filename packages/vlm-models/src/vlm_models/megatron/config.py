@@ -94,6 +94,21 @@ def text_arch(hf_config: PretrainedConfig) -> TextArch:
     )
 
 
+def first_stage_layers(arch: TextArch, pp: int) -> int | None:
+    """Decoder layers for the first of ``pp`` pipeline stages when an even split would leave
+    deepstack layers (which add the vision tower's features) off it: the fewest that hold them
+    and split the rest evenly over the other stages. None: the even split holds them."""
+    if pp == 1 or arch.num_layers // pp >= arch.deepstack_layers:
+        return None
+    for first in range(arch.deepstack_layers, arch.num_layers):
+        if (arch.num_layers - first) % (pp - 1) == 0 and arch.num_layers - first >= pp - 1:
+            return first
+    raise ValueError(
+        f"{arch.num_layers} decoder layers cannot be split over {pp} pipeline stages with the "
+        f"{arch.deepstack_layers} deepstack layers on the first"
+    )
+
+
 def transformer_config(
     hf_config: PretrainedConfig,
     parallel: Parallelism | None = None,
@@ -106,7 +121,9 @@ def transformer_config(
 
     Fusions that need Apex or Transformer Engine are off (the local spec runs anywhere);
     ``overrides`` set any other ``TransformerConfig`` field (recompute, fusions with TE...).
-    ``use_cpu_initialization`` defaults to True where CUDA is absent.
+    ``use_cpu_initialization`` defaults to True where CUDA is absent. With pipeline
+    parallelism the first stage gets :func:`first_stage_layers` unless
+    ``num_layers_in_first_pipeline_stage`` is given.
     """
     parallel = parallel or Parallelism()
     arch = text_arch(hf_config)
@@ -155,6 +172,12 @@ def transformer_config(
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        # MoE tokens: alltoall is the fast dispatcher with EP and the only one that takes token
+        # counts that differ between EP ranks (data-parallel ranks pack their own samples) or
+        # pipeline micro-batches of different lengths (megatron-core refuses allgather with
+        # variable_seq_lengths, even for a dense model). Its CUDA streams have a stand-in in
+        # the CPU compatibility layer.
+        moe_token_dispatcher_type="alltoall",
     )
     if arch.num_experts:
         kwargs.update(
@@ -165,11 +188,12 @@ def transformer_config(
             moe_router_score_function="softmax",
             moe_router_pre_softmax=False,
             moe_router_load_balancing_type="none",
-            # alltoall is the fast one with EP but creates CUDA streams; allgather runs anywhere.
-            moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
             moe_grouped_gemm=False,
             moe_aux_loss_coeff=0.0,
         )
+    first = first_stage_layers(arch, parallel.pp)
+    if first is not None and "num_layers_in_first_pipeline_stage" not in overrides:
+        kwargs["num_layers_in_first_pipeline_stage"] = first
     kwargs.update(overrides)
     config = TransformerConfig(**kwargs)
     logger.debug("TransformerConfig for %s: %s", type(hf_config).__name__, config)

@@ -146,6 +146,15 @@ class Qwen3VLMegatronModel(MegatronModule):
         """Pipeline schedules hand the previous stage's activations in here."""
         self.language_model.set_input_tensor(input_tensor)
 
+    # megatron-core's finalize_model_grads looks these up on the module that has
+    # ``pre_process`` (this one) to all-reduce a tied embedding's gradient over PP stages.
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        return self.language_model.share_embeddings_and_output_weights
+
+    def shared_embedding_or_output_weight(self) -> Tensor:
+        return self.language_model.shared_embedding_or_output_weight()
+
     def _merge_vision(
         self,
         embeddings: Tensor,

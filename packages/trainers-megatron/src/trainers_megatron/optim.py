@@ -1,0 +1,179 @@
+"""megatron-core's data parallelism and optimizer for the Megatron actor.
+
+The model is wrapped in megatron-core's ``DistributedDataParallel`` (contiguous gradient
+buffers; float32 gradients, reduced in float32) and stepped by the optimizer of
+``get_megatron_optimizer``: with ``distributed_optimizer`` the ``DistributedOptimizer``
+(float32 master weights and AdamW moments sharded over the data-parallel group, gradients
+reduce-scattered, the updated weights all-gathered), else its float32 / mixed-precision
+optimizer on every rank (gradients all-reduced). Experts get their own optimizer over the
+expert-data-parallel group (megatron-core chains the two).
+
+Two pieces are ours, on megatron-core's selections: the gradient norm (the squares of
+``get_main_grads_for_grad_norm()`` summed over each optimizer's gradient-statistics group,
+kept on the device: megatron-core's ``get_grad_norm_fp32`` reads the norm to the host, and
+without Apex or Transformer Engine its local multi-tensor L2 norm reads every tensor's norm),
+and clipping by that norm (a device-side multiply, no host read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
+from torch import Tensor
+
+
+def wrap_ddp(model: torch.nn.Module, *, distributed_optimizer: bool) -> DistributedDataParallel:
+    """megatron-core's DDP around ``model``: float32 gradient buffers and reduction; one bucket
+    reduced after the last micro-batch (no overlap: the step reads the gradients right after).
+    The loss is already scaled for a sum over ranks (``calculate_per_token_loss``)."""
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=distributed_optimizer,
+    )
+    return DistributedDataParallel(model.config, ddp_config, model)
+
+
+def build_optimizer(
+    model: DistributedDataParallel,
+    *,
+    lr: float,
+    min_lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    distributed_optimizer: bool,
+) -> MegatronOptimizer:
+    """AdamW through ``get_megatron_optimizer``; weight decay on matrices only (megatron-core's
+    default: none on 1-D tensors and biases). Clipping is :func:`clip_`'s (``clip_grad=0``)."""
+    config = model.config
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        min_lr=min_lr,
+        weight_decay=weight_decay,
+        adam_beta1=betas[0],
+        adam_beta2=betas[1],
+        adam_eps=eps,
+        clip_grad=0.0,
+        bf16=config.bf16,
+        fp16=config.fp16,
+        params_dtype=config.params_dtype,
+        use_distributed_optimizer=distributed_optimizer,
+    )
+    return get_megatron_optimizer(opt_config, [model])
+
+
+def optimizers(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
+    """The optimizers a (possibly chained) megatron-core optimizer steps."""
+    if isinstance(optimizer, ChainedOptimizer):
+        return list(optimizer.chained_optimizers)
+    return [optimizer]
+
+
+def grad_norm(optimizer: MegatronOptimizer) -> Tensor:
+    """The global L2 norm of the main gradients (float32, on the device; no host read).
+
+    Each optimizer's gradients are the ones megatron-core counts for its norm (no
+    tensor-parallel duplicates, no shared copies; under the distributed optimizer this rank's
+    shard), summed over its own gradient-statistics group (model-parallel ranks, or every rank
+    of the distributed optimizer's instance).
+    """
+    total = None
+    for opt in optimizers(optimizer):
+        grads = [g.float() for g in opt.get_main_grads_for_grad_norm()]
+        if grads:  # one fused pass over the tensors
+            square = torch.stack(torch._foreach_norm(grads)).square().sum()
+        else:
+            square = torch.zeros((), dtype=torch.float32, device=_device())
+        dist.all_reduce(square, group=opt.get_grad_stats_parallel_group())
+        total = square if total is None else total + square
+    assert total is not None
+    return total.sqrt()
+
+
+def clip_(optimizer: MegatronOptimizer, max_norm: float, norm: float) -> None:
+    """Scale the main gradients by ``max_norm / norm`` when that is below 1 (as
+    ``clip_grad_by_total_norm_fp32``, without its host-side checks)."""
+    coeff = max_norm / (norm + 1e-6)
+    if coeff >= 1.0:
+        return
+    grads = [p.grad for p in _main_params(optimizer) if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, coeff)
+
+
+def _main_params(optimizer: MegatronOptimizer) -> Iterator[Tensor]:
+    for opt in optimizers(optimizer):
+        yield from opt.get_parameters()
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def optimizer_state(optimizer: MegatronOptimizer) -> list[dict[str, Any]] | None:
+    """This rank's optimizer state, one entry per chained optimizer (None before any update:
+    nothing to keep). Under the distributed optimizer each entry carries this rank's shards of
+    the master weights and moments in megatron-core's ``dp_reshardable`` form (no
+    communication; resumes with the same layout), which its ``load_state_dict`` reads back."""
+    opts = optimizers(optimizer)
+    if not any(opt.optimizer is not None and opt.optimizer.state for opt in opts):
+        return None
+    out = []
+    for opt in opts:
+        entry = opt.state_dict()
+        if hasattr(opt, "get_parameter_state_dp_reshardable"):
+            entry["param_state"] = _mark_no_padding(opt.get_parameter_state_dp_reshardable())
+            entry["param_state_sharding_type"] = "dp_reshardable"
+        out.append(entry)
+    return out
+
+
+def _mark_no_padding(state: dict[Any, Any]) -> dict[Any, Any]:
+    """megatron-core 0.16.1's ``load_parameter_state_from_dp_reshardable`` skips entries whose
+    ``padding`` is true and reads that key from every entry, but
+    ``get_parameter_state_dp_reshardable`` writes no such key (only the dist-checkpointing
+    path, ``sharded_param_state_dp_reshardable``, adds it, False for real parameters): add it."""
+    for key, by_dtype in state.items():
+        if isinstance(key, int):
+            for buckets in by_dtype.values():
+                for bucket in buckets:
+                    for entry in bucket:
+                        entry.setdefault("padding", False)
+    return state
+
+
+@torch.no_grad()  # float32 masters are views of the (leaf) parameters, copied in place
+def load_optimizer_state(optimizer: MegatronOptimizer, saved: list[dict[str, Any]] | None) -> None:
+    """Inverse of :func:`optimizer_state` (same layout and world size)."""
+    if saved is None:
+        return
+    opts = optimizers(optimizer)
+    if len(opts) != len(saved):
+        raise ValueError(f"checkpoint has {len(saved)} optimizer(s), this model {len(opts)}")
+    for opt, entry in zip(opts, saved, strict=True):
+        opt.load_state_dict(entry)
+        _unshare_steps(opt)
+
+
+def _unshare_steps(opt: MegatronOptimizer) -> None:
+    """Give every parameter its own AdamW ``step`` tensor again.
+
+    Without Apex or Transformer Engine, megatron-core 0.16.1's
+    ``DistributedOptimizer.load_state_dict`` puts one ``step`` tensor object into every
+    parameter's state; torch's AdamW then adds 1 to it once per parameter in each step, and the
+    bias corrections after a resume are wrong.
+    """
+    inner = getattr(opt, "optimizer", None)
+    if inner is None:
+        return
+    for state in inner.state.values():
+        if isinstance(state.get("step"), Tensor):
+            state["step"] = state["step"].clone()
