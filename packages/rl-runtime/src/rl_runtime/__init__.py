@@ -4,7 +4,16 @@ checkpoints. It knows the actor and engine protocols, never the concrete backend
 from rl_runtime.actor_group import EngineWorker, RolloutGroup, TrainGroup, TrainWorker
 from rl_runtime.checkpoint import CheckpointManager, ResumeError, resume_step
 from rl_runtime.cli import user_errors
-from rl_runtime.config import ConfigError, option, parse_config, to_dict, to_json, validate
+from rl_runtime.config import (
+    ConfigError,
+    choice,
+    option,
+    parse_config,
+    section,
+    to_dict,
+    to_json,
+    validate,
+)
 from rl_runtime.data import PromptSampler
 from rl_runtime.evaluation import eval_prompts, evaluate
 from rl_runtime.faults import CheckpointFailed, NonFiniteStop, RunStopped, WorkerDied
@@ -69,6 +78,7 @@ __all__ = [
     "check_backend",
     "check_gpus",
     "check_layout",
+    "choice",
     "choose_layout",
     "count_gpus",
     "create_placement",
@@ -84,6 +94,7 @@ __all__ = [
     "resume_step",
     "run_grpo",
     "run_sft",
+    "section",
     "setup_logging",
     "sft_batch",
     "shutdown_ray",
