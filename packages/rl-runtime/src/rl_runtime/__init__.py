@@ -20,14 +20,6 @@ from rl_runtime.data import PromptSampler
 from rl_runtime.evaluation import eval_prompts, evaluate
 from rl_runtime.faults import CheckpointFailed, NonFiniteStop, RunStopped, WorkerDied
 from rl_runtime.gc_policy import PeriodicGC
-from rl_runtime.layout import (
-    ParallelConfig,
-    check_parallel,
-    gpu_memory_bytes,
-    layout_report,
-    plan_layout,
-    settle,
-)
 from rl_runtime.loop import GrpoLoopConfig, GrpoParts, run_grpo
 from rl_runtime.memory import (
     MemoryEstimate,
@@ -38,6 +30,14 @@ from rl_runtime.memory import (
     estimate_memory,
 )
 from rl_runtime.metrics import RunLogger, plot_metrics, read_metrics
+from rl_runtime.parallel import (
+    ParallelConfig,
+    check_parallel,
+    gpu_memory_bytes,
+    layout_report,
+    plan_layout,
+    settle,
+)
 from rl_runtime.placement import Placement, create_placement, init_ray, shutdown_ray
 from rl_runtime.preflight import PreflightError, check_backend, check_gpus, count_gpus
 from rl_runtime.progress import setup_logging
