@@ -86,11 +86,10 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
         cfg.model,
         cfg.parallel,
         cfg.cluster,
-        backend=cfg.run.backend,
+        cfg.run,
         trainer=cfg.trainer,
-        shape_of=functools.partial(vlm_models.shape_of, load=load),
-        resolve=functools.partial(vlm_models.resolve_model, load=load),
-        preset=cfg.run.preset,
+        shape_of=vlm_models.shape_of,
+        resolve=vlm_models.resolve_model,
     )
     cfg = dataclasses.replace(cfg, model=model, parallel=parallel)
     run_dir = Path(cfg.run.output_dir)

@@ -8,7 +8,6 @@ package's own function, and hands them to `rl_runtime.train_sft`. The run folder
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import sys
 from collections.abc import Sequence
@@ -47,11 +46,10 @@ def run(cfg: Geo3kSftConfig) -> Path:
         cfg.model,
         cfg.parallel,
         cfg.cluster,
-        backend=cfg.run.backend,
+        cfg.run,
         trainer=cfg.trainer,
-        shape_of=functools.partial(vlm_models.shape_of, load=load),
-        resolve=functools.partial(vlm_models.resolve_model, load=load),
-        preset=cfg.run.preset,
+        shape_of=vlm_models.shape_of,
+        resolve=vlm_models.resolve_model,
         with_engines=False,
     )
     cfg = dataclasses.replace(cfg, model=model, parallel=parallel)

@@ -23,14 +23,13 @@ from rl_runtime.memory import (
     estimate_memory,
 )
 from rl_runtime.preflight import PreflightError, check_gpus
+from rl_runtime.run import RunConfig
 
 GiB = 1 << 30
 
 log = logging.getLogger(__name__)
 
 M = TypeVar("M")
-#: The model's shape numbers (`ModelShape`'s fields) where known without a download, else None.
-ShapeOf = Callable[[M], Mapping[str, int] | None]
 
 
 @dataclass
@@ -195,26 +194,30 @@ def settle(
     model: M,
     parallel: ParallelConfig,
     cluster: ClusterConfig,
+    run: RunConfig,
     *,
-    backend: str,
     trainer: Any,
-    shape_of: ShapeOf[M],
-    resolve: Callable[[M], M],
-    preset: str | None = None,
+    shape_of: Callable[..., Mapping[str, int] | None],
+    resolve: Callable[..., M],
     with_engines: bool = True,
 ) -> tuple[M, ParallelConfig]:
     """Everything about the model a launcher settles before Ray, in order: the layout where the
     model's shape is known without a download (so a layout that cannot fit stops before it),
-    the GPU count, the model's local files (`resolve`: hub ids downloaded), then the layout of
-    a model known only once downloaded. `model` names itself in messages by its
-    `model_name`."""
-    kw = {"backend": backend, "trainer": trainer, "with_engines": with_engines}
-    name = str(getattr(model, "model_name", model))
-    planned, estimate = plan_layout(parallel, cluster, shape=shape_of(model), model_name=name, **kw)
-    check_gpus(cluster.num_gpus, preset=preset)
-    resolved = resolve(model)
+    the GPU count, the model's local files, then the layout of a model known only once
+    downloaded. `shape_of(model, load=)` and `resolve(model, load=)` are the model package's
+    (`vlm_models.shape_of`, `vlm_models.resolve_model`); `model` names itself in messages by
+    its `model_name`."""
+    kw = {"backend": run.backend, "trainer": trainer, "with_engines": with_engines}
+
+    def plan(m: M) -> tuple[ParallelConfig, MemoryEstimate | None]:
+        name = str(getattr(m, "model_name", m))
+        return plan_layout(
+            parallel, cluster, shape=shape_of(m, load=run.load), model_name=name, **kw
+        )
+
+    planned, estimate = plan(model)
+    check_gpus(cluster.num_gpus, preset=run.preset)
+    resolved = resolve(model, load=run.load)
     if estimate is None:
-        name = str(getattr(resolved, "model_name", resolved))
-        shape = shape_of(resolved)
-        planned, _ = plan_layout(parallel, cluster, shape=shape, model_name=name, **kw)
+        planned, _ = plan(resolved)
     return resolved, planned
