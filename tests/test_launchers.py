@@ -21,27 +21,31 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_recipe_defaults():
     cfg = parse_grpo([], env={})
-    loop, loss, optim = cfg.loop, cfg.loss, cfg.optim
+    loop, loss, optim = cfg.loop, cfg.loss, cfg.trainer
     assert (loop.rollout_batch_size, loop.n_samples_per_prompt, loop.global_batch_size) == (
         64,
         8,
         512,
     )
     assert (loop.rollout_temperature, loop.rollout_max_response_len) == (0.8, 4096)
-    assert (loss.eps_clip, loss.eps_clip_high, loss.kl_coef, loss.reward_type) == (
+    assert (loss.eps_clip, loss.eps_clip_high, loss.kl_coef, cfg.reward.reward_type) == (
         0.2,
         0.28,
         0.0,
         "math",
     )
-    assert (optim.lr, optim.lr_schedule, optim.adam_beta1, optim.adam_beta2) == (
+    assert (optim.lr, optim.lr_schedule, optim.betas[0], optim.betas[1]) == (
         1e-6,
         "constant",
         0.9,
         0.98,
     )
     assert optim.weight_decay == 0.1 and loop.eval_interval == 20 and cfg.data.eval_split == "test"
-    assert (cfg.run.backend, cfg.run.num_gpus, cfg.run.external_ray) == ("megatron", 8, False)
+    assert (cfg.run.backend, cfg.cluster.num_gpus, cfg.cluster.external_ray) == (
+        "megatron",
+        8,
+        False,
+    )
     assert cfg.model.model_name == "Qwen3-VL-8B-Instruct"
     assert cfg.data.dataset == "chenhegu/geo3k_imgurl"
 
@@ -57,27 +61,33 @@ def test_recipe_environment_variables(prefix):
     }
     for parse in (parse_grpo, parse_sft):
         cfg = parse([], env=env)
-        assert (cfg.run.backend, cfg.run.num_gpus, cfg.run.external_ray) == ("fsdp", 4, True)
+        assert (cfg.run.backend, cfg.cluster.num_gpus, cfg.cluster.external_ray) == (
+            "fsdp",
+            4,
+            True,
+        )
         assert (cfg.model.model_name, cfg.data.dataset) == ("Qwen3-VL-4B-Instruct", "/data/geo3k")
     # a flag beats the environment; our name beats the recipes' aliases
-    assert parse_grpo(["--num-gpus", "2"], env=env).run.num_gpus == 2
+    assert parse_grpo(["--num-gpus", "2"], env=env).cluster.num_gpus == 2
     both = {"GEO3K_NUM_GPUS": "1", "MILES_SCRIPT_NUM_GPUS": "8"}
-    assert parse_grpo([], env=both).run.num_gpus == 1
+    assert parse_grpo([], env=both).cluster.num_gpus == 1
 
 
 def test_tiny_preset_and_overrides():
     cfg = parse_grpo(["--preset", "tiny", "--num-rollout", "3", "--output-dir", "/tmp/x"], env={})
-    assert (cfg.run.num_gpus, cfg.run.backend, cfg.model.model_name) == (0, "fsdp", "qwen3-vl-tiny")
+    assert (cfg.cluster.num_gpus, cfg.run.backend, cfg.model.model_name) == (
+        0,
+        "fsdp",
+        "qwen3-vl-tiny",
+    )
     assert cfg.loop.num_rollout == 3 and cfg.run.output_dir == "/tmp/x"
     assert cfg.warmup.warmup_sft_steps > 0 and cfg.data.dataset.startswith("synthetic")
 
 
 def test_fsdp_options_reach_the_actor_config():
-    from geo3k_sft.common import actor_config
-
     def actor(argv: list[str]):
         cfg = parse_grpo(["--preset", "tiny", *argv], env={})
-        return actor_config(cfg.model, cfg.run, cfg.model.model_name, cfg.optim)
+        return cfg.trainer.for_run(model=cfg.model.model_name, seed=cfg.run.seed, use_gpu=False)
 
     assert actor(["--fsdp-replicate", "--no-compile"]).replicate
     assert actor(["--fsdp-replicate", "--no-compile"]).compile is False
@@ -163,7 +173,7 @@ def test_reward_options_are_checked_before_anything_starts():
     geo3k = parse_grpo(
         ["--preset", "tiny", "--reward-type", "geo3k", "--reward-tolerance", "0.05"], env={}
     )
-    assert (geo3k.loss.reward_type, geo3k.loss.reward_tolerance) == ("geo3k", 0.05)
+    assert (geo3k.reward.reward_type, geo3k.reward.reward_tolerance) == ("geo3k", 0.05)
 
 
 GRPO_BAD = [
@@ -201,10 +211,14 @@ def test_a_dataset_that_is_not_there_is_a_config_error(tmp_path):
 
 
 def test_template_choices_are_vlm_datas():
-    from geo3k_sft.common import TEMPLATE_NAMES
-    from vlm_data import TEMPLATES
+    from dataclasses import fields
 
-    assert set(TEMPLATE_NAMES) == set(TEMPLATES)
+    from vlm_data import TEMPLATES, DataConfig, apply_template
+
+    (template,) = [f for f in fields(DataConfig) if f.name == "template"]
+    assert set(template.metadata["choices"]) == set(TEMPLATES)
+    for name in TEMPLATES:  # each one the prompt builder knows
+        assert "x" in apply_template("x", name)
 
 
 @pytest.mark.parametrize(("argv", "message"), GRPO_BAD)
@@ -285,9 +299,8 @@ def test_resume_without_checkpoint_keeps_the_metrics(tmp_path, app):
 def test_bad_rows_are_skipped_and_counted():
     """A row without an answer and one with a corrupt image are skipped, named and counted;
     the sampler fills its batch from the good rows."""
-    from geo3k_sft.common import RowSource
     from rl_runtime import PromptSampler
-    from vlm_data import PromptBuilder, make_synthetic_rows, tiny_processor
+    from vlm_data import PromptBuilder, RowSource, make_synthetic_rows, tiny_processor
 
     rows = make_synthetic_rows(6, task="color")
     rows[1] = {**rows[1], "answer": ""}

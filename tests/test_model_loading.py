@@ -14,13 +14,32 @@ import pytest
 
 from geo3k_grpo.main import parse as parse_grpo
 from geo3k_grpo.main import run as run_grpo
-from geo3k_sft.common import model_source
-from geo3k_sft.preflight import model_config, model_shape, plan_layout, resolve_model
-from rl_runtime import PreflightError, TrainLayout, estimate_memory
-from vlm_models import parameter_counts, preset_config
+from rl_runtime import ModelShape, PreflightError, TrainLayout, estimate_memory, plan_layout
+from vlm_models import (
+    ModelSourceError,
+    model_config,
+    model_source,
+    parameter_counts,
+    preset_config,
+    resolve_model,
+    shape_of,
+)
+from vlm_models import model_shape as shape_numbers
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 1 << 30
+
+
+def model_shape(config) -> ModelShape:
+    return ModelShape(**shape_numbers(config))
+
+
+def plan(cfg):
+    """The launcher's layout plan of a parsed config: (parallel settings, estimate)."""
+    shape = shape_of(cfg.model, load=cfg.run.load)
+    return plan_layout(
+        cfg.parallel, cfg.cluster, backend=cfg.run.backend, trainer=cfg.trainer, shape=shape
+    )
 
 
 def _launch(app: str, args: list[str], **env: str) -> subprocess.CompletedProcess:
@@ -67,18 +86,18 @@ def test_hub_name_without_network_stops_at_once(tmp_path, app, backend, offline)
 
 def test_names_resolve_to_presets_folders_and_run_folders(tmp_path, qwen3vl_dir):
     cfg = parse_grpo(["--model-name", "qwen3-vl-2b", "--tokenizer", str(qwen3vl_dir)], env={})
-    resolved = resolve_model(cfg.model, cfg.run)
+    resolved = resolve_model(cfg.model)
     assert (resolved.model_name, resolved.tokenizer) == ("qwen3-vl-2b", str(qwen3vl_dir))
-    assert model_source(resolved, cfg.run, None) == "qwen3-vl-2b"  # the trainers' random init
-    with pytest.raises(PreflightError, match=r"shape preset.*--tokenizer"):
-        resolve_model(parse_grpo(["--model-name", "qwen3-vl-2b"], env={}).model, cfg.run)
+    assert model_source(resolved) == "qwen3-vl-2b"  # the trainers' random init
+    with pytest.raises(ModelSourceError, match=r"shape preset.*--tokenizer"):
+        resolve_model(parse_grpo(["--model-name", "qwen3-vl-2b"], env={}).model)
     # the shared folder has a config but no weights: never a silent random model
     no_weights = parse_grpo(["--model-name", str(qwen3vl_dir)], env={})
-    with pytest.raises(PreflightError, match=r"no weights.*preset"):
-        resolve_model(no_weights.model, no_weights.run)
+    with pytest.raises(ModelSourceError, match=r"no weights.*preset"):
+        resolve_model(no_weights.model)
     missing = parse_grpo(["--model-name", str(tmp_path / "nope")], env={})
-    with pytest.raises(PreflightError, match=r"--model-name: .*no such folder"):
-        resolve_model(missing.model, missing.run)
+    with pytest.raises(ModelSourceError, match=r"--model-name: .*no such folder"):
+        resolve_model(missing.model)
 
 
 # ---------------------------------------------------------------------------------- layout
@@ -110,14 +129,13 @@ def test_unset_layout_is_chosen_and_shown_by_print_config(capsys):
     with the estimate."""
     argv = ["--model-name", "Qwen3-VL-8B-Instruct", "--gpu-memory-gib", "80"]
     cfg = parse_grpo(argv, env={})
-    assert model_config(cfg.model, cfg.run).text_config.hidden_size == 4096  # no download
-    model, estimate = plan_layout(cfg.model, cfg.run)
-    chosen = (model.tensor_parallel, model.sequence_parallel, model.gradient_checkpointing)
-    assert chosen == (1, False, True)
+    assert model_config(cfg.model).text_config.hidden_size == 4096  # no download
+    parallel, estimate = plan(cfg)
+    chosen = (parallel.tensor_parallel, parallel.sequence_parallel)
+    assert (*chosen, parallel.gradient_checkpointing) == (1, False, True)
     assert estimate is not None and estimate.total <= 80 * GiB
-    plain = parse_grpo([*argv, "--no-distributed-optimizer"], env={})
-    model, _ = plan_layout(plain.model, plain.run)
-    chosen = (model.tensor_parallel, model.sequence_parallel, model.gradient_checkpointing)
+    plain, _ = plan(parse_grpo([*argv, "--no-distributed-optimizer"], env={}))
+    chosen = (plain.tensor_parallel, plain.sequence_parallel, plain.gradient_checkpointing)
     assert chosen == (4, True, True)
     with pytest.raises(SystemExit) as done:
         parse_grpo([*argv, "--print-config"], env={})
@@ -125,7 +143,7 @@ def test_unset_layout_is_chosen_and_shown_by_print_config(capsys):
     shown = json.loads(capsys.readouterr().out)["layout"]
     assert shown["description"].startswith("megatron TP1, DP8, distributed optimizer, recompute")
     assert shown["fits"] is True and shown["gpu_gib"] == 80.0
-    fsdp, _ = plan_layout(parse_grpo([*argv, "--backend", "fsdp"], env={}).model, cfg.run)
+    fsdp, _ = plan(parse_grpo([*argv, "--backend", "fsdp"], env={}))
     assert fsdp.gradient_checkpointing is True  # FSDP keeps its backend and recomputes
 
 

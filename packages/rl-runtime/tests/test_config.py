@@ -2,11 +2,11 @@
 
 import json
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 
-from rl_runtime.config import ConfigError, option, parse_config
+from rl_runtime.config import ConfigError, choice, option, parse_config
 
 
 @dataclass
@@ -144,3 +144,127 @@ def test_defaults_pass_and_bounds_show_in_help(capsys):
         parse_checked(["--help"])
     text = capsys.readouterr().out
     assert "--steps STEPS" in text and ">= 1" in text and "--kind {a,b}" in text
+
+
+# ---------------------------------------------------------------------------------- one tree
+
+
+@dataclass
+class AdamA:
+    """A backend's optimizer, nested: its settings have dotted flags and short names."""
+
+    lr: float = field(default=1e-3, metadata={"help": "learning rate", "gt": 0})
+    betas: tuple[float, float] = field(
+        default=(0.9, 0.98), metadata={"help": "Adam betas", "items": ("beta1", "beta2"), "lt": 1}
+    )
+    max_grad_norm: float = field(default=1.0, metadata={"help": "clip", "flag": "clip_grad"})
+    total_steps: int | None = None  # filled in by the app: not a setting
+
+
+@dataclass
+class TrainerA:
+    optim: AdamA = field(default_factory=AdamA, metadata={"help": "optimizer"})
+    fused: bool = field(default=False, metadata={"help": "fused kernels (A only)"})
+    seed: int = 0  # filled in by the app
+
+    def __post_init__(self) -> None:  # needs what only the app knows: not run at parse time
+        if self.optim.total_steps is None and self.seed < 0:
+            raise ValueError("unreachable at parse")
+
+
+@dataclass
+class TrainerB:
+    lr: float = field(default=1e-3, metadata={"help": "learning rate", "gt": 0})
+    betas: tuple[float, float] = field(
+        default=(0.9, 0.98), metadata={"help": "Adam betas", "items": ("beta1", "beta2")}
+    )
+    max_grad_norm: float = field(default=1.0, metadata={"help": "clip", "flag": "clip_grad"})
+    total_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.total_steps is None and self.lr > 1:
+            raise ValueError("B needs total_steps")  # as MegatronConfig's cosine check
+
+
+@dataclass
+class TreeRun:
+    preset: str | None = option(None, "preset")
+    backend: str | None = option(None, "training backend (picks the trainer section)")
+
+
+@dataclass
+class Tree:
+    run: TreeRun = field(default_factory=TreeRun)
+    trainer: Any = choice({"a": TrainerA, "b": TrainerB}, by="backend")
+
+
+def parse_tree(argv, env=None, presets=None):
+    return parse_config(
+        Tree, argv, env=env or {}, env_aliases=ALIASES, presets=presets or {}, defaults=RECIPE
+    )
+
+
+RECIPE = {"backend": "b", "lr": 2e-3}
+
+
+def test_one_tree_dotted_and_short_flags_pick_the_backends_field():
+    b = parse_tree([])
+    assert isinstance(b.trainer, TrainerB) and b.trainer.lr == 2e-3  # the recipe over B's default
+    a = parse_tree(["--backend", "a", "--lr", "5e-4", "--clip-grad", "0.5", "--beta2", "0.95"])
+    assert isinstance(a.trainer, TrainerA)
+    assert (a.trainer.optim.lr, a.trainer.optim.max_grad_norm) == (5e-4, 0.5)
+    assert a.trainer.optim.betas == (0.9, 0.95)
+    dotted = parse_tree(["--backend", "a", "--trainer.optim.lr", "1e-5", "--trainer.fused"])
+    assert dotted.trainer.optim.lr == 1e-5 and dotted.trainer.fused is True
+    assert parse_tree(["--trainer.lr", "7e-4"]).trainer.lr == 7e-4
+    assert parse_tree([], {"GEO3K_TRAIN_BACKEND": "a"}).trainer.optim.lr == 2e-3
+
+
+def test_parse_time_instances_skip_post_init():
+    """B's __post_init__ wants a value the app fills in later; parsing does not run it."""
+    assert parse_tree(["--lr", "3"]).trainer.lr == 3
+
+
+def test_errors_name_the_name_used():
+    with pytest.raises(ConfigError, match=r"^--beta2 1: must be < 1$"):
+        parse_tree(["--backend", "a", "--beta2", "1"])
+    with pytest.raises(ConfigError, match=r"^--trainer.optim.lr 0: must be > 0$"):
+        parse_tree(["--backend", "a", "--trainer.optim.lr", "0"])
+    with pytest.raises(ConfigError, match=r"^--backend c: expected one of \['a', 'b'\]$"):
+        parse_tree(["--backend", "c"])
+    with pytest.raises(ConfigError, match=r"^preset 'p' \(--lr 0\): must be > 0$"):
+        parse_tree(["--preset", "p"], presets={"p": {"lr": 0}})
+
+
+def test_a_flag_of_another_backend_is_ignored_with_a_warning(caplog):
+    cfg = parse_tree(["--fused", "--lr", "1e-4"])
+    assert isinstance(cfg.trainer, TrainerB) and cfg.trainer.lr == 1e-4
+    assert "--fused is a setting of --backend a; ignored" in caplog.text
+    # a preset's value for another backend is simply not used
+    assert parse_tree(["--preset", "p"], presets={"p": {"fused": True}}).trainer.lr == 2e-3
+
+
+def test_print_config_shows_settings_only_and_help_every_backend(capsys):
+    with pytest.raises(SystemExit):
+        parse_tree(["--backend", "a", "--print-config"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["trainer"] == {
+        "optim": {"lr": 2e-3, "betas": [0.9, 0.98], "max_grad_norm": 1.0},
+        "fused": False,
+    }
+    with pytest.raises(SystemExit):
+        parse_tree(["--help"])
+    text = capsys.readouterr().out
+    assert "trainer.optim (--backend a)" in text and "trainer (--backend b)" in text
+    assert "--trainer.optim.lr LR, --lr LR" in text and "--trainer.lr LR" in text
+    assert "--beta2 BETA2" in text and "(default: 0.002)" in text
+
+
+def test_short_names_must_be_unique():
+    @dataclass
+    class Clash:
+        run: Run = field(default_factory=Run)
+        other: Run = field(default_factory=Run)
+
+    with pytest.raises(ConfigError, match="unique"):
+        parse_config(Clash, [])

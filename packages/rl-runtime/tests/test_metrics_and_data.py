@@ -95,6 +95,15 @@ def test_preflight_messages():
         check_gpus(8, available=0)
     with pytest.raises(PreflightError, match="only 2 GPU"):
         check_gpus(8, available=2)
-    check_backend("fsdp")
-    with pytest.raises(PreflightError, match="fsdp"):
-        check_backend("megatron", actor_attr="NoSuchActor")
+
+    class Present:  # a trainer config whose actor imports
+        def actor_class(self) -> type:
+            return object
+
+    class Missing:  # one whose package lacks its actor (rl-runtime imports no trainer itself)
+        def actor_class(self) -> type:
+            raise AttributeError("module 'trainers_x' has no attribute 'NoSuchActor'")
+
+    check_backend("fsdp", Present())
+    with pytest.raises(PreflightError, match=r"NoSuchActor.*--backend fsdp"):
+        check_backend("megatron", Missing())

@@ -1,29 +1,40 @@
-"""The GRPO launcher's configuration: sections, the recipe defaults, the presets.
+"""geo3k_grpo's configuration: the packages' own configs as one tree, the recipe's values and
+the presets. Nothing is declared here a second time: each setting is its package's field.
 
-Defaults are the miles / slime geo3k recipe's. Every field is a flag (`--help`); the
-environment aliases (`GEO3K_*`, `MILES_SCRIPT_*`, `SLIME_SCRIPT_*`) are in
-`geo3k_sft.common.ENV_ALIASES`.
+Every setting has a dotted flag (`--trainer.lr`, `--loop.num-rollout`) and a short one (`--lr`,
+`--num-rollout`: the names of the README's migration table); `--backend` picks the trainer
+section. The environment names (`GEO3K_*`, then the recipes' `MILES_SCRIPT_*` and
+`SLIME_SCRIPT_*`) are `rl_runtime.recipe_env_aliases`.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from dataclasses import dataclass
+from typing import Any
 
-from geo3k_sft.common import (
-    ENV_ALIASES,
-    TINY_RUN,
-    DataSection,
-    ModelSection,
-    OptimSection,
-    RunSection,
-    check_backend_options,
+import vlm_models
+from rewards_math import RewardConfig
+from rl_algos import GrpoLossConfig
+from rl_runtime import (
+    ClusterConfig,
+    GrpoLoopConfig,
+    ParallelConfig,
+    RunConfig,
+    WarmupConfig,
+    check_parallel,
+    choice,
+    layout_report,
+    parse_config,
+    recipe_env_aliases,
+    section,
 )
-from geo3k_sft.preflight import layout_report
-from rl_algos.losses import KlType, LossAggMode
-from rl_runtime import ConfigError, GrpoLoopConfig, option, parse_config
+from rollout_sglang import RolloutConfig
+from trainers_fsdp import FsdpConfig
+from trainers_megatron import MegatronConfig
+from vlm_data import DataConfig
+from vlm_models import ModelConfig
 
 DESCRIPTION = """GRPO on Geometry3K (the miles / slime geo3k VLM recipe), `uv run apps/geo3k_grpo`.
 Defaults are the recipe's: 64 prompts x 8 samples per rollout, global batch 512, temperature
@@ -31,99 +42,46 @@ Defaults are the recipe's: 64 prompts x 8 samples per rollout, global batch 512,
 0.9 / 0.98, weight decay 0.1, the math reward, evaluation every 20 steps on the test split.
 --preset tiny runs the whole thing on a CPU in minutes (with a short SFT warm-up first)."""
 
-
-def _rewards() -> list[str]:
-    from rewards_math import REWARDS
-
-    return list(REWARDS)
-
-
-def reward_options(loss: LossSection) -> dict[str, float]:
-    """The reward's keyword options."""
-    return {"tolerance": loss.reward_tolerance} if loss.reward_tolerance else {}
-
-
-@dataclass
-class RolloutSection:
-    rollout_engine: Literal["auto", "sglang", "hf"] = option(
-        "auto", "rollout engine; auto: SGLang on GPUs when installed, else transformers"
-    )
-    rollout_max_batch_size: int = option(
-        256, "transformers engine: sequences decoding at once (KV-cache slots)", ge=1
-    )
-    sglang_mem_fraction_static: float = option(
-        0.6, "SGLang: GPU memory fraction for weights+KV", gt=0, lt=1
-    )
-    rollout_num_gpus_per_engine: int = option(
-        1, "GPUs per rollout engine (SGLang tensor parallel)", ge=1
-    )
-    sglang_mm_attention_backend: str | None = option(
-        None, "SGLang vision attention kernel ('sdpa' on B200, where fa3 is missing)"
-    )
-    weight_transport: Literal["auto", "object-store", "cuda-ipc", "nccl"] = option(
-        "auto",
-        "how weights reach the engines; auto: CUDA IPC colocated on one trainer GPU, NCCL to "
-        "SGLang on GPUs of its own, else Ray's object store (which serves every layout)",
-    )
-
-
-@dataclass
-class LossSection:
-    eps_clip: float = option(0.2, "PPO clip range (lower)", gt=0, lt=1)
-    eps_clip_high: float = option(0.28, "PPO clip range (upper, clip-higher)", gt=0)
-    kl_coef: float = option(0.0, "KL penalty coefficient (0: no KL, no reference model)", ge=0)
-    kl_type: str = option("low_var_kl", "KL estimator", choices=get_args(KlType))
-    entropy_coef: float = option(0.0, "entropy bonus coefficient")
-    loss_agg_mode: str = option("token-mean", "loss aggregation", choices=get_args(LossAggMode))
-    use_tis: bool = option(False, "truncated importance sampling against the rollout log-probs")
-    reward_type: str = option("math", "reward", choices=_rewards)
-    reward_tolerance: float = option(
-        0.0, "geo3k / math_format: relative numeric tolerance (the recipes tried 0.05)", ge=0
-    )
-    reward_workers: int | None = option(
-        None, "processes that score responses (default: cores)", ge=1
-    )
-
-    def check(self) -> None:
-        """The reward is built once here so that a bad option stops the run before any work."""
-        from rewards_math import build
-
-        try:
-            build(self.reward_type, **reward_options(self))
-        except ValueError as err:
-            raise ConfigError(f"--reward-type / --reward-tolerance: {err}") from None
-
-
-@dataclass
-class WarmupSection:
-    warmup_sft_steps: int = option(
-        0, "without --load: SFT steps to run first (the tiny preset's format warm-up)", ge=0
-    )
-    warmup_sft_batch_size: int = option(32, "SFT warm-up batch size", ge=1)
-    warmup_sft_lr: float = option(3e-3, "SFT warm-up learning rate", gt=0)
+TRAINERS = {"megatron": MegatronConfig, "fsdp": FsdpConfig}
+ENV_ALIASES = recipe_env_aliases("GEO3K")
 
 
 @dataclass
 class Geo3kGrpoConfig:
-    run: RunSection = field(default_factory=lambda: RunSection(output_dir="runs/geo3k_grpo"))
-    model: ModelSection = field(default_factory=ModelSection)
-    data: DataSection = field(default_factory=DataSection)
-    rollout: RolloutSection = field(default_factory=RolloutSection)
-    loss: LossSection = field(default_factory=LossSection)
-    optim: OptimSection = field(default_factory=OptimSection)
-    loop: GrpoLoopConfig = field(default_factory=GrpoLoopConfig)
-    warmup: WarmupSection = field(default_factory=WarmupSection)
+    run: RunConfig = section(RunConfig)
+    cluster: ClusterConfig = section(ClusterConfig)
+    parallel: ParallelConfig = section(ParallelConfig)
+    model: ModelConfig = section(ModelConfig)
+    data: DataConfig = section(DataConfig)
+    rollout: RolloutConfig = section(RolloutConfig)
+    loss: GrpoLossConfig = section(GrpoLossConfig)
+    reward: RewardConfig = section(RewardConfig)
+    trainer: MegatronConfig | FsdpConfig = choice(TRAINERS, by="backend")
+    loop: GrpoLoopConfig = section(GrpoLoopConfig)
+    warmup: WarmupConfig = section(WarmupConfig)
 
     def check(self) -> None:
-        check_backend_options(self.run, self.model)
+        check_parallel(self.run.backend, self.parallel)
 
+
+#: The recipe's values where a package's default is not the recipe's (the rest are).
+RECIPE: dict[str, Any] = {
+    "backend": "megatron",
+    "output_dir": "runs/geo3k_grpo",
+    "wandb_project": "glimpse-geo3k",
+}
 
 PRESETS: dict[str, dict[str, Any]] = {
     # A CPU run in minutes: a random-init tiny Qwen3-VL, the offline tiny processor and the
     # synthetic "what colour is the square" task. The warm-up teaches the answer format (greedy
     # answers are right, sampled ones mostly are not); GRPO then raises the sampled reward.
     "tiny": {
-        **TINY_RUN,
+        "backend": "fsdp",
+        "num_gpus": 0,
+        "model_name": "qwen3-vl-tiny",
+        "tokenizer": "tiny",
+        "dataset": "synthetic:color",
+        "attn_implementation": "sdpa",
         "template": "none",
         "output_dir": "runs/geo3k_grpo_tiny",
         "rollout_engine": "hf",
@@ -146,14 +104,30 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None):
+def print_layout(cfg: Geo3kGrpoConfig) -> dict[str, Any]:
+    """`--print-config`'s training layout and its memory estimate."""
+    report = layout_report(
+        cfg.parallel,
+        cfg.cluster,
+        backend=cfg.run.backend,
+        trainer=cfg.trainer,
+        shape=vlm_models.shape_of(cfg.model, load=cfg.run.load) if cfg.cluster.use_gpu else None,
+        model_name=cfg.model.model_name,
+    )
+    return {"layout": report}
+
+
+def parse(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> Geo3kGrpoConfig:
     return parse_config(
         Geo3kGrpoConfig,
         argv,
         env=os.environ if env is None else env,
         env_aliases=ENV_ALIASES,
         presets=PRESETS,
+        defaults=RECIPE,
         description=DESCRIPTION,
         prog="geo3k_grpo",
-        print_extra=lambda cfg: {"layout": layout_report(cfg.model, cfg.run)},
+        print_extra=print_layout,
     )

@@ -6,6 +6,7 @@
 """
 
 from rewards_math.batch import BatchScorer, score_batch
+from rewards_math.config import RewardConfig
 from rewards_math.equivalence import is_equivalent
 from rewards_math.extract import extract_boxed, has_boxed
 from rewards_math.normalize import canonical
@@ -23,6 +24,7 @@ from rewards_math.rewards import (
 __all__ = [
     "REWARDS",
     "BatchScorer",
+    "RewardConfig",
     "RewardFn",
     "build",
     "canonical",

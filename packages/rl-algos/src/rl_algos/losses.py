@@ -144,18 +144,29 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: KlType = "low_var_k
 
 @dataclass
 class GrpoLossConfig:
-    """Settings of :func:`grpo_loss` (defaults: DAPO-style clip-higher, token-mean, no KL)."""
+    """Settings of :func:`grpo_loss` (defaults: DAPO-style clip-higher, token-mean, no KL).
+    Fields with a help text are a launcher's settings (`rl_runtime.parse_config`)."""
 
-    eps_clip: float = 0.2  # lower clip: ratio >= 1 - eps_clip
-    eps_clip_high: float = 0.28  # upper clip: ratio <= 1 + eps_clip_high ("clip-higher")
+    eps_clip: float = field(  # lower clip: ratio >= 1 - eps_clip
+        default=0.2, metadata={"help": "PPO clip range (lower)", "gt": 0, "lt": 1}
+    )
+    eps_clip_high: float = field(  # upper clip: ratio <= 1 + eps_clip_high ("clip-higher")
+        default=0.28, metadata={"help": "PPO clip range (upper, clip-higher)", "gt": 0}
+    )
     dual_clip_c: float | None = None  # dual clip for negative advantages (e.g. 3.0); > 1
-    loss_agg_mode: LossAggMode = "token-mean"
+    loss_agg_mode: LossAggMode = field(default="token-mean", metadata={"help": "loss aggregation"})
     norm_length: float | None = None  # seq-mean-token-sum-norm constant (max response length)
-    kl_coef: float = 0.0  # KL-to-reference loss weight (needs ref_logprobs when > 0)
-    kl_type: KlType = "low_var_kl"
-    entropy_coef: float = 0.0  # entropy bonus weight (needs entropy when > 0)
-    use_tis: bool = (
-        False  # truncated importance sampling, rollout -> trainer (needs rollout_logprobs)
+    kl_coef: float = field(  # KL-to-reference loss weight (needs ref_logprobs when > 0)
+        default=0.0,
+        metadata={"help": "KL penalty coefficient (0: no KL, no reference model)", "ge": 0},
+    )
+    kl_type: KlType = field(default="low_var_kl", metadata={"help": "KL estimator"})
+    entropy_coef: float = field(  # entropy bonus weight (needs entropy when > 0)
+        default=0.0, metadata={"help": "entropy bonus coefficient"}
+    )
+    use_tis: bool = field(  # rollout -> trainer (needs rollout_logprobs)
+        default=False,
+        metadata={"help": "truncated importance sampling against the rollout log-probs"},
     )
     tis_cap: float = 2.0  # upper bound of the TIS weight
     gspo: bool = False  # sequence-level ratio (GSPO); pair with small eps and seq-mean-token-mean

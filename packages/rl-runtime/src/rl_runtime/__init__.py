@@ -1,10 +1,21 @@
-"""rl_runtime: Ray placement, actor groups, the GRPO and SFT loops, evaluation, logging,
-checkpoints. It knows the actor and engine protocols, never the concrete backends."""
+"""rl_runtime: the configuration tree, Ray cluster and placement, actor groups, the training
+layout, the GRPO and SFT loops, evaluation, logging, checkpoints. It knows the trainer and
+engine protocols, never the concrete backends: the apps pick those."""
 
 from rl_runtime.actor_group import EngineWorker, RolloutGroup, TrainGroup, TrainWorker
 from rl_runtime.checkpoint import CheckpointManager, ResumeError, resume_step
-from rl_runtime.cli import user_errors
-from rl_runtime.config import ConfigError, option, parse_config, to_dict, to_json, validate
+from rl_runtime.cli import as_config_error, user_errors
+from rl_runtime.cluster import Cluster, ClusterConfig, Layout, layout
+from rl_runtime.config import (
+    ConfigError,
+    choice,
+    option,
+    parse_config,
+    section,
+    to_dict,
+    to_json,
+    validate,
+)
 from rl_runtime.data import PromptPrefetch, PromptSampler
 from rl_runtime.evaluation import eval_prompts, evaluate
 from rl_runtime.faults import CheckpointFailed, NonFiniteStop, RunStopped, WorkerDied
@@ -19,6 +30,14 @@ from rl_runtime.memory import (
     estimate_memory,
 )
 from rl_runtime.metrics import RunLogger, plot_metrics, read_metrics
+from rl_runtime.parallel import (
+    ParallelConfig,
+    check_parallel,
+    gpu_memory_bytes,
+    layout_report,
+    plan_layout,
+    settle,
+)
 from rl_runtime.placement import Placement, create_placement, init_ray, shutdown_ray
 from rl_runtime.preflight import PreflightError, check_backend, check_gpus, count_gpus
 from rl_runtime.progress import setup_logging
@@ -27,25 +46,31 @@ from rl_runtime.protocols import (
     PromptSource,
     RewardFn,
     TrainActor,
+    TrainerConfig,
     TransportFactory,
     WeightTransport,
 )
 from rl_runtime.rollout_batch import ScoredGroups, build_train_batch
-from rl_runtime.sft import SftLoopConfig, run_sft, sft_batch
+from rl_runtime.run import RunConfig, recipe_env_aliases, write_config
+from rl_runtime.sft import SftLoopConfig, WarmupConfig, run_sft, sft_batch, sft_warmup, train_sft
 from rl_runtime.weight_push import ObjectStoreTransport, RemoteEngine, object_store
 
 __all__ = [
     "CheckpointFailed",
     "CheckpointManager",
+    "Cluster",
+    "ClusterConfig",
     "ConfigError",
     "EngineLink",
     "EngineWorker",
     "GrpoLoopConfig",
     "GrpoParts",
+    "Layout",
     "MemoryEstimate",
     "ModelShape",
     "NonFiniteStop",
     "ObjectStoreTransport",
+    "ParallelConfig",
     "PeriodicGC",
     "Placement",
     "PreflightError",
@@ -56,6 +81,7 @@ __all__ = [
     "ResumeError",
     "RewardFn",
     "RolloutGroup",
+    "RunConfig",
     "RunLogger",
     "RunStopped",
     "ScoredGroups",
@@ -64,33 +90,48 @@ __all__ = [
     "TrainGroup",
     "TrainLayout",
     "TrainWorker",
+    "TrainerConfig",
     "TransportFactory",
+    "WarmupConfig",
     "WeightTransport",
     "WorkerDied",
+    "as_config_error",
     "build_train_batch",
     "check_backend",
     "check_gpus",
     "check_layout",
+    "check_parallel",
+    "choice",
     "choose_layout",
     "count_gpus",
     "create_placement",
     "estimate_memory",
     "eval_prompts",
     "evaluate",
+    "gpu_memory_bytes",
     "init_ray",
+    "layout",
+    "layout_report",
     "object_store",
     "option",
     "parse_config",
+    "plan_layout",
     "plot_metrics",
     "read_metrics",
+    "recipe_env_aliases",
     "resume_step",
     "run_grpo",
     "run_sft",
+    "section",
+    "settle",
     "setup_logging",
     "sft_batch",
+    "sft_warmup",
     "shutdown_ray",
     "to_dict",
     "to_json",
+    "train_sft",
     "user_errors",
     "validate",
+    "write_config",
 ]

@@ -32,6 +32,18 @@ def wants_traceback(argv: Sequence[str]) -> bool:
 
 
 @contextmanager
+def as_config_error(
+    errors: type[BaseException] | tuple[type[BaseException], ...], setting: str
+) -> Iterator[None]:
+    """A package's own error about a value the user gave (a dataset that is not there) as a
+    one-line `ConfigError` naming the setting (`--dataset / GEO3K_DATASET_NAME`)."""
+    try:
+        yield
+    except errors as err:
+        raise ConfigError(f"{setting}: {err}") from err
+
+
+@contextmanager
 def user_errors(
     prog: str, argv: Sequence[str], extra: tuple[type[BaseException], ...] = ()
 ) -> Iterator[None]:

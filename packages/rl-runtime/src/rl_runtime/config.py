@@ -1,30 +1,48 @@
-"""Typed configuration: nested dataclasses -> command-line flags, then environment, then defaults.
+"""Typed configuration: a tree of dataclasses -> command-line flags, then environment, then
+presets, then the app's recipe, then the packages' own defaults.
 
-An app describes its whole configuration as one dataclass whose fields are dataclasses (the
-sections). Every leaf field becomes a flag named after it (`num_rollout` -> `--num-rollout`), so
-leaf names must be unique across sections. The help text comes from `field(metadata={"help"})`.
+Each package owns the dataclass of its settings, next to its code; an app composes them into one
+tree (its config's fields are the sections) and declares nothing a second time. A field is a
+*setting* when its metadata has a help text; packages that do not depend on rl-runtime write
+`field(default=..., metadata={"help": ...})`, and `option()` is the short form. A nested
+dataclass field is a section when it has a help text too (the root's are all sections); fields
+without one are what the app fills in when it builds the part (a model path, a seed). Metadata:
+
+- `help`; `ge`, `gt`, `le`, `lt` (numeric bounds); `choices` (a sequence, or a function that
+  returns one, for registries imported only when checked). A float is always finite.
+- `flag`: the setting's short name where it is not the field's (`max_grad_norm` -> `clip_grad`).
+- `items`: short names of a tuple's elements (`betas` -> `adam_beta1`, `adam_beta2`).
+
+Every setting gets a dotted flag, its path (`--trainer.optim.lr`, `--loop.num-rollout`), and a
+short one (`--lr`, `--num-rollout`); short names must be unique in a tree. `choice()` makes a
+section whose dataclass another setting picks (`--backend` picks the trainer's); the flags of
+every choice are known, and one of a choice not picked is ignored with a warning.
 
 Precedence, highest first: command-line flag, environment variable (the app passes the mapping
-and the aliases; this module never reads `os.environ`), preset, dataclass default.
+and the aliases; this module never reads `os.environ`), preset, the app's recipe (`defaults`),
+the package's default. Flags, presets, the recipe and aliases may use either name.
 
-Every value is checked where it is parsed, before anything starts: a field declares its range
-and choices once, next to its default (`option(8, "...", ge=1)`); a float is always finite; a
-section (or the whole config) may add a `check()` method for combinations of fields. A bad
-value is a `ConfigError` whose one-line message names the flag, environment variable or preset
-it came from.
+Every value is checked where it is parsed, before anything starts: its bounds, then each
+section's (and the root's) `check()` for combinations (a `ValueError` there is a bad
+combination, its message naming the flags). A bad value is a `ConfigError` whose one
+line names the flag, variable or preset it came from. A section's own `__post_init__` runs when
+the app completes it (a trainer config's derived fields are not known at parse time), so the
+parser sets settings on a copy of the section's default instance.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
+import itertools
 import json
 import logging
 import math
 import operator
 import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 log = logging.getLogger(__name__)
@@ -33,6 +51,7 @@ T = TypeVar("T")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
+_BOUND_KEYS = ("ge", "gt", "le", "lt", "choices")
 
 
 class ConfigError(ValueError):
@@ -59,12 +78,16 @@ class Bounds:
         ]
         return " and ".join(parts)
 
+    def listed(self) -> list[Any] | None:
+        if self.choices is None:
+            return None
+        return list(self.choices() if callable(self.choices) else self.choices)
+
     def problem(self, value: Any) -> str | None:
         """Why `value` does not fit, or None."""
-        if self.choices is not None:
-            choices = list(self.choices() if callable(self.choices) else self.choices)
-            if value not in choices:
-                return f"expected one of {choices}"
+        choices = self.listed()
+        if choices is not None and value not in choices:
+            return f"expected one of {choices}"
         if isinstance(value, int | float) and not isinstance(value, bool):
             for bound, holds in (
                 (self.ge, operator.ge),
@@ -90,11 +113,20 @@ def option(
     le: float | None = None,
     lt: float | None = None,
     choices: Sequence[Any] | Callable[[], Sequence[Any]] | None = None,
+    flag: str | None = None,
+    items: Sequence[str] = (),
     **kwargs: Any,
 ) -> Any:
-    """`dataclasses.field` with a help text, the value's bounds or choices (checked by
-    `validate`; None always passes for an optional field), and a mutable default made safe."""
-    metadata = {"help": help, "bounds": Bounds(ge, gt, le, lt, choices)}
+    """A setting: `dataclasses.field` with its help text, bounds or choices (checked by
+    `validate`; None always passes for an optional field), short names, and a mutable default
+    made safe."""
+    metadata: dict[str, Any] = {"help": help or " "}
+    bounds = {"ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices}
+    metadata |= {k: v for k, v in bounds.items() if v is not None}
+    if flag is not None:
+        metadata["flag"] = flag
+    if items:
+        metadata["items"] = tuple(items)
     if isinstance(default, list | dict):
         value = default
         return dataclasses.field(
@@ -103,64 +135,142 @@ def option(
     return dataclasses.field(default=default, metadata=metadata, **kwargs)
 
 
+def section(cls: type, help: str = "") -> Any:
+    """A nested section: a field whose default is `cls()`; its settings join the tree."""
+    return dataclasses.field(default_factory=cls, metadata={"help": help or cls.__name__})
+
+
+def choice(options: Mapping[str, type], *, by: str, help: str = "") -> Any:
+    """A section whose dataclass the setting named `by` picks among `options` (the trainer's,
+    by `backend`). `by`'s choices become the option names."""
+    return dataclasses.field(
+        default=None, metadata={"help": help or "section", "options": dict(options), "select": by}
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-    """One configurable value: where it sits (`section.name`) and its type."""
+    """One setting: where it sits (`path`), its type, default and metadata."""
 
-    section: str | None
-    name: str
+    path: tuple[str, ...]
     type: Any
     default: Any
     help: str
     bounds: Bounds = Bounds()
+    short: str | None = None
+    items: tuple[str, ...] = ()
+    picked_by: tuple[str, str] | None = None  # (the selecting setting, this option's name)
+
+    @property
+    def dotted(self) -> str:
+        return ".".join(self.path)
+
+    @property
+    def name(self) -> str:
+        return self.path[-1]
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return _flag(self.dotted)
+
+    @property
+    def display(self) -> str:
+        """The flag a message names: the short one where there is one."""
+        return _flag(self.short) if self.short else self.flag
+
+    def names(self) -> Iterator[tuple[str, int | None]]:
+        """The names this setting answers to (dotted, short, items) and the item each sets."""
+        yield self.dotted, None
+        if self.short:
+            yield self.short, None
+        for i, item in enumerate(self.items):
+            yield item, i
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _key(text: str) -> str:
+    """`--trainer.optim.max-grad-norm` or `max-grad-norm` -> the key `trainer.optim.max_grad_norm`."""
+    return text.removeprefix("--").replace("-", "_")
+
+
+# ---------------------------------------------------------------------------------- the tree
 
 
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def leaves(cls: type) -> list[Leaf]:
-    """The leaf fields of a (one level nested) config dataclass, in declaration order."""
+def _is_section(f: dataclasses.Field, tp: Any, root: bool) -> bool:
+    return dataclasses.is_dataclass(tp) and (root or "help" in f.metadata)
+
+
+def _is_setting(f: dataclasses.Field, root: bool) -> bool:
+    return "help" in f.metadata or root
+
+
+def leaves(cfg: Any) -> list[Leaf]:
+    """The settings of a config instance (its choices already made), in declaration order."""
     out: list[Leaf] = []
-    hints = _hints(cls)
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            # A section's defaults are those of its default instance (the app may override them).
-            section = _default(f)
-            sub_hints = _hints(tp)
-            for g in dataclasses.fields(tp):
-                default = _default(g)
-                if section is not dataclasses.MISSING:
-                    default = getattr(section, g.name)
-                out.append(Leaf(f.name, g.name, sub_hints[g.name], default, _help(g), _bounds(g)))
-        else:
-            out.append(Leaf(None, f.name, tp, _default(f), _help(f), _bounds(f)))
-    names = [leaf.name for leaf in out]
-    dupes = {n for n in names if names.count(n) > 1}
+    _walk(cfg, (), None, out, root=True)
+    shorts = [k for leaf in out for k, _ in leaf.names() if "." not in k]
+    dupes = sorted({k for k in shorts if shorts.count(k) > 1})
     if dupes:
-        raise ConfigError(f"{cls.__name__}: field names must be unique across sections: {dupes}")
+        raise ConfigError(f"{type(cfg).__name__}: short names must be unique in a tree: {dupes}")
     return out
 
 
-def _default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return dataclasses.MISSING
+def _walk(
+    obj: Any,
+    path: tuple[str, ...],
+    picked_by: tuple[str, str] | None,
+    out: list[Leaf],
+    *,
+    root: bool = False,
+) -> None:
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, tp, here = getattr(obj, f.name), hints[f.name], (*path, f.name)
+        if "options" in f.metadata:
+            name = next(k for k, c in f.metadata["options"].items() if isinstance(value, c))
+            _walk(value, here, (f.metadata["select"], name), out)
+        elif _is_section(f, tp, root):
+            _walk(value, here, picked_by, out)
+        elif _is_setting(f, root):
+            meta = dict(f.metadata)
+            base, _ = _strip_optional(tp)
+            if get_origin(base) is Literal:  # checked as choices, so errors name the source
+                meta.setdefault("choices", get_args(base))
+            bounds = Bounds(**{k: meta[k] for k in _BOUND_KEYS if k in meta})
+            short = meta.get("flag", f.name)
+            help_text = meta.get("help", "").strip()
+            out.append(
+                Leaf(here, tp, value, help_text, bounds, short, meta.get("items", ()), picked_by)
+            )
 
 
-def _help(f: dataclasses.Field) -> str:
-    return f.metadata.get("help", "")
+def _choices(cls: type) -> dict[tuple[str, ...], dataclasses.Field]:
+    """The choice fields of the tree `cls` (at the root: choices do not nest)."""
+    return {(f.name,): f for f in dataclasses.fields(cls) if "options" in f.metadata}
 
 
-def _bounds(f: dataclasses.Field) -> Bounds:
-    return f.metadata.get("bounds", Bounds())
+def _skeleton(cls: type[T], picks: Mapping[tuple[str, ...], str]) -> T:
+    """`cls()` with each choice section set to the default instance of its pick."""
+    cfg = cls()
+    for path, f in _choices(cls).items():
+        object.__setattr__(cfg, path[-1], f.metadata["options"][picks[path]]())
+    return cfg
+
+
+def _all_picks(cls: type) -> list[dict[tuple[str, ...], str]]:
+    fields = _choices(cls)
+    names = [list(f.metadata["options"]) for f in fields.values()]
+    return [dict(zip(fields, combo, strict=True)) for combo in itertools.product(*names)]
+
+
+# ---------------------------------------------------------------------------------- values
 
 
 def _strip_optional(tp: Any) -> tuple[Any, bool]:
@@ -170,6 +280,11 @@ def _strip_optional(tp: Any) -> tuple[Any, bool]:
         if len(args) == 1 and len(args) < len(get_args(tp)):
             return args[0], True
     return tp, False
+
+
+def _item_type(tp: Any) -> Any:
+    base, _ = _strip_optional(tp)
+    return get_args(base)[0]
 
 
 def convert(value: str, tp: Any, where: str) -> Any:
@@ -186,10 +301,7 @@ def convert(value: str, tp: Any, where: str) -> Any:
                 return False
             raise ValueError("expected one of 1/0, true/false, yes/no")
         if get_origin(base) is Literal:
-            choices = get_args(base)
-            if value not in choices:
-                raise ValueError(f"expected one of {list(choices)}")
-            return value
+            return value  # its choices are the setting's bounds (`validate`)
         if get_origin(base) in (list, tuple):
             (item,) = get_args(base)[:1]
             parts = [p for p in value.replace(",", " ").split() if p]
@@ -213,6 +325,89 @@ def _type_name(tp: Any) -> str:
     return f"{name} or none" if optional else name
 
 
+class _Tree:
+    """The settings of one set of picks, by every name they answer to, with their values and
+    where each value came from."""
+
+    def __init__(self, cfg: Any, select: Mapping[str, Sequence[str]]) -> None:
+        self.cfg = cfg
+        self.leaves = leaves(cfg)
+        for by, names in select.items():  # a selecting setting's choices: the option names
+            self._update(self.leaf(by), bounds=Bounds(choices=list(names)))
+        self.values = {leaf.path: leaf.default for leaf in self.leaves}
+        self.origins = {leaf.path: f"{leaf.display} (default)" for leaf in self.leaves}
+
+    @property
+    def index(self) -> dict[str, tuple[Leaf, int | None]]:
+        return {key: (leaf, i) for leaf in self.leaves for key, i in leaf.names()}
+
+    def leaf(self, key: str) -> Leaf | None:
+        hit = self.index.get(_key(key))
+        return hit[0] if hit else None
+
+    def _update(self, leaf: Leaf | None, **changes: Any) -> None:
+        assert leaf is not None
+        self.leaves[self.leaves.index(leaf)] = dataclasses.replace(leaf, **changes)
+
+    def apply_recipe(self, defaults: Mapping[str, Any]) -> None:
+        """The app's own defaults: they stand for the packages' (`--help` shows them)."""
+        for key, value in defaults.items():
+            if self.set(key, value, ""):
+                leaf = self.leaf(key)
+                self._update(leaf, default=self.values[leaf.path])
+                self.origins[leaf.path] = f"{leaf.display} (default)"
+
+    def set(self, key: str, value: Any, origin: str, *, where: str | None = None) -> bool:
+        """Set the setting `key` names (a string from a flag or variable is converted, errors
+        naming `where`); False when no setting of this tree has that name."""
+        hit = self.index.get(_key(key))
+        if hit is None:
+            return False
+        leaf, item = hit
+        if where is not None and isinstance(value, str):
+            value = convert(value, leaf.type if item is None else _item_type(leaf.type), where)
+        if item is not None:
+            current = list(self.values[leaf.path])
+            current[item] = value
+            value = tuple(current)
+        self.values[leaf.path] = value
+        self.origins[leaf.path] = origin
+        return True
+
+    def resolve(self, key: str, sources: Iterator[tuple[str, Any, str, str | None]]) -> Any:
+        """The value of `key` after those of `sources` that name the same setting."""
+        target = self.leaf(key)
+        assert target is not None
+        for name, value, origin, where in sources:
+            leaf = self.leaf(name)
+            if leaf is not None and leaf.path == target.path:
+                self.set(name, value, origin, where=where)
+        return self.values[target.path]
+
+    def origin(self, key: str) -> str:
+        leaf = self.leaf(key)
+        assert leaf is not None
+        return self.origins[leaf.path]
+
+    def build(self) -> Any:
+        """The config: a copy of each section's default instance with its settings set."""
+
+        def rebuild(obj: Any, path: tuple[str, ...]) -> Any:
+            obj = copy.copy(obj)
+            for f in dataclasses.fields(obj):
+                here = (*path, f.name)
+                if here in self.values:
+                    object.__setattr__(obj, f.name, self.values[here])
+                elif dataclasses.is_dataclass(getattr(obj, f.name)):
+                    object.__setattr__(obj, f.name, rebuild(getattr(obj, f.name), here))
+            return obj
+
+        return rebuild(self.cfg, ())
+
+
+# ---------------------------------------------------------------------------------- the parser
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse whose mistakes (an unknown flag, a flag without its value) are `ConfigError`s,
     one line like every other configuration error, instead of a usage block and exit."""
@@ -221,63 +416,94 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (see --help)")
 
 
+class _Given(argparse.Action):
+    """Records each flag as given, in order: the name used decides which setting it sets (a
+    short name is another field under another backend) and is the one errors name."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        namespace.given.append((option_string, values))
+
+
+class _GivenBool(argparse.BooleanOptionalAction):
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        namespace.given.append((option_string, not option_string.startswith("--no-")))
+
+
+def _help(
+    leaf: Leaf,
+    default: Any,
+    env_aliases: Mapping[str, Sequence[str]],
+    item: int | None,
+    extra: str = "",
+) -> str:
+    text = leaf.help or leaf.name
+    if item is not None:
+        text += f" (item {item + 1} of {len(leaf.items)})"
+    if leaf.bounds.describe():
+        text += f"; {leaf.bounds.describe()}"
+    env = [v for key, _ in leaf.names() for v in env_aliases.get(key, ())]
+    if env:
+        text += f" [env: {', '.join(env)}]"
+    return f"{text}{extra} (default: {default})"
+
+
 def build_parser(
     cls: type,
+    trees: Sequence[_Tree],
     *,
     description: str = "",
     env_aliases: Mapping[str, Sequence[str]] | None = None,
     presets: Mapping[str, Mapping[str, Any]] | None = None,
     prog: str | None = None,
 ) -> argparse.ArgumentParser:
-    """An argparse parser with one flag per leaf field (plus `--print-config`)."""
+    """An argparse parser with the flags of every tree (every choice), plus `--print-config`."""
     env_aliases = env_aliases or {}
-    parser = _Parser(
-        prog=prog,
-        description=description,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    usage = (
+        "%(prog)s [--preset NAME] [--print-config] [--SETTING VALUE | --SECTION.SETTING VALUE]..."
     )
+    parser = _Parser(prog=prog, usage=usage, description=description)
     parser.add_argument(
         "--print-config",
         action="store_true",
         help="print the resolved configuration as JSON and exit",
     )
-    groups: dict[str | None, argparse._ArgumentGroup] = {}
-    for leaf in leaves(cls):
-        group = groups.get(leaf.section)
-        if group is None:
-            group = parser.add_argument_group(leaf.section or "general")
-            groups[leaf.section] = group
-        help_text = leaf.help or leaf.name
-        if leaf.bounds.describe():
-            help_text += f"; {leaf.bounds.describe()}"
-        if leaf.name in env_aliases:
-            help_text += f" [env: {', '.join(env_aliases[leaf.name])}]"
-        if leaf.name == "preset" and presets:
-            help_text += f" (presets: {', '.join(presets)})"
-        default = None if leaf.default is dataclasses.MISSING else leaf.default
-        base, _ = _strip_optional(leaf.type)
-        kwargs: dict[str, Any] = {"dest": leaf.name, "default": argparse.SUPPRESS}
-        if base is bool:
-            group.add_argument(
-                leaf.flag,
-                action=argparse.BooleanOptionalAction,
-                help=f"{help_text} (default: {default})",
-                **kwargs,
-            )
-            continue
-        metavar = leaf.name.upper()
-        choices = leaf.bounds.choices
-        if get_origin(base) is Literal:
-            choices = get_args(base)
-        if choices is not None:
-            metavar = "{" + ",".join(map(str, choices() if callable(choices) else choices)) + "}"
-        group.add_argument(
-            leaf.flag,
-            type=str,
-            metavar=metavar,
-            help=f"{help_text} (default: {default})",
-            **kwargs,
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    taken: set[str] = set()
+
+    def add(group: argparse._ArgumentGroup, flags: list[str], leaf: Leaf, item: int | None) -> None:
+        free = [f for f in flags if f not in taken]
+        if not free:
+            return
+        taken.update(free)
+        tp = leaf.type if item is None else _item_type(leaf.type)
+        default = leaf.default if item is None else leaf.default[item]
+        extra = (
+            f" (also {', '.join(f for f in flags if f not in free)})"
+            if len(free) < len(flags)
+            else ""
         )
+        if leaf.name == "preset" and presets:
+            extra += f" (presets: {', '.join(presets)})"
+        help_text = _help(leaf, default, env_aliases, item, extra)
+        flags = free
+        base, _ = _strip_optional(tp)
+        if base is bool:
+            group.add_argument(*flags, action=_GivenBool, dest="_", default=None, help=help_text)
+            return
+        choices = leaf.bounds.listed() if item is None else None
+        name = leaf.name if item is None else leaf.items[item]
+        metavar = "{" + ",".join(map(str, choices)) + "}" if choices else name.upper()
+        group.add_argument(*flags, action=_Given, dest="_", metavar=metavar, help=help_text)
+
+    for tree in trees:
+        for leaf in tree.leaves:
+            title = ".".join(leaf.path[:-1]) or "general"
+            if leaf.picked_by:
+                title += f" (--{leaf.picked_by[0].replace('_', '-')} {leaf.picked_by[1]})"
+            group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
+            add(group, [leaf.flag, *([_flag(leaf.short)] if leaf.short else [])], leaf, None)
+            for i, item in enumerate(leaf.items):
+                add(group, [_flag(item)], leaf, i)
     return parser
 
 
@@ -288,110 +514,115 @@ def parse_config(
     env: Mapping[str, str] | None = None,
     env_aliases: Mapping[str, Sequence[str]] | None = None,
     presets: Mapping[str, Mapping[str, Any]] | None = None,
+    defaults: Mapping[str, Any] | None = None,
     description: str = "",
     prog: str | None = None,
     print_extra: Callable[[T], Mapping[str, Any]] | None = None,
 ) -> T:
     """Resolve `cls` from flags, then `env` (names in `env_aliases`, first set wins), then the
-    preset named by the `preset` field, then defaults. `--print-config` prints JSON and exits;
-    `print_extra(cfg)` adds what the app derives from it (a training layout, say)."""
-    env = env or {}
-    env_aliases = env_aliases or {}
-    presets = presets or {}
+    preset named by the `preset` setting, then the app's recipe `defaults`, then the packages'
+    defaults. `--print-config` prints JSON and exits; `print_extra(cfg)` adds what the app
+    derives from it (a training layout, say)."""
+    env, env_aliases, presets = env or {}, env_aliases or {}, presets or {}
+    select = {f.metadata["select"]: list(f.metadata["options"]) for f in _choices(cls).values()}
+    trees = {_pick_key(p): _Tree(_skeleton(cls, p), select) for p in _all_picks(cls)}
+    for tree in trees.values():
+        tree.apply_recipe(defaults or {})
     parser = build_parser(
-        cls, description=description, env_aliases=env_aliases, presets=presets, prog=prog
+        cls,
+        list(trees.values()),
+        description=description,
+        env_aliases=env_aliases,
+        presets=presets,
+        prog=prog,
     )
-    args = vars(parser.parse_args(argv))
-    print_config = args.pop("print_config", False)
-    all_leaves = {leaf.name: leaf for leaf in leaves(cls)}
+    args = parser.parse_args(argv, namespace=argparse.Namespace(given=[]))
 
-    values: dict[str, Any] = {}
-    origins: dict[str, str] = {}  # where each value came from, for the error messages
-    for name, leaf in all_leaves.items():
-        if leaf.default is not dataclasses.MISSING:
-            values[name] = leaf.default
-            origins[name] = f"{leaf.flag} (default)"
-
-    def from_env(name: str) -> tuple[bool, Any]:
-        for var in env_aliases.get(name, ()):
-            if var in env and env[var] != "":
-                origins[name] = f"environment {var}={env[var]}"
-                return True, convert(env[var], all_leaves[name].type, f"environment {var}")
-        return False, None
-
-    # The preset is itself a config value: resolve it first (flag > env > default).
-    if "preset" in all_leaves:
-        if "preset" in args:
-            values["preset"] = convert(args["preset"], all_leaves["preset"].type, "--preset")
-        else:
-            found, v = from_env("preset")
-            if found:
-                values["preset"] = v
-        preset = values.get("preset")
+    def sources(preset: str | None) -> Iterator[tuple[str, Any, str, str | None]]:
+        """(key, value, origin, where) from the preset, the environment, then the flags
+        (`where` names a string's source for conversion errors; None: a typed preset value)."""
         if preset is not None:
-            if preset not in presets:
-                raise ConfigError(f"--preset {preset!r}: unknown preset; known: {list(presets)}")
-            for name, v in presets[preset].items():
-                if name not in all_leaves:
-                    raise ConfigError(f"preset {preset!r} sets unknown field {name!r}")
-                values[name] = v
-                origins[name] = f"preset {preset!r} ({all_leaves[name].flag} {v!r})"
+            for key, v in presets[preset].items():
+                yield key, v, f"preset {preset!r} ({_flag(key)} {v!r})", None
+        for key, names in env_aliases.items():
+            var = next((n for n in names if env.get(n, "") != ""), None)
+            if var is not None:
+                yield key, env[var], f"environment {var}={env[var]}", f"environment {var}"
+        for opt, v in args.given:
+            key = _key(opt.removeprefix("--no-") if isinstance(v, bool) else opt)
+            yield key, v, opt if isinstance(v, bool) else f"{opt} {v}", opt
 
-    for name in all_leaves:
-        found, v = from_env(name)
-        if found and name != "preset":
-            values[name] = v
-    for name, raw in args.items():
-        leaf = all_leaves[name]
-        if isinstance(raw, bool):
-            values[name] = raw
-            origins[name] = leaf.flag if raw else "--no-" + leaf.flag[2:]
-        else:
-            values[name] = convert(raw, leaf.type, leaf.flag)
-            origins[name] = f"{leaf.flag} {raw}"
+    # The preset, then each setting that picks a section, are values too: they go first.
+    first = next(iter(trees.values()))
+    preset = first.resolve("preset", sources(None)) if "preset" in first.index else None
+    if preset is not None and preset not in presets:
+        raise ConfigError(f"--preset {preset!r}: unknown preset; known: {list(presets)}")
+    picks = {}
+    for path, f in _choices(cls).items():
+        by, names = f.metadata["select"], list(f.metadata["options"])
+        picks[path] = first.resolve(by, sources(preset))
+        if picks[path] not in names:
+            raise ConfigError(f"{first.origin(by)}: expected one of {names}")
+    tree = trees[_pick_key(picks)]
+    for key, v, origin, where in sources(preset):
+        if tree.set(key, v, origin, where=where):
+            continue
+        other = next((t.leaf(key) for t in trees.values() if t.leaf(key)), None)
+        if other is None or other.picked_by is None:
+            source = origin if where is None else where
+            raise ConfigError(f"{source}: no setting is called {key!r}")
+        if where is not None:  # a flag or variable of another pick; a preset's is just unused
+            by, name = other.picked_by
+            log.warning("%s is a setting of %s %s; ignored", where, _flag(by), name)
 
-    missing = [all_leaves[n].flag for n in all_leaves if n not in values]
-    if missing:
-        parser.error(f"missing required values: {', '.join(missing)}")
-    cfg = _build(cls, values)
-    validate(cfg, origins)
-    if print_config:
+    cfg = tree.build()
+    validate(cfg, tree.origins)
+    if args.print_config:
         extra = dict(print_extra(cfg)) if print_extra else {}
         print(json.dumps({**to_dict(cfg), **extra}, indent=2, default=str))
         raise SystemExit(0)
     return cfg
 
 
-def _build(cls: type[T], values: Mapping[str, Any]) -> T:
-    hints = _hints(cls)
-    kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            kwargs[f.name] = tp(**{g.name: values[g.name] for g in dataclasses.fields(tp)})
-        else:
-            kwargs[f.name] = values[f.name]
-    return cls(**kwargs)
+def _pick_key(picks: Mapping[tuple[str, ...], str]) -> tuple[tuple[tuple[str, ...], str], ...]:
+    return tuple(sorted(picks.items()))
 
 
-def validate(cfg: Any, origins: Mapping[str, str] | None = None) -> None:
-    """Check every leaf against its bounds (floats must be finite), then each section's and the
-    config's own `check()` (combinations). `origins` maps a field to where its value came from
-    (`--lr nan`, `environment GEO3K_NUM_GPUS=-1`, `preset 'tiny' (...)`) for the message."""
+def validate(cfg: Any, origins: Mapping[tuple[str, ...], str] | None = None) -> None:
+    """Check every setting against its bounds (floats must be finite), then each section's and
+    the config's own `check()` (combinations). `origins` maps a setting's path to where its
+    value came from (`--lr nan`, `environment GEO3K_NUM_GPUS=-1`, `preset 'tiny' (...)`)."""
     origins = origins or {}
-    for leaf in leaves(type(cfg)):
-        section = getattr(cfg, leaf.section) if leaf.section else cfg
-        value = getattr(section, leaf.name)
+    for leaf in leaves(cfg):
+        value = _get(cfg, leaf.path)
         problem = _problem(leaf, value)
         if problem:
-            where = origins.get(leaf.name, f"{leaf.flag} {value!r}")
+            where = origins.get(leaf.path, f"{leaf.display} {value!r}")
             raise ConfigError(f"{where}: {problem}")
+    for part in _sections(cfg):
+        if hasattr(part, "check"):
+            try:
+                part.check()
+            except ConfigError:
+                raise
+            except ValueError as err:  # a package's check() names its flags in a ValueError
+                raise ConfigError(str(err)) from None
+
+
+def _get(cfg: Any, path: Sequence[str]) -> Any:
+    for name in path:
+        cfg = getattr(cfg, name)
+    return cfg
+
+
+def _sections(cfg: Any, root: bool = True) -> Iterator[Any]:
+    """The sections of the tree, deepest first, then the root."""
+    hints = _hints(type(cfg))
     for f in dataclasses.fields(cfg):
-        section = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(section) and hasattr(section, "check"):
-            section.check()
-    if hasattr(cfg, "check"):
-        cfg.check()
+        value = getattr(cfg, f.name)
+        if "options" in f.metadata or _is_section(f, hints[f.name], root):
+            yield from _sections(value, root=False)
+    yield cfg
 
 
 def _problem(leaf: Leaf, value: Any) -> str | None:
@@ -407,9 +638,18 @@ def _problem(leaf: Leaf, value: Any) -> str | None:
     return None
 
 
-def to_dict(cfg: Any) -> dict[str, Any]:
-    """The config as plain JSON-able data (nested by section)."""
-    return dataclasses.asdict(cfg)
+def to_dict(cfg: Any, *, root: bool = True) -> dict[str, Any]:
+    """The settings as plain JSON-able data, nested by section (what the app fills in is not
+    a setting and is left out)."""
+    out: dict[str, Any] = {}
+    hints = _hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if "options" in f.metadata or _is_section(f, hints[f.name], root):
+            out[f.name] = to_dict(value, root=False)
+        elif _is_setting(f, root):
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
 
 
 def to_json(cfg: Any) -> str:

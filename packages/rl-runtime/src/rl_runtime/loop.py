@@ -67,6 +67,12 @@ class GrpoLoopConfig:
         3, "stop after this many steps in a row with a non-finite loss or gradient (0: never)", ge=0
     )
 
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps of the whole run (a learning-rate schedule's length)."""
+        per_rollout = self.rollout_batch_size * self.n_samples_per_prompt // self.global_batch_size
+        return self.num_rollout * max(1, per_rollout)
+
     def check(self) -> None:
         """Each rollout splits into whole optimizer steps (the schedule counts them)."""
         samples = self.rollout_batch_size * self.n_samples_per_prompt

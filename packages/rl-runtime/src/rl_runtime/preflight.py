@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import importlib
 import logging
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -40,21 +40,13 @@ def check_gpus(needed: int, *, preset: str | None = None, available: int | None 
     )
 
 
-def check_backend(backend: str, *, actor_attr: str = "MegatronActor") -> None:
-    """The training backend must be importable and provide its actor."""
-    if backend == "fsdp":
-        return
-    if backend != "megatron":
-        raise PreflightError(f"unknown training backend {backend!r}: choose megatron or fsdp")
+def check_backend(backend: str, trainer: Any) -> None:
+    """The trainer package `backend` picked must import and provide its actor
+    (`TrainerConfig.actor_class`): a missing one stops the run before Ray starts."""
     try:
-        mod = importlib.import_module("trainers_megatron")
-    except ImportError as e:
+        trainer.actor_class()
+    except (ImportError, AttributeError) as e:
         raise PreflightError(
-            f"backend 'megatron' needs the trainers_megatron package ({e}); install the GPU "
-            "extra (uv sync --extra gpu) or use GEO3K_TRAIN_BACKEND=fsdp / --backend fsdp"
+            f"backend {backend!r} is not available here ({type(e).__name__}: {e}); install the "
+            "GPU extra (uv sync --extra gpu) or use the FSDP backend: --backend fsdp"
         ) from None
-    if not hasattr(mod, actor_attr):
-        raise PreflightError(
-            f"backend 'megatron' is not available yet: trainers_megatron provides no "
-            f"{actor_attr}. Use the FSDP backend: GEO3K_TRAIN_BACKEND=fsdp or --backend fsdp"
-        )

@@ -42,6 +42,36 @@ class TrainActor(Protocol):
         ...
 
 
+class TrainerConfig(Protocol):
+    """A trainer package's config (`trainers_fsdp.FsdpConfig`, `trainers_megatron.MegatronConfig`):
+    the user's settings, completed for one run by `for_run`, then built into the actor in each
+    trainer rank (`build`, a picklable bound method). rl-runtime sees nothing else of it."""
+
+    max_tokens_per_gpu: int
+
+    def for_run(
+        self,
+        *,
+        model: Any,
+        seed: int,
+        use_gpu: bool,
+        tp: int = 1,
+        sp: bool = False,
+        recompute: bool = False,
+        temperature: float = 1.0,
+        grpo: Any = None,
+        reference_model: bool = False,
+        total_steps: int | None = None,
+        lr: float | None = None,
+    ) -> TrainerConfig: ...
+
+    def actor_class(self) -> type:
+        """The actor's class, imported here (ImportError: the backend is not installed)."""
+        ...
+
+    def build(self) -> TrainActor: ...
+
+
 NamedTensors = list[tuple[str, Tensor]]
 
 

@@ -1,11 +1,16 @@
 """The SFT loop: batches of formatted conversations, loss on assistant tokens, checkpoints that
-resume exactly, and a Hugging Face export the GRPO app can start from (`--load`)."""
+resume exactly, and a Hugging Face export the GRPO app can start from (`--load`). `train_sft`
+runs it on Ray (an SFT launcher's run); `sft_warmup` is a GRPO launcher's short format warm-up
+through the same code, so that no launcher runs another."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,12 +18,14 @@ from typing import Any
 import torch
 
 from rl_algos import TrainBatch
-from rl_runtime.checkpoint import CheckpointManager
-from rl_runtime.config import option
+from rl_runtime.checkpoint import CheckpointManager, resume_step
+from rl_runtime.cluster import Cluster, ClusterConfig, layout
+from rl_runtime.config import option, to_dict
 from rl_runtime.data import PromptSampler
 from rl_runtime.metrics import RunLogger
 from rl_runtime.progress import step_progress
-from rl_runtime.protocols import PromptSource
+from rl_runtime.protocols import PromptSource, TrainerConfig
+from rl_runtime.run import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +37,26 @@ class SftLoopConfig:
     sft_save_interval: int = option(100, "checkpoint every N SFT steps (0: only at the end)", ge=0)
     sft_keep_checkpoints: int = option(2, "how many SFT checkpoints to keep (0: all)", ge=0)
     sft_seed: int = option(1234, "seed of the SFT data order", ge=0)
+
+
+@dataclass
+class WarmupConfig:
+    """A GRPO run's SFT warm-up, without --load: a random model learns the answer format."""
+
+    warmup_sft_steps: int = option(
+        0, "without --load: SFT steps to run first (the tiny preset's format warm-up)", ge=0
+    )
+    warmup_sft_batch_size: int = option(32, "SFT warm-up batch size", ge=1)
+    warmup_sft_lr: float = option(3e-3, "SFT warm-up learning rate", gt=0)
+
+    def loop(self, seed: int) -> SftLoopConfig:
+        """The warm-up's SFT loop: a checkpoint only at the end."""
+        return SftLoopConfig(
+            sft_num_steps=self.warmup_sft_steps,
+            sft_batch_size=self.warmup_sft_batch_size,
+            sft_save_interval=0,
+            sft_seed=seed,
+        )
 
 
 def sft_batch(samples: Sequence[Any]) -> TrainBatch:
@@ -87,3 +114,91 @@ def run_sft(
         train.export_hf(export_dir)
         log.info("SFT weights exported to %s", export_dir)
     return logger.rows()
+
+
+def train_sft(
+    cfg: SftLoopConfig,
+    *,
+    run: RunConfig,
+    cluster: ClusterConfig,
+    trainer: TrainerConfig,
+    samples: PromptSource,
+    tp_size: int = 1,
+    config: Mapping[str, Any] | None = None,
+    start_step: int | None = None,
+    on_export: Callable[[Path], None] | None = None,
+) -> Path:
+    """An SFT run on Ray into `run.output_dir`: the trainer ranks (`trainer`, completed for the
+    run), the loop, checkpoints (resumed with `run.resume`) and the final weights in `hf/`,
+    where `on_export(folder)` adds what loads with them (the processor). `config` is logged."""
+    run_dir = Path(run.output_dir)
+    checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.sft_keep_checkpoints)
+    with Cluster(cluster, layout(cluster, with_engines=False)) as ray_cluster:
+        train = ray_cluster.train_group(trainer, tp_size=tp_size)
+        logger = RunLogger(
+            run_dir,
+            wandb=run.use_wandb(os.environ),
+            wandb_project=run.wandb_project,
+            config=dict(config or {}),
+            resume_step=start_step,
+        )
+        checkpoints.clean_partial()
+        export = run_dir / "hf"
+        run_sft(
+            cfg,
+            train=train,
+            samples=samples,
+            logger=logger,
+            checkpoints=checkpoints,
+            export_dir=export,
+            resume=run.resume,
+        )
+        if on_export is not None:
+            on_export(export)
+        logger.close()
+    log.info("SFT done: %d rows skipped; weights in %s", samples.skipped, export)
+    return export
+
+
+def sft_warmup(
+    w: WarmupConfig,
+    *,
+    run: RunConfig,
+    cluster: ClusterConfig,
+    trainer: TrainerConfig,
+    samples: Callable[[], PromptSource],
+    tp_size: int = 1,
+    config: Mapping[str, Any] | None = None,
+    on_export: Callable[[Path], None] | None = None,
+) -> Path:
+    """A GRPO run's warm-up into `<output_dir>/sft_warmup` (`trainer` already has the warm-up's
+    learning rate and length); returns that folder, which GRPO then loads. A finished warm-up
+    there is reused; one that left a checkpoint resumes, one killed before starts over."""
+    sft_dir = Path(run.output_dir) / "sft_warmup"
+    if (sft_dir / "hf" / "config.json").is_file():
+        log.info("reusing the SFT warm-up in %s", sft_dir)
+        return sft_dir
+    log.info(
+        "no --load given: running a short SFT warm-up first (%d steps, rl_runtime.train_sft) so "
+        "that the random model learns the answer format; then GRPO starts from it",
+        w.warmup_sft_steps,
+    )
+    checkpoints = CheckpointManager(sft_dir / "checkpoints")
+    resume = checkpoints.latest() is not None
+    warm_run = dataclasses.replace(run, output_dir=str(sft_dir), resume=resume, load=None)
+    loop = w.loop(run.seed)
+    settings = {**(config or {}), "sft": to_dict(loop)}
+    sft_dir.mkdir(parents=True, exist_ok=True)
+    (sft_dir / "config.json").write_text(json.dumps(settings, indent=2, default=str))
+    train_sft(
+        loop,
+        run=warm_run,
+        cluster=cluster,
+        trainer=trainer,
+        samples=samples(),
+        tp_size=tp_size,
+        config=settings,
+        start_step=resume_step(checkpoints, sft_dir) if resume else None,
+        on_export=on_export,
+    )
+    return sft_dir

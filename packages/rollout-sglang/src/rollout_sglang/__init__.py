@@ -5,84 +5,85 @@
 :class:`SGLangServer`), :class:`EngineRouter` (data-parallel rollout over several engines) and
 :func:`build_engine`, which picks SGLang when it is installed and the transformers engine
 otherwise. sglang is an optional extra: nothing here imports it until an SGLang engine is built.
+
+`RolloutConfig` imports at once; every other name loads its module on first use (the
+transformers engine imports transformers, seconds), so a launcher parses its flags without them.
 """
 
-from rollout_sglang.config import RolloutConfig, build_engine, resolve_backend
-from rollout_sglang.cuda_ipc import CudaIpc, CudaIpcTransport
-from rollout_sglang.hf_engine import HFEngine
-from rollout_sglang.router import EngineRouter
-from rollout_sglang.sglang_engine import (
-    INSTALL_HINT,
-    SGLangClient,
-    SGLangConfig,
-    SGLangEngine,
-    SGLangServer,
-    require_sglang,
-    sglang_available,
-)
-from rollout_sglang.sglang_protocol import (
-    encode_image,
-    generate_payload,
-    parse_output,
-    sampling_params_payload,
-)
-from rollout_sglang.types import (
-    Completion,
-    FinishReason,
-    GenerateRequest,
-    NamedTensors,
-    RolloutEngine,
-    SamplingParams,
-)
-from rollout_sglang.validation import RequestLimits, request_error
-from rollout_sglang.weight_names import WeightNameCheck, check_weight_names, sglang_param_name
-from rollout_sglang.weight_sync import (
-    DistributedWeightSender,
-    EngineTransport,
-    LinkedEngine,
-    Nccl,
-    WeightTransport,
-    choose_weight_transport,
-    init_weight_sync_group,
-)
-from rollout_sglang.weights import WeightLoader
+import importlib
+from typing import Any
 
-__all__ = [
-    "INSTALL_HINT",
-    "Completion",
-    "CudaIpc",
-    "CudaIpcTransport",
-    "DistributedWeightSender",
-    "EngineRouter",
-    "EngineTransport",
-    "FinishReason",
-    "GenerateRequest",
-    "HFEngine",
-    "LinkedEngine",
-    "NamedTensors",
-    "Nccl",
-    "RequestLimits",
-    "RolloutConfig",
-    "RolloutEngine",
-    "SGLangClient",
-    "SGLangConfig",
-    "SGLangEngine",
-    "SGLangServer",
-    "SamplingParams",
-    "WeightLoader",
-    "WeightNameCheck",
-    "WeightTransport",
-    "build_engine",
-    "check_weight_names",
-    "choose_weight_transport",
-    "encode_image",
-    "generate_payload",
-    "init_weight_sync_group",
-    "parse_output",
-    "request_error",
-    "require_sglang",
-    "resolve_backend",
-    "sampling_params_payload",
-    "sglang_available",
-    "sglang_param_name",
-]
+from rollout_sglang.config import RolloutConfig, build_engine, resolve_backend
+
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "cuda_ipc": (
+        "CudaIpc",
+        "CudaIpcTransport",
+    ),
+    "hf_engine": ("HFEngine",),
+    "launch": (
+        "engine_factory",
+        "build_hf_engine",
+        "uses_sglang",
+        "weight_transport",
+    ),
+    "router": ("EngineRouter",),
+    "sglang_engine": (
+        "INSTALL_HINT",
+        "SGLangClient",
+        "SGLangConfig",
+        "SGLangEngine",
+        "SGLangServer",
+        "require_sglang",
+        "sglang_available",
+    ),
+    "sglang_protocol": (
+        "encode_image",
+        "generate_payload",
+        "parse_output",
+        "sampling_params_payload",
+    ),
+    "types": (
+        "Completion",
+        "FinishReason",
+        "GenerateRequest",
+        "NamedTensors",
+        "RolloutEngine",
+        "SamplingParams",
+    ),
+    "validation": (
+        "RequestLimits",
+        "request_error",
+    ),
+    "weight_names": (
+        "WeightNameCheck",
+        "check_weight_names",
+        "sglang_param_name",
+    ),
+    "weight_sync": (
+        "DistributedWeightSender",
+        "EngineTransport",
+        "LinkedEngine",
+        "Nccl",
+        "WeightTransport",
+        "choose_weight_transport",
+        "init_weight_sync_group",
+    ),
+    "weights": ("WeightLoader",),
+}
+_LAZY = {name: f"{__name__}.{module}" for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    """A name of `_EXPORTS`, imported once; afterwards a plain attribute."""
+    module = _LAZY.get(name)
+    if module is None:
+        if name in globals():  # loaded by another thread meanwhile
+            return globals()[name]
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(module), name)
+    _LAZY.pop(name, None)
+    return value
+
+
+__all__ = ["RolloutConfig", "build_engine", "resolve_backend", *_LAZY]

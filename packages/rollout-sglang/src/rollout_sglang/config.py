@@ -13,7 +13,6 @@ from typing import Any, Literal
 
 import torch
 
-from rollout_sglang.hf_engine import HFEngine
 from rollout_sglang.router import EngineRouter, Policy
 from rollout_sglang.sglang_engine import (
     INSTALL_HINT,
@@ -30,6 +29,7 @@ from rollout_sglang.weight_names import WeightNameCheck
 logger = logging.getLogger(__name__)
 
 Backend = Literal["auto", "sglang", "sglang-server", "hf"]
+TransportKind = Literal["auto", "object-store", "cuda-ipc", "nccl"]
 
 
 @dataclass
@@ -41,17 +41,48 @@ class RolloutConfig:
     num_engines: data-parallel engines behind a router (SGLang: each on its own
         ``tp_size`` GPUs, starting at ``base_gpu_id``; ports ``port + i``).
     mm_attention_backend: the vision attention kernel of SGLang ("sdpa" on B200).
+
+    Fields with a help text are a launcher's settings (`rl_runtime.parse_config`); the
+    launcher fills in the rest (the model folder, the image bounds).
     """
 
     model_path: str = ""
-    backend: Backend = "auto"
+    backend: Backend = field(
+        default="auto",
+        metadata={
+            "help": "rollout engine; auto: SGLang on GPUs when installed, else transformers",
+            "flag": "rollout_engine",
+            "choices": ("auto", "sglang", "hf"),  # what the launchers build
+        },
+    )
     num_engines: int = 1
     router_policy: Policy = "round_robin"
     # SGLang
-    tp_size: int = 1
+    tp_size: int = field(
+        default=1,
+        metadata={
+            "help": "GPUs per rollout engine (SGLang tensor parallel)",
+            "flag": "rollout_num_gpus_per_engine",
+            "ge": 1,
+        },
+    )
     dtype: str = "bfloat16"
-    mem_fraction_static: float = 0.7
-    mm_attention_backend: str | None = None
+    mem_fraction_static: float = field(
+        default=0.6,
+        metadata={
+            "help": "SGLang: GPU memory fraction for weights+KV",
+            "flag": "sglang_mem_fraction_static",
+            "gt": 0,
+            "lt": 1,
+        },
+    )
+    mm_attention_backend: str | None = field(
+        default=None,
+        metadata={
+            "help": "SGLang vision attention kernel ('sdpa' on B200, where fa3 is missing)",
+            "flag": "sglang_mm_attention_backend",
+        },
+    )
     attention_backend: str | None = None
     context_length: int | None = None
     base_gpu_id: int = 0
@@ -68,11 +99,27 @@ class RolloutConfig:
     # HF engine (see HFEngine): sequences decoding at once, the KV cache's share of free GPU
     # memory, CUDA-graph decode, torch.compile of the decode step's layer blocks
     device: str | None = None
-    max_batch_size: int = 256
+    max_batch_size: int = field(
+        default=256,
+        metadata={
+            "help": "transformers engine: sequences decoding at once (KV-cache slots)",
+            "flag": "rollout_max_batch_size",
+            "ge": 1,
+        },
+    )
     attn_implementation: str = "sdpa"
     kv_cache_fraction: float = 0.5
     cuda_graphs: bool = True
     compile_decode: bool = False
+    # how trainer rank 0 sends weights (`choose_weight_transport`)
+    weight_transport: TransportKind = field(
+        default="auto",
+        metadata={
+            "help": "how weights reach the engines; auto: CUDA IPC colocated on one trainer GPU, "
+            "NCCL to SGLang on GPUs of its own, else Ray's object store (which serves every "
+            "layout)"
+        },
+    )
 
     def sglang_config(self, index: int = 0) -> SGLangConfig:
         return SGLangConfig(
@@ -134,6 +181,8 @@ def build_engine(config: RolloutConfig, *, model: torch.nn.Module | None = None)
     from ``config.model_path`` with ``vlm_models.build_model`` when not given)."""
     backend = resolve_backend(config.backend)
     if backend == "hf":
+        from rollout_sglang.hf_engine import HFEngine  # imports transformers: only when built
+
         if model is None:
             from vlm_models import build_model
 

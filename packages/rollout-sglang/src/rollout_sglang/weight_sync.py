@@ -29,12 +29,13 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, get_args, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rollout_sglang.config import TransportKind
 from rollout_sglang.types import NamedTensors
 from rollout_sglang.weight_names import WeightNameCheck, check_weight_names
 
@@ -377,7 +378,7 @@ class Nccl:
 
 
 #: What ``choose_weight_transport(kind=...)`` (and the launchers' ``--weight-transport``) take.
-TRANSPORT_KINDS = ("auto", "object-store", "cuda-ipc", "nccl")
+TRANSPORT_KINDS: tuple[str, ...] = get_args(TransportKind)
 
 
 def choose_weight_transport(

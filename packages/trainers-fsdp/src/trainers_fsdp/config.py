@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from rl_algos import GrpoLossConfig
@@ -14,13 +14,30 @@ LrSchedule = Literal["constant", "cosine"]
 class OptimConfig:
     """AdamW with gradient-norm clipping and a warmup + (constant | cosine) schedule."""
 
-    lr: float = 1e-6
-    betas: tuple[float, float] = (0.9, 0.999)
+    lr: float = field(
+        default=1e-6, metadata={"help": "learning rate (the peak, after any warm-up)", "gt": 0}
+    )
+    # the recipes' betas and decay (miles / slime geo3k); torch's AdamW defaults are 0.999, 0.01
+    betas: tuple[float, float] = field(
+        default=(0.9, 0.98),
+        metadata={"help": "Adam betas", "items": ("adam_beta1", "adam_beta2"), "ge": 0, "lt": 1},
+    )
     eps: float = 1e-8
-    weight_decay: float = 0.01  # applied to matrices only; norms, biases and embeddings' 1-D
-    max_grad_norm: float = 1.0  # <= 0: report the norm, do not clip
-    lr_schedule: LrSchedule = "constant"
-    warmup_steps: int = 0  # linear warmup from 0 to lr
+    weight_decay: float = field(  # applied to matrices only; norms, biases and embeddings' 1-D
+        default=0.1, metadata={"help": "weight decay", "ge": 0}
+    )
+    max_grad_norm: float = field(  # <= 0: report the norm, do not clip
+        default=1.0,
+        metadata={
+            "help": "gradient-norm clip (0: report the norm, do not clip)",
+            "flag": "clip_grad",
+            "ge": 0,
+        },
+    )
+    lr_schedule: LrSchedule = field(default="constant", metadata={"help": "learning-rate schedule"})
+    warmup_steps: int = field(  # linear warmup from 0 to lr
+        default=0, metadata={"help": "linear warm-up steps", "flag": "lr_warmup_steps", "ge": 0}
+    )
     total_steps: int | None = None  # cosine: steps to decay over (warmup included)
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
     fused: bool | None = None  # fused AdamW kernel; None: on CUDA
@@ -37,17 +54,24 @@ class FsdpConfig:
     ``model`` is anything :func:`vlm_models.build_model` takes: a preset name
     (``"qwen3-vl-tiny"``, ``"qwen3-vl-2b"``: random init), a local HF folder, a hub id or a
     config object. Dtypes are names (``"bfloat16"``) so the config stays plain data.
+
+    Fields with a help text are a launcher's settings (`rl_runtime.parse_config`);
+    :meth:`for_run` fills in the rest for one run, and :meth:`build` makes the actor.
     """
 
     model: Any = "qwen3-vl-tiny"
     model_overrides: dict[str, Any] = field(default_factory=dict)
     # "packed": varlen attention within sample boundaries (trainers_fsdp.attention);
     # "sdpa" / "flash_attention_2": transformers' own (packed by position ids).
-    attn_implementation: str = "packed"
+    attn_implementation: str = field(
+        default="packed", metadata={"help": "trainer attention (packed | sdpa | ...)"}
+    )
     vision_attn_implementation: str = "sdpa"
-    freeze_vision: bool = False
+    freeze_vision: bool = field(default=False, metadata={"help": "keep the vision tower frozen"})
     device: str = "auto"  # "auto" | "cpu" | "cuda"
-    param_dtype: str | None = None  # compute dtype; None: bfloat16 on CUDA, float32 on CPU
+    param_dtype: str | None = field(  # compute dtype; None: bfloat16 on CUDA, float32 on CPU
+        default=None, metadata={"help": "compute dtype (default: bfloat16 on GPU, fp32 on CPU)"}
+    )
     reduce_dtype: str = "float32"  # gradient reduce-scatter dtype (master weights stay float32)
     # In a world of one there is nothing to shard: the model trains without FSDP, bf16
     # compute weights over flat float32 masters (trainers_fsdp.master). True wraps it in FSDP
@@ -57,7 +81,15 @@ class FsdpConfig:
     # weights over float32 masters) and the gradients are averaged by one all-reduce before
     # they are read (norm, update). For models whose weights, gradients and AdamW state fit on
     # one GPU (the 2B model peaks at ~58 GiB): no per-layer gathers, no DTensor optimizer.
-    replicate: bool = False
+    replicate: bool = field(
+        default=False,
+        metadata={
+            "help": "on several GPUs: each holds the whole model (bf16 over float32 masters) and "
+            "one all-reduce averages the gradients, instead of FSDP sharding; for models that "
+            "fit on one GPU",
+            "flag": "fsdp_replicate",
+        },
+    )
     # ZeRO-3 (True) or keep params gathered from forward to backward (False); None: True when
     # there is more than one rank (a world of one saves nothing by resharding).
     reshard_after_forward: bool | None = None
@@ -76,15 +108,23 @@ class FsdpConfig:
     # torch.compile each decoder layer / vision block (not of a CPU-offloaded reference model),
     # and the log-prob / entropy chunk kernels; None: on CUDA for dense Qwen3-VL
     # (parallelize.compile_by_default), otherwise off
-    compile: bool | None = None
-    max_tokens_per_gpu: int = 16384  # micro-batch token budget (dynamic batch size)
+    compile: bool | None = field(
+        default=None,
+        metadata={
+            "help": "torch.compile each decoder layer, vision block and the log-prob kernels "
+            "(default: on GPU for dense Qwen3-VL, otherwise off)"
+        },
+    )
+    max_tokens_per_gpu: int = field(  # micro-batch token budget (dynamic batch size)
+        default=16384, metadata={"help": "micro-batch token budget per GPU", "ge": 1}
+    )
     temperature: float = 1.0  # the rollout's sampling temperature, for log-probs
     # "loss": run the LM head only on rows that predict loss tokens (log-probs elsewhere are 0,
     # as the token alignment convention allows); "all": every position.
     logprobs_scope: str = "loss"
     grpo: GrpoLossConfig = field(default_factory=GrpoLossConfig)
     sft_loss_agg_mode: str = "token-mean"
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "AdamW"})
     reference_model: bool = False  # keep a frozen copy of the initial weights for KL
     offload_reference: bool = True  # reference params live in CPU memory (gathered per layer)
     log_entropy: bool = True  # entropy metric in train_step (no gradient unless entropy_coef)
@@ -103,3 +143,47 @@ class FsdpConfig:
             raise ValueError(
                 f"optim.lr_schedule must be 'constant' or 'cosine', got {self.optim.lr_schedule!r}"
             )
+
+    def actor_class(self) -> type:
+        """The actor this config builds (importing it loads torch.distributed and the model
+        code, so a launcher parses the config without it)."""
+        import trainers_fsdp
+
+        return trainers_fsdp.FsdpActor
+
+    def build(self) -> Any:
+        """The actor, built in each trainer rank's process."""
+        return self.actor_class()(self)
+
+    def for_run(
+        self,
+        *,
+        model: Any,
+        seed: int,
+        use_gpu: bool,
+        tp: int = 1,
+        sp: bool = False,
+        recompute: bool = False,
+        temperature: float = 1.0,
+        grpo: GrpoLossConfig | None = None,
+        reference_model: bool = False,
+        total_steps: int | None = None,
+        lr: float | None = None,
+    ) -> FsdpConfig:
+        """This config completed for one run (the same keywords as the Megatron config's):
+        what a launcher settles (the model, the layout: FSDP shards, so no tensor or sequence
+        parallel) and what the loop sets (sampling temperature, loss, schedule length)."""
+        if tp > 1 or sp:
+            raise ValueError("the fsdp backend shards instead of tensor / sequence parallel")
+        optim = replace(self.optim, total_steps=total_steps, lr=self.optim.lr if lr is None else lr)
+        return replace(
+            self,
+            model=model,
+            seed=seed,
+            device="cuda" if use_gpu else "cpu",
+            activation_checkpointing=recompute,
+            temperature=temperature,
+            grpo=self.grpo if grpo is None else grpo,
+            reference_model=reference_model,
+            optim=optim,
+        )

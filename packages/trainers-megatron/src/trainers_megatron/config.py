@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from rl_algos import GrpoLossConfig
@@ -16,6 +16,9 @@ class MegatronConfig:
     (streamed into the shards), a hub id (downloaded first; the launchers pass the folder) or a
     config object (random init). Anything else is an error, never a random model. Dtypes are
     names.
+
+    Fields with a help text are a launcher's settings (`rl_runtime.parse_config`);
+    :meth:`for_run` fills in the rest for one run, and :meth:`build` makes the actor.
     """
 
     model: Any = "qwen3-vl-tiny"
@@ -29,8 +32,16 @@ class MegatronConfig:
     ep: int = 1  # expert parallel (MoE): experts split over this many data-parallel ranks
     # megatron-core's distributed optimizer: float32 masters and AdamW moments sharded over the
     # data-parallel ranks (False: every rank holds them whole)
-    distributed_optimizer: bool = True
-    param_dtype: str | None = None  # compute dtype; None: bfloat16 on CUDA, float32 on CPU
+    distributed_optimizer: bool = field(
+        default=True,
+        metadata={
+            "help": "megatron-core's distributed optimizer (float32 masters and AdamW moments "
+            "sharded over data-parallel ranks); --no-distributed-optimizer keeps them whole"
+        },
+    )
+    param_dtype: str | None = field(  # compute dtype; None: bfloat16 on CUDA, float32 on CPU
+        default=None, metadata={"help": "compute dtype (default: bfloat16 on GPU, fp32 on CPU)"}
+    )
     # activation recomputation (TransformerConfig.recompute_granularity): "full" recomputes
     # whole decoder layers (recompute_method / recompute_num_layers say which), "selective"
     # the parts in recompute_modules (None: megatron-core's default, core attention);
@@ -44,17 +55,39 @@ class MegatronConfig:
     # understood; None: on CUDA for dense models (compiles_by_default)
     compile: bool | None = False
     reference_model: bool = False  # keep a frozen copy of the initial weights (KL penalty)
-    max_tokens_per_gpu: int = 16384  # micro-batch token budget (packed THD sequences)
+    max_tokens_per_gpu: int = field(  # micro-batch token budget (packed THD sequences)
+        default=16384, metadata={"help": "micro-batch token budget per GPU", "ge": 1}
+    )
     temperature: float = 1.0  # the rollout's sampling temperature, for log-probs
     grpo: GrpoLossConfig = field(default_factory=GrpoLossConfig)
     sft_loss_agg_mode: str = "token-mean"
-    lr: float = 1e-6
-    betas: tuple[float, float] = (0.9, 0.999)
+    lr: float = field(
+        default=1e-6, metadata={"help": "learning rate (the peak, after any warm-up)", "gt": 0}
+    )
+    # the recipes' betas and decay (miles / slime geo3k); torch's AdamW defaults are 0.999, 0.01
+    betas: tuple[float, float] = field(
+        default=(0.9, 0.98),
+        metadata={"help": "Adam betas", "items": ("adam_beta1", "adam_beta2"), "ge": 0, "lt": 1},
+    )
     eps: float = 1e-8
-    weight_decay: float = 0.01  # matrices only (norms, biases: none)
-    max_grad_norm: float = 1.0  # <= 0: report the norm, do not clip
-    lr_schedule: str = "constant"  # "constant" | "cosine" (megatron-core's scheduler)
-    warmup_steps: int = 0  # linear warmup from 0 to lr over this many optimizer steps
+    weight_decay: float = field(  # matrices only (norms, biases: none)
+        default=0.1, metadata={"help": "weight decay", "ge": 0}
+    )
+    max_grad_norm: float = field(  # <= 0: report the norm, do not clip
+        default=1.0,
+        metadata={
+            "help": "gradient-norm clip (0: report the norm, do not clip)",
+            "flag": "clip_grad",
+            "ge": 0,
+        },
+    )
+    lr_schedule: str = field(  # megatron-core's scheduler
+        default="constant",
+        metadata={"help": "learning-rate schedule", "choices": ("constant", "cosine")},
+    )
+    warmup_steps: int = field(  # linear warmup from 0 to lr over this many optimizer steps
+        default=0, metadata={"help": "linear warm-up steps", "flag": "lr_warmup_steps", "ge": 0}
+    )
     total_steps: int | None = None  # cosine: optimizer steps to decay over (warmup included)
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
     export_dtype: str = "bfloat16"
@@ -85,3 +118,50 @@ class MegatronConfig:
             raise ValueError("lr_schedule='cosine' needs total_steps")
         if self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError("warmup_steps must be >= 0 and min_lr_ratio within [0, 1]")
+
+    def actor_class(self) -> type:
+        """The actor this config builds (importing it loads megatron-core, so a launcher
+        parses the config without it)."""
+        import trainers_megatron
+
+        return trainers_megatron.MegatronActor
+
+    def build(self) -> Any:
+        """The actor, built in each trainer rank's process."""
+        return self.actor_class()(self)
+
+    def for_run(
+        self,
+        *,
+        model: Any,
+        seed: int,
+        use_gpu: bool,
+        tp: int = 1,
+        sp: bool = False,
+        pp: int = 1,
+        ep: int = 1,
+        recompute: str | bool = "none",
+        temperature: float = 1.0,
+        grpo: GrpoLossConfig | None = None,
+        reference_model: bool = False,
+        total_steps: int | None = None,
+        lr: float | None = None,
+    ) -> MegatronConfig:
+        """This config completed for one run (the same keywords as the FSDP config's): what a
+        launcher settles (the model, the layout) and what the loop sets (sampling temperature,
+        loss, schedule length). The device is the rank's (CUDA where there is one)."""
+        return replace(
+            self,
+            model=model,
+            seed=seed,
+            tp=tp,
+            sp=sp,
+            pp=pp,
+            ep=ep,
+            recompute=recompute,
+            temperature=temperature,
+            grpo=self.grpo if grpo is None else grpo,
+            reference_model=reference_model,
+            total_steps=total_steps,
+            lr=self.lr if lr is None else lr,
+        )

@@ -20,26 +20,13 @@ from typing import Any, Generic, TypeVar
 import torch
 from PIL import Image
 
+from vlm_data.config import TEMPLATES
 from vlm_data.images import ImageError, ImageLoader
 from vlm_data.loading import ANSWER_KEY, IMAGE_KEY, PROMPT_KEY
 
 logger = logging.getLogger(__name__)
 
 IMAGE_PLACEHOLDER = "<image>"
-
-#: Prompt templates by name. `{problem}` is the row's problem text, placeholders included.
-TEMPLATES: dict[str, str] = {
-    # The problem as it is, as the reference recipes (miles, slime) feed geo3k.
-    "none": "{problem}",
-    "boxed": "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
-    # The R1-style template of EasyR1 and verl's geo3k example.
-    "think-boxed": (
-        "{problem} You FIRST think about the reasoning process as an internal monologue and then "
-        "provide the final answer. The reasoning process MUST BE enclosed within <think> </think> "
-        "tags. The final answer MUST BE put in \\boxed{{}}."
-    ),
-}
-
 
 T = TypeVar("T")
 

@@ -3,102 +3,110 @@
 Builders (:func:`build_model`, :func:`tiny_config`), the GEMM patch embedding, packed M-RoPE
 position ids, the packed :class:`MicroBatch` both trainers use, packed linear attention (state
 reset at sample boundaries) and utilities for MFU and weight sync. Megatron modules live in ``vlm_models.megatron`` and are not imported here.
+
+`ModelConfig` (and `ModelSourceError`) import at once; every other name loads its module on first
+use, since those import transformers (seconds) and a launcher parses its flags without them.
 """
 
-from vlm_models.build import (
-    build_model,
-    check_attn_implementation,
-    resolve_config,
-    set_vision_trainable,
-    vision_tower,
-)
-from vlm_models.flops import (
-    count_parameters,
-    flops_per_token,
-    lm_matmul_params,
-    parameter_counts,
-    vision_flops,
-    vision_matmul_params_per_patch,
-    vision_params,
-)
-from vlm_models.hub import ModelSourceError, has_weights, resolve_model_source
-from vlm_models.linear_attention import (
-    has_linear_attention,
-    linear_attention_packs,
-    pack_linear_attention,
-)
-from vlm_models.microbatch import MicroBatch, PinnedStaging, build_micro_batch, dummy_image
-from vlm_models.offload import HostCopies
-from vlm_models.packing import (
-    cu_seqlens_from_lengths,
-    mm_token_types,
-    packed_inputs,
-    packed_position_ids,
-    sample_position_ids,
-    supports_packed_forward,
-    text_position_ids,
-)
-from vlm_models.patch_embed import Conv3dPatchEmbed, LinearPatchEmbed, set_fast_patch_embed
-from vlm_models.presets import PRESETS, SHAPE_PRESETS, TINY_PRESETS, preset_config, tiny_config
-from vlm_models.sync_free import remove_host_syncs
-from vlm_models.varlen import HAS_FLASH_VARLEN, flash_varlen, flash_varlen_supported
-from vlm_models.vision_attention import fuse_vision_attention, replace_forwards
-from vlm_models.vision_inputs import VisionInputs
-from vlm_models.weights import (
-    hf_named_tensors,
-    iter_weight_buckets,
-    load_named_tensors,
-    to_checkpoint_layout,
-)
+import importlib
+from typing import Any
 
-__all__ = [
-    "HAS_FLASH_VARLEN",
-    "PRESETS",
-    "SHAPE_PRESETS",
-    "TINY_PRESETS",
-    "Conv3dPatchEmbed",
-    "HostCopies",
-    "LinearPatchEmbed",
-    "MicroBatch",
-    "ModelSourceError",
-    "PinnedStaging",
-    "VisionInputs",
-    "build_micro_batch",
-    "build_model",
-    "check_attn_implementation",
-    "count_parameters",
-    "cu_seqlens_from_lengths",
-    "dummy_image",
-    "flash_varlen",
-    "flash_varlen_supported",
-    "flops_per_token",
-    "fuse_vision_attention",
-    "has_linear_attention",
-    "has_weights",
-    "hf_named_tensors",
-    "iter_weight_buckets",
-    "linear_attention_packs",
-    "lm_matmul_params",
-    "load_named_tensors",
-    "mm_token_types",
-    "pack_linear_attention",
-    "packed_inputs",
-    "packed_position_ids",
-    "parameter_counts",
-    "preset_config",
-    "remove_host_syncs",
-    "replace_forwards",
-    "resolve_config",
-    "resolve_model_source",
-    "sample_position_ids",
-    "set_fast_patch_embed",
-    "set_vision_trainable",
-    "supports_packed_forward",
-    "text_position_ids",
-    "tiny_config",
-    "to_checkpoint_layout",
-    "vision_flops",
-    "vision_matmul_params_per_patch",
-    "vision_params",
-    "vision_tower",
-]
+from vlm_models.config import SUPPORTED_MODELS, TINY_MODEL, ModelConfig, ModelSourceError
+
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "build": (
+        "build_model",
+        "check_attn_implementation",
+        "resolve_config",
+        "set_vision_trainable",
+        "vision_tower",
+    ),
+    "flops": (
+        "count_parameters",
+        "flops_per_token",
+        "lm_matmul_params",
+        "parameter_counts",
+        "vision_flops",
+        "vision_matmul_params_per_patch",
+        "vision_params",
+    ),
+    "offload": ("HostCopies",),
+    "hub": (
+        "has_weights",
+        "resolve_model_source",
+    ),
+    "sources": (
+        "model_config",
+        "model_shape",
+        "model_source",
+        "processor_source",
+        "resolve_load",
+        "resolve_model",
+        "shape_of",
+    ),
+    "linear_attention": (
+        "has_linear_attention",
+        "linear_attention_packs",
+        "pack_linear_attention",
+    ),
+    "microbatch": (
+        "MicroBatch",
+        "PinnedStaging",
+        "build_micro_batch",
+        "dummy_image",
+    ),
+    "packing": (
+        "cu_seqlens_from_lengths",
+        "mm_token_types",
+        "packed_inputs",
+        "packed_position_ids",
+        "sample_position_ids",
+        "supports_packed_forward",
+        "text_position_ids",
+    ),
+    "patch_embed": (
+        "Conv3dPatchEmbed",
+        "LinearPatchEmbed",
+        "set_fast_patch_embed",
+    ),
+    "presets": (
+        "PRESETS",
+        "SHAPE_PRESETS",
+        "TINY_PRESETS",
+        "preset_config",
+        "tiny_config",
+    ),
+    "sync_free": ("remove_host_syncs",),
+    "varlen": (
+        "HAS_FLASH_VARLEN",
+        "flash_varlen",
+        "flash_varlen_supported",
+    ),
+    "vision_attention": (
+        "fuse_vision_attention",
+        "replace_forwards",
+    ),
+    "vision_inputs": ("VisionInputs",),
+    "weights": (
+        "hf_named_tensors",
+        "iter_weight_buckets",
+        "load_named_tensors",
+        "to_checkpoint_layout",
+    ),
+}
+_LAZY = {name: f"{__name__}.{module}" for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    """A name of `_EXPORTS`, imported once; afterwards a plain attribute."""
+    module = _LAZY.get(name)
+    if module is None:
+        if name in globals():  # loaded by another thread meanwhile
+            return globals()[name]
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(module), name)
+    _LAZY.pop(name, None)
+    return value
+
+
+__all__ = ["SUPPORTED_MODELS", "TINY_MODEL", "ModelConfig", "ModelSourceError", *_LAZY]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from vlm_models.config import ModelSourceError
 from vlm_models.presets import PRESETS
 
 logger = logging.getLogger(__name__)
@@ -20,10 +21,6 @@ logger = logging.getLogger(__name__)
 #: The files a model folder needs (weights, configs, tokenizer, chat template); no .bin/.pt.
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "*.tiktoken"]
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-
-
-class ModelSourceError(ValueError):
-    """A model name that names no preset, no folder and no reachable hub model (one line)."""
 
 
 def has_weights(folder: str | Path) -> bool:

@@ -1,0 +1,114 @@
+"""geo3k_sft's configuration: the packages' own configs as one tree, the recipe's values and
+the presets. Nothing is declared here a second time: each setting is its package's field.
+
+Every setting has a dotted flag (`--trainer.lr`, `--sft.sft-num-steps`) and a short one
+(`--lr`, `--sft-num-steps`); `--backend` picks the trainer section. The environment names
+(`GEO3K_*`, then the recipes' `MILES_SCRIPT_*` and `SLIME_SCRIPT_*`) are
+`rl_runtime.recipe_env_aliases`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import vlm_models
+from rl_runtime import (
+    ClusterConfig,
+    ParallelConfig,
+    RunConfig,
+    SftLoopConfig,
+    check_parallel,
+    choice,
+    layout_report,
+    parse_config,
+    recipe_env_aliases,
+    section,
+)
+from trainers_fsdp import FsdpConfig
+from trainers_megatron import MegatronConfig
+from vlm_data import DataConfig
+from vlm_models import ModelConfig
+
+DESCRIPTION = """Supervised fine-tuning on Geometry3K-style rows, `uv run apps/geo3k_sft`.
+The assistant reply is the recipe's `Answer: \\boxed{<answer>}` (or the row's own `messages`);
+the loss covers assistant tokens only. The run folder ends with `hf/`, an HF model folder with
+the processor beside it, which `uv run apps/geo3k_grpo --load <run folder>` starts from."""
+
+TRAINERS = {"megatron": MegatronConfig, "fsdp": FsdpConfig}
+ENV_ALIASES = recipe_env_aliases("GEO3K")
+
+
+@dataclass
+class Geo3kSftConfig:
+    run: RunConfig = section(RunConfig)
+    cluster: ClusterConfig = section(ClusterConfig)
+    parallel: ParallelConfig = section(ParallelConfig)
+    model: ModelConfig = section(ModelConfig)
+    data: DataConfig = section(DataConfig)
+    trainer: MegatronConfig | FsdpConfig = choice(TRAINERS, by="backend")
+    sft: SftLoopConfig = section(SftLoopConfig)
+
+    def check(self) -> None:
+        check_parallel(self.run.backend, self.parallel)
+
+
+#: The recipe's values where a package's default is not the recipe's (the rest are).
+RECIPE: dict[str, Any] = {
+    "backend": "megatron",
+    "output_dir": "runs/geo3k_sft",
+    "wandb_project": "glimpse-geo3k",
+    "template": "none",
+    "lr": 1e-5,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # A CPU run in minutes: a random-init tiny Qwen3-VL, the offline tiny processor and the
+    # synthetic "what colour is the square" task, until the answer format is learned.
+    "tiny": {
+        "backend": "fsdp",
+        "num_gpus": 0,
+        "model_name": "qwen3-vl-tiny",
+        "tokenizer": "tiny",
+        "dataset": "synthetic:color",
+        "attn_implementation": "sdpa",
+        "output_dir": "runs/geo3k_sft_tiny",
+        "lr": 3e-3,
+        "weight_decay": 0.0,
+        "sft_num_steps": 36,
+        "sft_batch_size": 32,
+        "sft_save_interval": 12,
+    },
+}
+
+
+def print_layout(cfg: Geo3kSftConfig) -> dict[str, Any]:
+    """`--print-config`'s training layout and its memory estimate (no engines)."""
+    report = layout_report(
+        cfg.parallel,
+        cfg.cluster,
+        backend=cfg.run.backend,
+        trainer=cfg.trainer,
+        shape=vlm_models.shape_of(cfg.model, load=cfg.run.load) if cfg.cluster.use_gpu else None,
+        model_name=cfg.model.model_name,
+        with_engines=False,
+    )
+    return {"layout": report}
+
+
+def parse(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> Geo3kSftConfig:
+    return parse_config(
+        Geo3kSftConfig,
+        argv,
+        env=os.environ if env is None else env,
+        env_aliases=ENV_ALIASES,
+        presets=PRESETS,
+        defaults=RECIPE,
+        description=DESCRIPTION,
+        prog="geo3k_sft",
+        print_extra=print_layout,
+    )

@@ -1,0 +1,223 @@
+"""The training layout, settled in the driver before Ray or any model starts: `ParallelConfig`
+(tensor / sequence parallel and recompute: set, or unset to be chosen), then the first layout
+that fits the GPUs by the memory estimate of `rl_runtime.memory` (chosen when unset, refused
+with the numbers when set and too big). Nothing here touches GPU memory; the model's shape comes
+from the app (`vlm_models.model_shape`), as plain numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from rl_runtime.cluster import ClusterConfig, layout
+from rl_runtime.config import ConfigError, option
+from rl_runtime.memory import (
+    MemoryEstimate,
+    ModelShape,
+    TrainLayout,
+    check_layout,
+    choose_layout,
+    estimate_memory,
+)
+from rl_runtime.preflight import PreflightError, check_gpus
+from rl_runtime.run import RunConfig
+
+GiB = 1 << 30
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M")
+
+
+@dataclass
+class ParallelConfig:
+    """How the trainer is split over its GPUs; unset (None) settings are chosen to fit."""
+
+    tensor_parallel: int | None = option(
+        None,
+        "megatron backend: tensor-parallel size (default: 1, or the smallest that fits by the "
+        "memory estimate when this, --sequence-parallel and --gradient-checkpointing are unset)",
+        ge=1,
+    )
+    sequence_parallel: bool | None = option(
+        None, "megatron backend: sequence parallel (needs TP > 1; default: on with TP > 1 chosen)"
+    )
+    gradient_checkpointing: bool | None = option(
+        None,
+        "activation checkpointing (recompute) in the trainer (default: off, or on where the "
+        "memory estimate needs it)",
+    )
+    gpu_memory_gib: float | None = option(
+        None,
+        "memory per GPU for the layout check (default: what the GPU reports, read without "
+        "allocating; 0: no check)",
+        ge=0,
+    )
+
+    def check(self) -> None:
+        if self.sequence_parallel and (self.tensor_parallel or 1) < 2:
+            raise ConfigError("--sequence-parallel needs --tensor-parallel of 2 or more")
+
+    @property
+    def unset(self) -> bool:
+        return (self.tensor_parallel, self.sequence_parallel, self.gradient_checkpointing) == (
+            None,
+            None,
+            None,
+        )
+
+    def trainer_layout(self) -> dict[str, Any]:
+        """The settled layout as `TrainerConfig.for_run` takes it."""
+        return {
+            "tp": self.tensor_parallel or 1,
+            "sp": bool(self.sequence_parallel),
+            "recompute": bool(self.gradient_checkpointing),
+        }
+
+
+def check_parallel(backend: str, parallel: ParallelConfig) -> None:
+    """Layout settings one backend has and the other lacks, checked before anything starts."""
+    if backend == "fsdp" and ((parallel.tensor_parallel or 1) > 1 or parallel.sequence_parallel):
+        raise ConfigError(
+            "--tensor-parallel / --sequence-parallel are for --backend megatron; "
+            "the fsdp backend shards instead"
+        )
+
+
+def gpu_memory_bytes(parallel: ParallelConfig) -> float | None:
+    """Memory of the smallest visible GPU: ``--gpu-memory-gib``, else its total memory from
+    ``torch.cuda.get_device_properties``, which allocates nothing (``mem_get_info`` would need
+    a CUDA context, hundreds of MiB, in the driver); None: no check."""
+    if parallel.gpu_memory_gib is not None:
+        return parallel.gpu_memory_gib * GiB if parallel.gpu_memory_gib > 0 else None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return min(
+        torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())
+    )
+
+
+def _requested(
+    parallel: ParallelConfig, cluster: ClusterConfig, backend: str, trainer: Any, with_engines: bool
+) -> TrainLayout:
+    return TrainLayout(
+        backend=backend,
+        world_size=layout(cluster, with_engines=with_engines).num_trainers,
+        max_tokens_per_gpu=trainer.max_tokens_per_gpu,
+        tp=(parallel.tensor_parallel or 1) if backend == "megatron" else 1,
+        sp=bool(parallel.sequence_parallel) and backend == "megatron",
+        recompute=bool(parallel.gradient_checkpointing),
+        replicate=bool(getattr(trainer, "replicate", False)) and backend == "fsdp",
+    )
+
+
+def plan_layout(
+    parallel: ParallelConfig,
+    cluster: ClusterConfig,
+    *,
+    backend: str,
+    trainer: Any,
+    shape: Mapping[str, int] | None,
+    model_name: str = "the model",
+    with_engines: bool = True,
+) -> tuple[ParallelConfig, MemoryEstimate | None]:
+    """`parallel` with the layout settled, and its memory estimate (None: a CPU run, or the
+    model's shape or the GPU's memory is not known). Unset settings get the first layout that
+    fits; set ones are kept, and a layout that cannot fit stops the run (`PreflightError`)
+    with the numbers and a suggestion."""
+    estimate = None
+    if cluster.num_gpus > 0:
+        gpu = gpu_memory_bytes(parallel)
+        if shape is not None and gpu is not None:
+            requested = _requested(parallel, cluster, backend, trainer, with_engines)
+            if parallel.unset:
+                requested, _ = choose_layout(ModelShape(**shape), requested, gpu)
+            estimate = check_layout(ModelShape(**shape), requested, gpu, model=model_name)
+            log.info(
+                "layout: %s; about %.1f GiB per GPU of %.1f (%s)",
+                requested.describe(),
+                estimate.total / GiB,
+                gpu / GiB,
+                estimate.breakdown(),
+            )
+            if parallel.unset:
+                parallel = dataclasses.replace(
+                    parallel,
+                    tensor_parallel=requested.tp,
+                    sequence_parallel=requested.sp,
+                    gradient_checkpointing=requested.recompute,
+                )
+    settled = dataclasses.replace(
+        parallel,
+        tensor_parallel=parallel.tensor_parallel or 1,
+        sequence_parallel=bool(parallel.sequence_parallel),
+        gradient_checkpointing=bool(parallel.gradient_checkpointing),
+    )
+    return settled, estimate
+
+
+def layout_report(
+    parallel: ParallelConfig,
+    cluster: ClusterConfig,
+    *,
+    backend: str,
+    trainer: Any,
+    shape: Mapping[str, int] | None,
+    model_name: str = "the model",
+    with_engines: bool = True,
+) -> dict[str, Any]:
+    """For `--print-config`: the layout the run would use and its memory estimate, or why there
+    is none; a layout that cannot fit is reported, not raised."""
+    if cluster.num_gpus <= 0:
+        return {"description": f"CPU run, {backend}, {cluster.cpu_trainers} trainer rank(s)"}
+    gpu = gpu_memory_bytes(parallel)
+    if shape is None or gpu is None:
+        missing = "the model's config" if shape is None else "the GPU memory (--gpu-memory-gib)"
+        return {"description": f"not estimated: {missing} is not known before the run"}
+    kw = {"backend": backend, "trainer": trainer, "shape": shape, "with_engines": with_engines}
+    try:
+        _, estimate = plan_layout(parallel, cluster, model_name=model_name, **kw)
+    except PreflightError as err:
+        requested = _requested(parallel, cluster, backend, trainer, with_engines)
+        report = estimate_memory(ModelShape(**shape), requested).to_dict(gpu)
+        return {**report, "refused": err.message}
+    assert estimate is not None
+    return estimate.to_dict(gpu)
+
+
+def settle(
+    model: M,
+    parallel: ParallelConfig,
+    cluster: ClusterConfig,
+    run: RunConfig,
+    *,
+    trainer: Any,
+    shape_of: Callable[..., Mapping[str, int] | None],
+    resolve: Callable[..., M],
+    with_engines: bool = True,
+) -> tuple[M, ParallelConfig]:
+    """Everything about the model a launcher settles before Ray, in order: the layout where the
+    model's shape is known without a download (so a layout that cannot fit stops before it),
+    the GPU count, the model's local files, then the layout of a model known only once
+    downloaded. `shape_of(model, load=)` and `resolve(model, load=)` are the model package's
+    (`vlm_models.shape_of`, `vlm_models.resolve_model`); `model` names itself in messages by
+    its `model_name`."""
+    kw = {"backend": run.backend, "trainer": trainer, "with_engines": with_engines}
+
+    def plan(m: M) -> tuple[ParallelConfig, MemoryEstimate | None]:
+        name = str(getattr(m, "model_name", m))
+        return plan_layout(
+            parallel, cluster, shape=shape_of(m, load=run.load), model_name=name, **kw
+        )
+
+    planned, estimate = plan(model)
+    check_gpus(cluster.num_gpus, preset=run.preset)
+    resolved = resolve(model, load=run.load)
+    if estimate is None:
+        planned, _ = plan(resolved)
+    return resolved, planned

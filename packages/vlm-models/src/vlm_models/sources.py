@@ -1,0 +1,135 @@
+"""From a `ModelConfig` to what the trainers and engines load, settled in the launcher's
+process before anything starts: hub names resolved to local folders (downloaded once), a run
+folder standing for its `hf/`, the processor's source, and the model's config and shape where
+they are known without a download (for the memory estimate)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from vlm_models.config import (
+    HUB_NAMESPACE,
+    SHAPE_OF_NAME,
+    TINY_MODEL,
+    ModelConfig,
+    ModelSourceError,
+)
+from vlm_models.flops import parameter_counts
+from vlm_models.hub import resolve_model_source
+from vlm_models.presets import PRESETS, SHAPE_PRESETS, TINY_PRESETS, preset_config, tiny_config
+
+
+def resolve_load(path: str) -> str:
+    """`--load`'s folder: a run folder (SFT or GRPO) stands for its exported `hf/`."""
+    p = Path(path).expanduser()
+    if (p / "hf" / "config.json").is_file():
+        return str(p / "hf")
+    if not (p / "config.json").is_file():
+        raise ModelSourceError(f"--load {path}: no config.json there (nor in {p / 'hf'})")
+    return str(p)
+
+
+def resolve_model(model: ModelConfig, *, load: str | None = None) -> ModelConfig:
+    """`model` with `model_name` (and a hub `tokenizer`) turned into local folders, or a
+    preset name; one that cannot be resolved raises `ModelSourceError` naming the flag."""
+    name, tokenizer = model.model_name, model.tokenizer
+    try:
+        if load is None and name != TINY_MODEL:
+            name = resolve_model_source(name, hub_namespace=HUB_NAMESPACE, require_weights=True)
+    except ModelSourceError as err:
+        raise ModelSourceError(f"--model-name: {err}") from None
+    try:
+        if tokenizer not in (None, "tiny"):
+            tokenizer = resolve_model_source(tokenizer, hub_namespace=HUB_NAMESPACE)
+    except ModelSourceError as err:
+        raise ModelSourceError(f"--tokenizer: {err}") from None
+    if load is None and name in SHAPE_PRESETS and tokenizer is None:
+        raise ModelSourceError(
+            f"--model-name {name} is a shape preset (random weights) and has no processor: "
+            "name one with --tokenizer FOLDER (any Qwen3-VL model folder)"
+        )
+    return dataclasses.replace(model, model_name=name, tokenizer=tokenizer)
+
+
+def processor_source(model: ModelConfig, *, load: str | None = None) -> str:
+    """Where the processor comes from: `tokenizer`, else the loaded folder's own processor,
+    else the model's ('tiny' for the tiny model: built offline)."""
+    if model.tokenizer is not None:
+        return model.tokenizer
+    if load:
+        loaded = Path(resolve_load(load))
+        if any(
+            (loaded / f).is_file() for f in ("processor_config.json", "preprocessor_config.json")
+        ):
+            return str(loaded)
+    if model.model_name == TINY_MODEL:
+        return "tiny"
+    return model_source(model)
+
+
+def model_source(
+    model: ModelConfig, *, load: str | None = None, token_ids: Mapping[str, int] | None = None
+) -> Any:
+    """What `build_model` (and the trainer configs' `model`) should get: the `load` folder, a
+    tiny config whose special ids are the processor's (`token_ids`, from
+    `vlm_data.model_token_ids`), a shape preset's name, a folder or a hub id."""
+    if load:
+        return resolve_load(load)
+    name = model.model_name
+    if name in TINY_PRESETS:
+        return tiny_config(name, **(token_ids or {}))
+    if name in PRESETS:  # a shape preset: random weights, asked for by name
+        return name
+    if Path(name).expanduser().exists():
+        return str(Path(name).expanduser())
+    return name if "/" in name else f"{HUB_NAMESPACE}/{name}"
+
+
+def model_config(model: ModelConfig, *, load: str | None = None) -> Any | None:
+    """The model's HF config where it is known without downloading weights, else None."""
+    from transformers import AutoConfig
+
+    if load:
+        return AutoConfig.from_pretrained(resolve_load(load))
+    name = model.model_name
+    if name in PRESETS:
+        return preset_config(name)
+    folder = Path(name).expanduser()
+    for candidate in (folder / "hf", folder):
+        if (candidate / "config.json").is_file():
+            return AutoConfig.from_pretrained(candidate)
+    base = name.rsplit("/", 1)[-1]
+    shape = next((p for prefix, p in SHAPE_OF_NAME.items() if base.startswith(prefix)), None)
+    return preset_config(shape) if shape else None
+
+
+def model_shape(config: Any) -> dict[str, int]:
+    """The numbers a memory estimate needs (`rl_runtime.ModelShape(**model_shape(config))`),
+    from an HF config; for MoE, the intermediate size of a token's experts."""
+    tc = getattr(config, "text_config", config)
+    inter = tc.intermediate_size
+    if getattr(tc, "num_experts", 0):
+        shared = getattr(tc, "shared_expert_intermediate_size", 0) or 0
+        inter = tc.num_experts_per_tok * tc.moe_intermediate_size + shared
+    vc = getattr(config, "vision_config", None)
+    counts = parameter_counts(config)
+    return {
+        "language_params": counts["language"],
+        "vision_params": counts["vision"],
+        "hidden_size": tc.hidden_size,
+        "intermediate_size": inter,
+        "num_layers": tc.num_hidden_layers,
+        "vocab_size": tc.vocab_size,
+        "vision_hidden_size": vc.hidden_size if vc else 0,
+        "vision_intermediate_size": vc.intermediate_size if vc else 0,
+        "vision_depth": vc.depth if vc else 0,
+    }
+
+
+def shape_of(model: ModelConfig, *, load: str | None = None) -> dict[str, int] | None:
+    """`model_shape` of the model's config where it is known without a download, else None."""
+    config = model_config(model, load=load)
+    return None if config is None else model_shape(config)
