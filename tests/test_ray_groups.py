@@ -159,6 +159,9 @@ def test_every_transport_gives_the_same_engine(ray_local):
             )
 
         ids_a, lp_a = outputs(plain)
+        stats = plain.engine_stats()  # the HFEngine's account of that generate
+        assert stats["requests"] == 3 and stats["decode_steps"] >= 1 and stats["prefills"] >= 1
+        assert 0 < stats["prefill_s"] + stats["decode_s"] <= stats["seconds"]
         ids_b, lp_b = outputs(dist_group)
         ids_c, lp_c = outputs(ipc_group)
         assert lp_a.shape != lp_b.shape or not torch.allclose(lp_a, lp_b)  # different weights
@@ -191,8 +194,10 @@ class SlowEngine:
     def generate(self, requests, params):
         import time
 
-        if 0 in requests:
+        slow = 0 in requests
+        if slow:
             time.sleep(self.delay)
+        self.last_stats = {"requests": len(requests), "seconds": self.delay * slow}
         return list(requests)
 
     def health(self) -> bool:
@@ -226,6 +231,8 @@ def test_groups_of_engines_that_finish_first_are_handed_over_while_others_genera
         assert groups == [[p, p] for p in prompts]
         assert handed == [([3, 4, 5], [[3, 3], [4, 4], [5, 5]])]
         assert all(groups[j] is g for j, g in zip(handed[0][0], handed[0][1], strict=True))
+        # the engines' accounts: counts summed, seconds the slowest engine's
+        assert group.engine_stats() == {"requests": 12, "seconds": 3.0}
     finally:
         if group is not None:
             group.shutdown()

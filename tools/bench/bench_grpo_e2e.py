@@ -189,10 +189,11 @@ def run_backend(args: argparse.Namespace, backend: str, model: Path) -> dict[str
         values = [r[key] for r in steady if key in r]
         if values:
             result[key] = round(statistics.median(values), 3)
-    for key in ("train_tokens_per_s", "rollout_tokens_per_s", "response_length_mean"):
+    engine = sorted({k for r in steady for k in r if k.startswith("rollout_engine_")})
+    for key in ("train_tokens_per_s", "rollout_tokens_per_s", "response_length_mean", *engine):
         values = [r[key] for r in steady if key in r]
         if values:
-            result[key] = round(statistics.median(values), 1)
+            result[key] = round(statistics.median(values), 2)
     result["first_step_s"] = round(rows[0]["time_step_s"], 2) if rows else None
     return result
 
@@ -247,6 +248,13 @@ def main(argv: list[str] | None = None) -> None:
         sync = ", ".join(f"{k} {r[f'time_{k}_s']:.2f}" for k in SYNC_PARTS if f"time_{k}_s" in r)
         if sync:
             print(f"    {r['backend']} sync parts (s): {sync}")
+        engine = ", ".join(
+            f"{k.removeprefix('rollout_engine_')} {v}"
+            for k, v in r.items()
+            if k.startswith("rollout_engine_")
+        )
+        if engine:
+            print(f"    {r['backend']} rollout, the engine's account: {engine}")
 
 
 def write_json(path: Path, args: argparse.Namespace, results: list[dict[str, Any]]) -> None:

@@ -155,6 +155,10 @@ class EngineWorker:
     def update_weights(self, bucket: list[tuple[str, Any]]) -> None:
         self.engine.update_weights([bucket])
 
+    def stats(self) -> dict[str, float]:
+        """Where the engine's last generate spent its time, if it says (``last_stats``)."""
+        return dict(getattr(self.engine, "last_stats", None) or {})
+
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(engine, *args)`` here: the engine-side half of a weight transport (CUDA IPC,
         NCCL), which rl-runtime does not know (`weight_push.RemoteEngine.submit`)."""
@@ -394,6 +398,17 @@ class RolloutGroup:
             if i not in placed:
                 place(i, out)
         return groups
+
+    def engine_stats(self) -> dict[str, float]:
+        """The engines' own account of the last generate (HFEngine: prefill, decode and
+        graph-capture time): counts summed over engines, seconds (``*_s``, ``seconds``) their
+        maximum, since engines run side by side. Empty where no engine keeps one."""
+        out: dict[str, float] = {}
+        for stats in self._call("stats"):
+            for k, v in stats.items():
+                timed = k.endswith("_s") or k == "seconds"
+                out[k] = max(out.get(k, 0.0), v) if timed else out.get(k, 0.0) + v
+        return out
 
     @property
     def engines_restartable(self) -> bool:

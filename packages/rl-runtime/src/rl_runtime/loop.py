@@ -154,6 +154,9 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
                 groups = engines.generate(
                     prompts, n=cfg.n_samples_per_prompt, seed=seed, on_ready=scored, **sampling
                 )
+            # the engines' split of the rollout time (a group that keeps none gives nothing)
+            engine_stats = getattr(p.rollout, "engine_stats", dict)()
+            row.update({f"rollout_engine_{k}": v for k, v in engine_stats.items()})
             # 2. Reward, over every usable completion (engine errors and completions holding
             # an image placeholder are counted and dropped): what is not scored yet.
             with timer("reward"):
