@@ -43,6 +43,8 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
       fsdp_train) run fsdp_train 540 python3 tools/bench/bench_fsdp_train.py --device cuda --variants "${FSDP_VARIANTS:-fsdp_one_rank}" --out "$OUT/fsdp_train.json" ;;
       fsdp_accum)  # four micro-batches per optimizer step, as a GRPO step over a global batch
         run fsdp_accum 540 python3 tools/bench/bench_fsdp_train.py --device cuda --accum 4 --host-phases --out "$OUT/fsdp_accum.json" ;;
+      megatron_train)  # MegatronActor.train_step beside the FSDP actor ("ours"), same shape and batch
+        run megatron_train 360 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --variants megatron --out "$OUT/megatron_train.json" ;;
       fsdp_variants)
         run fsdp_eager 240 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --no-compile --out "$OUT/fsdp_eager.json"
         run fsdp_profile 300 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --steps 2 --profile "$OUT/profile" --sync-debug "$OUT/syncs" ;;
