@@ -185,6 +185,8 @@ def test_killed_run_resumes_to_the_same_state(sft_run: Path, tmp_path: Path) -> 
     a, b = _rows(whole), _rows(broken)
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
     assert [_stable(r) for r in a] == [_stable(r) for r in b]
+    # the engine's own split of each rollout reaches the row (its counts replay exactly too)
+    assert all(r["rollout_decode_steps"] >= 1 and r["time_rollout_engine_s"] > 0 for r in a)
     wa, wb = _load_weights(whole / "hf"), _load_weights(broken / "hf")
     assert wa.keys() == wb.keys()
     for name in wa:

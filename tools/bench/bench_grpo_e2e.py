@@ -37,6 +37,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PHASES = ("rollout", "reward", "onload", "logprobs", "train", "sync")
 #: The sync phase's parts (colocated): the engine's memory back, the weights, the trainer's offload.
 SYNC_PARTS = ("sync_resume", "sync_push", "sync_offload")
+# the engines' split of the rollout (rl_runtime.loop._engine_stats): seconds and counts
+ENGINE_KEYS = ("time_rollout_engine", "rollout_prefills", "rollout_decode_steps", "rollout_graph")
 
 
 def shared_dir() -> Path:
@@ -189,7 +191,7 @@ def run_backend(args: argparse.Namespace, backend: str, model: Path) -> dict[str
         values = [r[key] for r in steady if key in r]
         if values:
             result[key] = round(statistics.median(values), 3)
-    engine = sorted({k for r in steady for k in r if k.startswith("rollout_engine_")})
+    engine = sorted({k for r in steady for k in r if k.startswith(ENGINE_KEYS)})
     for key in ("train_tokens_per_s", "rollout_tokens_per_s", "response_length_mean", *engine):
         values = [r[key] for r in steady if key in r]
         if values:
@@ -248,11 +250,7 @@ def main(argv: list[str] | None = None) -> None:
         sync = ", ".join(f"{k} {r[f'time_{k}_s']:.2f}" for k in SYNC_PARTS if f"time_{k}_s" in r)
         if sync:
             print(f"    {r['backend']} sync parts (s): {sync}")
-        engine = ", ".join(
-            f"{k.removeprefix('rollout_engine_')} {v}"
-            for k, v in r.items()
-            if k.startswith("rollout_engine_")
-        )
+        engine = ", ".join(f"{k} {v}" for k, v in r.items() if k.startswith(ENGINE_KEYS))
         if engine:
             print(f"    {r['backend']} rollout, the engine's account: {engine}")
 

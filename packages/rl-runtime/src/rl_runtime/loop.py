@@ -155,8 +155,7 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
                     prompts, n=cfg.n_samples_per_prompt, seed=seed, on_ready=scored, **sampling
                 )
             # the engines' split of the rollout time (a group that keeps none gives nothing)
-            engine_stats = getattr(p.rollout, "engine_stats", dict)()
-            row.update({f"rollout_engine_{k}": v for k, v in engine_stats.items()})
+            row.update(_engine_stats(getattr(p.rollout, "engine_stats", dict)()))
             # 2. Reward, over every usable completion (engine errors and completions holding
             # an image placeholder are counted and dropped): what is not scored yet.
             with timer("reward"):
@@ -259,6 +258,20 @@ def _rollout_stats(rewards, lengths, flat, bad, cfg) -> dict[str, float]:
         "bad_completions": bad,
         "num_samples": len(rewards),
     }
+
+
+def _engine_stats(stats: dict[str, float]) -> dict[str, float]:
+    """The engines' account as row metrics: seconds under ``time_rollout_engine*`` (volatile,
+    like the loop's timers), counts under ``rollout_*``."""
+    out = {}
+    for k, v in stats.items():
+        if k == "seconds":
+            out["time_rollout_engine_s"] = v
+        elif k.endswith("_s"):
+            out[f"time_rollout_engine_{k}"] = v
+        else:
+            out[f"rollout_{k}"] = v
+    return out
 
 
 def _train(train, batch, global_batch_size: int, rng: np.random.Generator) -> dict[str, float]:
