@@ -237,3 +237,25 @@ def test_groups_of_engines_that_finish_first_are_handed_over_while_others_genera
         if group is not None:
             group.shutdown()
         placement.remove()
+
+
+def _broken_trainer():
+    raise RuntimeError("no such model: tiny-broken")
+
+
+def test_a_trainer_group_started_without_waiting_reports_its_failure_at_ready(ray_local):
+    """`wait=False` (the launcher starts the engines meanwhile) hands back a group at once; the
+    rank's construction error surfaces at `ready()`, naming the rank and the cause."""
+    placement = create_placement(
+        num_trainers=1, num_engines=0, colocate=False, use_gpu=False, cpus_per_bundle=0.25
+    )
+    try:
+        group = TrainGroup(
+            _broken_trainer, world_size=1, placement=placement, num_cpus=0.25, wait=False
+        )
+        with pytest.raises(Exception, match="trainer rank 0") as err:
+            group.ready()
+        assert "tiny-broken" in str(err.value)
+        group.ready()  # once reported, not waited for again
+    finally:
+        placement.remove()

@@ -140,13 +140,15 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
         raise PreflightError(str(err)) from None
     loop_cfg = dataclasses.replace(cfg.loop, use_ref_logprobs=cfg.loss.kl_coef > 0)
     with cfg.reward.build() as scorer, Cluster(cfg.cluster, lay) as cluster:
-        train = cluster.train_group(trainer, tp_size=cfg.parallel.tensor_parallel)
+        # the trainer ranks and the engines load their models side by side
+        train = cluster.train_group(trainer, tp_size=cfg.parallel.tensor_parallel, wait=False)
         rollout = cluster.rollout_group(
             engines,
             request_fn=rollout_sglang.GenerateRequest.from_prompt,
             params_fn=rollout_sglang.SamplingParams,
             transport=transport,
         )
+        train.ready()
         logger = RunLogger(
             run_dir,
             wandb=cfg.run.use_wandb(os.environ),

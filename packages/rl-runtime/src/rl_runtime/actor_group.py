@@ -204,11 +204,13 @@ class TrainGroup:
         pp_size: int = 1,
         log_level: str = "WARNING",
         gc_every: int = 50,
+        wait: bool = True,
     ) -> None:
         """``gc_every``: each rank collects Python's garbage every that many train steps, with
         automatic collection off (:class:`rl_runtime.gc_policy.PeriodicGC`); 0 leaves it on.
         ``tp_size`` / ``pp_size``: ranks per model replica, in Megatron's rank order (TP
-        fastest, then data parallel, then pipeline stages)."""
+        fastest, then data parallel, then pipeline stages). ``wait=False`` returns while the
+        ranks still build their models (the engines can start meanwhile); `ready()` waits."""
         if world_size % (tp_size * pp_size):
             raise ValueError(
                 f"world size {world_size} is not a multiple of TP x PP = {tp_size * pp_size}"
@@ -235,8 +237,17 @@ class TrainGroup:
                     rank, world_size, addr, port, factory, log_level, gc_every
                 )
             )
-        self._call("address")  # surface construction errors now
-        log.info("trainer group: %d rank(s) ready", world_size)
+        self._starting: list[Any] | None = [w.address.remote() for w in self.workers]
+        if wait:
+            self.ready()
+
+    def ready(self) -> None:
+        """Wait until every rank has built its trainer; a construction error surfaces here."""
+        if self._starting is None:
+            return
+        futures, self._starting = self._starting, None
+        gather(futures, [f"trainer rank {r}" for r in range(len(futures))], "start")
+        log.info("trainer group: %d rank(s) ready", self.world_size)
 
     def _call(self, method: str, *args_per_rank: Sequence[Any], **kwargs: Any) -> list[Any]:
         """`method` on every rank (rank r gets `args[r]` of each list), results in rank order;

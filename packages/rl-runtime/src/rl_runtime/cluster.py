@@ -127,9 +127,12 @@ class Cluster:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def train_group(self, trainer: TrainerConfig, *, tp_size: int = 1) -> TrainGroup:
+    def train_group(
+        self, trainer: TrainerConfig, *, tp_size: int = 1, wait: bool = True
+    ) -> TrainGroup:
         """The trainer ranks, each building `trainer` in its actor; a pipeline-parallel
-        trainer config (`pp`, Megatron) sets the ranks' order with `tp_size`."""
+        trainer config (`pp`, Megatron) sets the ranks' order with `tp_size`. ``wait=False``:
+        the ranks build while the caller goes on (start the engines, then `group.ready()`)."""
         group = TrainGroup(
             trainer.build,
             world_size=self.layout.num_trainers,
@@ -137,6 +140,7 @@ class Cluster:
             num_cpus=self.layout.actor_cpus,
             tp_size=tp_size,
             pp_size=int(getattr(trainer, "pp", 1)),
+            wait=wait,
         )
         self.groups.append(group)
         return group

@@ -45,7 +45,12 @@ class CheckpointFailed(RunStopped):
 
 
 def short_error(err: BaseException) -> str:
-    """`Type: message` of the error, or of the exception a Ray task raised."""
+    """`Type: message` of the error, or of the exception a Ray task raised; for an actor
+    whose constructor raised, that exception (the last line of the traceback Ray folds into
+    ``ActorDiedError``'s message: it keeps no other reference to it)."""
+    if getattr(err, "actor_init_failed", False):
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        return f"its constructor raised {lines[-1]}"
     cause = getattr(err, "cause", None) or err
     text = str(cause).strip().splitlines()
     return f"{type(cause).__name__}: {text[0] if text else ''}".rstrip(": ")
