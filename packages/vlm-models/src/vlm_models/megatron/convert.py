@@ -439,6 +439,32 @@ def to_file_layout(name: str, tensor: Tensor, *, released: bool = True) -> Tenso
     return tensor
 
 
+def per_expert_names(name: str, num_experts: int) -> list[tuple[str, ...]]:
+    """The per-expert file names of stacked tensor ``name`` (Qwen3.5-MoE files, which
+    transformers stacks on load: ``experts.{e}.gate_proj`` / ``up_proj`` -> ``gate_up_proj``,
+    ``experts.{e}.down_proj`` -> ``down_proj``)."""
+    base = name.rsplit(".", 1)[0]  # "...mlp.experts"
+    if name.endswith("gate_up_proj"):
+        return [
+            (f"{base}.{e}.gate_proj.weight", f"{base}.{e}.up_proj.weight")
+            for e in range(num_experts)
+        ]
+    return [(f"{base}.{e}.down_proj.weight",) for e in range(num_experts)]
+
+
+def stack_experts(parts: list[list[Tensor]]) -> Tensor:
+    """The stacked in-memory tensor from each expert's file tensors (gate and up, or down)."""
+    return torch.stack([torch.cat(p) if len(p) > 1 else p[0] for p in parts])
+
+
+def split_experts(name: str, stacked: Tensor) -> list[tuple[str, Tensor]]:
+    """Inverse of :func:`stack_experts`, under :func:`per_expert_names`."""
+    out = []
+    for names, expert in zip(per_expert_names(name, stacked.shape[0]), stacked, strict=True):
+        out += zip(names, expert.chunk(len(names)), strict=True)
+    return [(n, t.contiguous()) for n, t in out]
+
+
 class ExpertStacker:
     """Collects expert slices (any order) and hands back each stacked HF tensor once complete."""
 
