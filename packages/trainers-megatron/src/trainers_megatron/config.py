@@ -54,6 +54,17 @@ class MegatronConfig:
     # H200 the first compiled step had not finished after 3.5 min (2026-12-01), not yet
     # understood; None: on CUDA for dense models (compiles_by_default)
     compile: bool | None = False
+    # Qwen3.5's gated-delta-net kernels: "fla" (flash-linear-attention, CUDA; varlen over
+    # packed rows), "torch" (megatron-core's torch reference, per sample) or "auto" (fla on
+    # CUDA where installed, else torch)
+    linear_attention_kernels: Literal["auto", "fla", "torch"] = field(
+        default="auto",
+        metadata={
+            "help": "Qwen3.5 gated-delta-net kernels: fla (CUDA, `pip install fla-core`), "
+            "torch (reference), auto (fla where installed)",
+            "choices": ("auto", "fla", "torch"),
+        },
+    )
     reference_model: bool = False  # keep a frozen copy of the initial weights (KL penalty)
     max_tokens_per_gpu: int = field(  # micro-batch token budget (packed THD sequences)
         default=16384, metadata={"help": "micro-batch token budget per GPU", "ge": 1}
