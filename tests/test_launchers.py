@@ -97,11 +97,15 @@ def test_fsdp_options_reach_the_actor_config():
 def test_megatron_options_reach_the_actor_config():
     """The miles / slime Megatron flags' counterparts: pipeline and expert parallelism, the
     recompute granularity (--gradient-checkpointing is full), the distributed optimizer."""
-    from geo3k_sft.common import actor_config
 
     def actor(argv: list[str]):
         cfg = parse_grpo(["--preset", "tiny", "--backend", "megatron", *argv], env={})
-        return actor_config(cfg.model, cfg.run, cfg.model.model_name, cfg.optim)
+        return cfg.trainer.for_run(
+            model=cfg.model.model_name,
+            seed=cfg.run.seed,
+            use_gpu=False,
+            **cfg.parallel.trainer_layout(),
+        )
 
     default = actor([])
     assert (default.pp, default.ep, default.recompute, default.distributed_optimizer) == (
@@ -196,7 +200,7 @@ GRPO_BAD = [
     (["--pipeline-parallel", "2"], "--pipeline-parallel / --expert-parallel are for --backend"),
     (["--recompute", "selective"], "--recompute selective is for --backend megatron"),
     (["--gradient-checkpointing", "--recompute", "none"], "--recompute none contradicts"),
-    (["--recompute", "some"], "--recompute: cannot read 'some'"),
+    (["--recompute", "some"], "--recompute some: expected one of"),
     (["--num-gpus", "4", "--no-colocate", "--rollout-num-gpus", "4"], "leaves no GPU"),
     (["--min-pixels", "100", "--max-pixels", "10"], "--min-pixels 100 is above --max-pixels"),
 ]

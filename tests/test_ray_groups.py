@@ -181,7 +181,9 @@ def test_every_transport_gives_the_same_engine(ray_local):
 
 
 class SlowEngine:
-    """An engine whose generate takes ``delay`` s and answers each request with its prompt id."""
+    """An engine that answers each request with its prompt id, taking ``delay`` s when it is
+    given prompt 0: which engine is slow follows from the prompts it is sent, not from the
+    order in which Ray happens to start the actors."""
 
     def __init__(self, delay: float) -> None:
         self.delay = delay
@@ -189,7 +191,8 @@ class SlowEngine:
     def generate(self, requests, params):
         import time
 
-        time.sleep(self.delay)
+        if 0 in requests:
+            time.sleep(self.delay)
         return list(requests)
 
     def health(self) -> bool:
@@ -199,20 +202,8 @@ class SlowEngine:
         pass
 
 
-def _slow_engine(delays, index_file):
-    """Engine i of a group gets delays[i] (each actor takes the next index from a file)."""
-    import fcntl
-
-    with open(index_file, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        f.seek(0)
-        i = len(f.read())
-        f.write("x")
-    return SlowEngine(delays[i])
-
-
 def test_groups_of_engines_that_finish_first_are_handed_over_while_others_generate(
-    ray_local, tmp_path
+    ray_local,
 ):
     """The loop scores an engine's groups while the other engines still generate: `on_ready`
     gets the fast engine's groups (and not the last engine's), the result has every group."""
@@ -222,7 +213,7 @@ def test_groups_of_engines_that_finish_first_are_handed_over_while_others_genera
     group = None
     try:
         group = RolloutGroup(
-            functools.partial(_slow_engine, [3.0, 0.0], str(tmp_path / "index")),
+            functools.partial(SlowEngine, 3.0),
             num_engines=2,
             placement=placement,
             request_fn=lambda prompt: prompt,
@@ -230,7 +221,7 @@ def test_groups_of_engines_that_finish_first_are_handed_over_while_others_genera
             num_cpus=0.25,
         )
         handed: list[tuple[list[int], list[list[int]]]] = []
-        prompts = list(range(6))  # engine 0: prompts 0-2 (slow), engine 1: 3-5
+        prompts = list(range(6))  # engine 0: prompts 0-2 (slow: it has prompt 0), engine 1: 3-5
         groups = group.generate(prompts, n=2, on_ready=lambda i, g: handed.append((i, g)))
         assert groups == [[p, p] for p in prompts]
         assert handed == [([3, 4, 5], [[3, 3], [4, 4], [5, 5]])]

@@ -128,13 +128,15 @@ class Cluster:
         self.close()
 
     def train_group(self, trainer: TrainerConfig, *, tp_size: int = 1) -> TrainGroup:
-        """The trainer ranks, each building `trainer` in its actor."""
+        """The trainer ranks, each building `trainer` in its actor; a pipeline-parallel
+        trainer config (`pp`, Megatron) sets the ranks' order with `tp_size`."""
         group = TrainGroup(
             trainer.build,
             world_size=self.layout.num_trainers,
             placement=self.placement,
             num_cpus=self.layout.actor_cpus,
             tp_size=tp_size,
+            pp_size=int(getattr(trainer, "pp", 1)),
         )
         self.groups.append(group)
         return group

@@ -10,7 +10,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from rl_runtime.cluster import ClusterConfig, layout
 from rl_runtime.config import ConfigError, option
@@ -50,6 +50,20 @@ class ParallelConfig:
         "activation checkpointing (recompute) in the trainer (default: off, or on where the "
         "memory estimate needs it)",
     )
+    pipeline_parallel: int = option(
+        1, "megatron backend: pipeline stages (megatron-core's 1F1B schedule)", ge=1
+    )
+    expert_parallel: int = option(
+        1,
+        "megatron backend, MoE models: split the experts over this many data-parallel ranks",
+        ge=1,
+    )
+    recompute: Literal["auto", "none", "selective", "full"] = option(
+        "auto",
+        "activation recomputation: full (whole decoder layers), selective (megatron backend: "
+        "core attention) or none; auto: full with --gradient-checkpointing, none with "
+        "--no-gradient-checkpointing, else as the memory estimate needs",
+    )
     gpu_memory_gib: float | None = option(
         None,
         "memory per GPU for the layout check (default: what the GPU reports, read without "
@@ -60,21 +74,34 @@ class ParallelConfig:
     def check(self) -> None:
         if self.sequence_parallel and (self.tensor_parallel or 1) < 2:
             raise ConfigError("--sequence-parallel needs --tensor-parallel of 2 or more")
+        gc, mode = self.gradient_checkpointing, self.recompute
+        if mode != "auto" and gc is not None and gc != (mode == "full"):
+            raise ConfigError(
+                f"--recompute {mode} contradicts --{'' if gc else 'no-'}gradient-checkpointing "
+                "(which means --recompute full / none); give one of them"
+            )
 
     @property
     def unset(self) -> bool:
-        return (self.tensor_parallel, self.sequence_parallel, self.gradient_checkpointing) == (
-            None,
-            None,
-            None,
-        )
+        """No layout setting given: the first layout that fits is chosen."""
+        given = (self.tensor_parallel, self.sequence_parallel, self.gradient_checkpointing)
+        return given == (None, None, None) and self.recompute == "auto"
+
+    @property
+    def recompute_mode(self) -> str:
+        """The recomputation asked for: ``--recompute``, else ``--gradient-checkpointing``."""
+        if self.recompute != "auto":
+            return self.recompute
+        return "full" if self.gradient_checkpointing else "none"
 
     def trainer_layout(self) -> dict[str, Any]:
         """The settled layout as `TrainerConfig.for_run` takes it."""
         return {
             "tp": self.tensor_parallel or 1,
             "sp": bool(self.sequence_parallel),
-            "recompute": bool(self.gradient_checkpointing),
+            "pp": self.pipeline_parallel,
+            "ep": self.expert_parallel,
+            "recompute": self.recompute_mode,
         }
 
 
@@ -85,6 +112,10 @@ def check_parallel(backend: str, parallel: ParallelConfig) -> None:
             "--tensor-parallel / --sequence-parallel are for --backend megatron; "
             "the fsdp backend shards instead"
         )
+    if backend == "fsdp" and max(parallel.pipeline_parallel, parallel.expert_parallel) > 1:
+        raise ConfigError("--pipeline-parallel / --expert-parallel are for --backend megatron")
+    if backend == "fsdp" and parallel.recompute == "selective":
+        raise ConfigError("--recompute selective is for --backend megatron (fsdp: full or none)")
 
 
 def gpu_memory_bytes(parallel: ParallelConfig) -> float | None:
@@ -105,14 +136,18 @@ def gpu_memory_bytes(parallel: ParallelConfig) -> float | None:
 def _requested(
     parallel: ParallelConfig, cluster: ClusterConfig, backend: str, trainer: Any, with_engines: bool
 ) -> TrainLayout:
+    megatron = backend == "megatron"
     return TrainLayout(
         backend=backend,
         world_size=layout(cluster, with_engines=with_engines).num_trainers,
         max_tokens_per_gpu=trainer.max_tokens_per_gpu,
-        tp=(parallel.tensor_parallel or 1) if backend == "megatron" else 1,
-        sp=bool(parallel.sequence_parallel) and backend == "megatron",
-        recompute=bool(parallel.gradient_checkpointing),
+        tp=(parallel.tensor_parallel or 1) if megatron else 1,
+        sp=bool(parallel.sequence_parallel) and megatron,
+        recompute=parallel.recompute_mode == "full",  # selective: counted as none (safe side)
         replicate=bool(getattr(trainer, "replicate", False)) and backend == "fsdp",
+        pp=parallel.pipeline_parallel if megatron else 1,
+        ep=parallel.expert_parallel if megatron else 1,
+        distributed_optimizer=bool(getattr(trainer, "distributed_optimizer", False)),
     )
 
 
@@ -156,7 +191,7 @@ def plan_layout(
         parallel,
         tensor_parallel=parallel.tensor_parallel or 1,
         sequence_parallel=bool(parallel.sequence_parallel),
-        gradient_checkpointing=bool(parallel.gradient_checkpointing),
+        gradient_checkpointing=parallel.recompute_mode == "full",
     )
     return settled, estimate
 

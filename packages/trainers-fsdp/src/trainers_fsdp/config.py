@@ -163,7 +163,9 @@ class FsdpConfig:
         use_gpu: bool,
         tp: int = 1,
         sp: bool = False,
-        recompute: bool = False,
+        pp: int = 1,
+        ep: int = 1,
+        recompute: str | bool = False,
         temperature: float = 1.0,
         grpo: GrpoLossConfig | None = None,
         reference_model: bool = False,
@@ -173,15 +175,19 @@ class FsdpConfig:
         """This config completed for one run (the same keywords as the Megatron config's):
         what a launcher settles (the model, the layout: FSDP shards, so no tensor or sequence
         parallel) and what the loop sets (sampling temperature, loss, schedule length)."""
-        if tp > 1 or sp:
-            raise ValueError("the fsdp backend shards instead of tensor / sequence parallel")
+        if tp > 1 or sp or pp > 1 or ep > 1:
+            raise ValueError(
+                "the fsdp backend shards instead of tensor / sequence / pipeline / expert parallel"
+            )
+        if recompute == "selective":
+            raise ValueError("the fsdp backend recomputes whole layers (full) or nothing")
         optim = replace(self.optim, total_steps=total_steps, lr=self.optim.lr if lr is None else lr)
         return replace(
             self,
             model=model,
             seed=seed,
             device="cuda" if use_gpu else "cpu",
-            activation_checkpointing=recompute,
+            activation_checkpointing=recompute in (True, "full"),
             temperature=temperature,
             grpo=self.grpo if grpo is None else grpo,
             reference_model=reference_model,

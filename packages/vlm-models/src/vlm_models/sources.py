@@ -108,12 +108,16 @@ def model_config(model: ModelConfig, *, load: str | None = None) -> Any | None:
 
 def model_shape(config: Any) -> dict[str, int]:
     """The numbers a memory estimate needs (`rl_runtime.ModelShape(**model_shape(config))`),
-    from an HF config; for MoE, the intermediate size of a token's experts."""
+    from an HF config; for MoE, the intermediate size of a token's experts and the parameters
+    of all routed experts (split by expert parallelism)."""
     tc = getattr(config, "text_config", config)
-    inter = tc.intermediate_size
+    inter, experts = tc.intermediate_size, 0
     if getattr(tc, "num_experts", 0):
         shared = getattr(tc, "shared_expert_intermediate_size", 0) or 0
         inter = tc.num_experts_per_tok * tc.moe_intermediate_size + shared
+        # gate, up and down projections of every routed expert of every layer
+        experts = tc.num_hidden_layers * tc.num_experts * 3 * tc.hidden_size
+        experts *= tc.moe_intermediate_size
     vc = getattr(config, "vision_config", None)
     counts = parameter_counts(config)
     return {
@@ -126,6 +130,7 @@ def model_shape(config: Any) -> dict[str, int]:
         "vision_hidden_size": vc.hidden_size if vc else 0,
         "vision_intermediate_size": vc.intermediate_size if vc else 0,
         "vision_depth": vc.depth if vc else 0,
+        "expert_params": experts,
     }
 
 
