@@ -123,7 +123,20 @@ def test_megatron_options_reach_the_actor_config():
         False,
     )
     assert actor(["--gradient-checkpointing"]).recompute == "full"
+    assert default.etp is None  # megatron-core's default: experts split like the rest (TP)
+    assert actor(["--expert-parallel", "2", "--expert-tensor-parallel", "1"]).etp == 1
     assert actor(["--recompute", "full", "--gradient-checkpointing"]).recompute == "full"
+
+
+def test_the_fsdp_config_refuses_megatron_only_layouts():
+    """Past the CLI check too (a launcher that builds the layout itself): FSDP shards, so
+    it has no tensor, pipeline or expert (tensor) split to take."""
+    cfg = parse_grpo(["--preset", "tiny", "--backend", "fsdp"], env={})
+    base = dict(model=cfg.model.model_name, seed=0, use_gpu=False)
+    assert cfg.trainer.for_run(**base, **cfg.parallel.trainer_layout()).device == "cpu"
+    for layout in (dict(ep=2), dict(etp=1), dict(pp=2)):
+        with pytest.raises(ValueError, match="the fsdp backend shards instead"):
+            cfg.trainer.for_run(**base, **layout)
 
 
 def test_print_config_and_help_as_processes():
@@ -198,6 +211,7 @@ GRPO_BAD = [
     (["--global-batch-size", "48"], "--global-batch-size 48 must divide the 128 samples"),
     (["--tensor-parallel", "2"], "--tensor-parallel / --sequence-parallel are for --backend"),
     (["--pipeline-parallel", "2"], "--pipeline-parallel / --expert-parallel are for --backend"),
+    (["--expert-tensor-parallel", "1"], "--expert-tensor-parallel is for --backend megatron"),
     (["--recompute", "selective"], "--recompute selective is for --backend megatron"),
     (["--gradient-checkpointing", "--recompute", "none"], "--recompute none contradicts"),
     (["--recompute", "some"], "--recompute some: expected one of"),

@@ -58,6 +58,12 @@ class ParallelConfig:
         "megatron backend, MoE models: split the experts over this many data-parallel ranks",
         ge=1,
     )
+    expert_tensor_parallel: int | None = option(
+        None,
+        "megatron backend, MoE models: each expert's tensor-parallel split (default: the "
+        "tensor-parallel size; 1 keeps experts whole, as the slime recipe's 35B-A3B layout)",
+        ge=1,
+    )
     recompute: Literal["auto", "none", "selective", "full"] = option(
         "auto",
         "activation recomputation: full (whole decoder layers), selective (megatron backend: "
@@ -101,6 +107,7 @@ class ParallelConfig:
             "sp": bool(self.sequence_parallel),
             "pp": self.pipeline_parallel,
             "ep": self.expert_parallel,
+            "etp": self.expert_tensor_parallel,
             "recompute": self.recompute_mode,
         }
 
@@ -114,6 +121,8 @@ def check_parallel(backend: str, parallel: ParallelConfig) -> None:
         )
     if backend == "fsdp" and max(parallel.pipeline_parallel, parallel.expert_parallel) > 1:
         raise ConfigError("--pipeline-parallel / --expert-parallel are for --backend megatron")
+    if backend == "fsdp" and parallel.expert_tensor_parallel is not None:
+        raise ConfigError("--expert-tensor-parallel is for --backend megatron")
     if backend == "fsdp" and parallel.recompute == "selective":
         raise ConfigError("--recompute selective is for --backend megatron (fsdp: full or none)")
 
@@ -147,6 +156,7 @@ def _requested(
         replicate=bool(getattr(trainer, "replicate", False)) and backend == "fsdp",
         pp=parallel.pipeline_parallel if megatron else 1,
         ep=parallel.expert_parallel if megatron else 1,
+        etp=parallel.expert_tensor_parallel if megatron else None,
         distributed_optimizer=bool(getattr(trainer, "distributed_optimizer", False)),
     )
 

@@ -172,7 +172,9 @@ class MegatronActor:
             # megatron-core 0.16.1 assumes CUDA in a few places; CPU runs (tests, debugging)
             # need the compatibility layer, which refuses to run where CUDA exists.
             apply_cpu_compat()
-        parallel = Parallelism(tp=config.tp, pp=config.pp, ep=config.ep, sp=config.sp)
+        parallel = Parallelism(
+            tp=config.tp, pp=config.pp, ep=config.ep, sp=config.sp, etp=config.etp
+        )
         initialize_model_parallel(parallel, seed=config.seed)
         self.rank = dist.get_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()

@@ -30,6 +30,7 @@ class MegatronConfig:
     # every deepstack layer when the even split does not)
     pipeline_first_stage_layers: int | None = None
     ep: int = 1  # expert parallel (MoE): experts split over this many data-parallel ranks
+    etp: int | None = None  # expert tensor parallel: each expert's TP split (None: tp)
     # megatron-core's distributed optimizer: float32 masters and AdamW moments sharded over the
     # data-parallel ranks (False: every rank holds them whole)
     distributed_optimizer: bool = field(
@@ -151,6 +152,7 @@ class MegatronConfig:
         sp: bool = False,
         pp: int = 1,
         ep: int = 1,
+        etp: int | None = None,
         recompute: str | bool = "none",
         temperature: float = 1.0,
         grpo: GrpoLossConfig | None = None,
@@ -169,6 +171,7 @@ class MegatronConfig:
             sp=sp,
             pp=pp,
             ep=ep,
+            etp=etp,
             recompute=recompute,
             temperature=temperature,
             grpo=self.grpo if grpo is None else grpo,

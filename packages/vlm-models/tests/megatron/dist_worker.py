@@ -127,6 +127,7 @@ def main(case_path: str, out_dir: str) -> None:
             pp=scenario["pp"],
             ep=scenario.get("ep", 1),
             sp=scenario.get("sp", False),
+            etp=scenario.get("etp"),
         )
         initialize_model_parallel(parallel)
         weights = case["models"][scenario.get("model", "dense")]
@@ -141,6 +142,12 @@ def main(case_path: str, out_dir: str) -> None:
         logits = _forward(model, case, scenario.get("thd", False))
         if logits is not None:
             result["logits"] = logits.detach()
+        # what a rank holds of the routed experts (for the expert-TP scenarios)
+        result["expert_fc1"] = {
+            n: tuple(p.shape)
+            for n, p in model.named_parameters()
+            if "experts" in n and "shared" not in n and "linear_fc1" in n
+        }
         if scenario.get("grads"):
             loss = (logits * case["loss_weights"]).sum()
             loss.backward()

@@ -14,7 +14,8 @@ One launch of two ranks runs every scenario (imports dominate the cost):
   over two tensor-parallel ranks with sequence parallelism; logits and export;
 * ``q35_*``: Qwen3.5 (gated delta net + gated attention) dense at TP=2 (logits, gradients of
   every TP-sharded tensor, export) and TP=2 + SP on packed rows, and MoE (shared expert) at
-  EP=2 (logits, export) and TP=2 + SP. The tiny presets have one KV head; these runs give them
+  EP=2 (logits, export), TP=2 + SP, and TP=2 + SP with whole experts over EP=2 (expert TP 1,
+  the recipe's 35B-A3B layout). The tiny presets have one KV head; these runs give them
   two (and four query heads), since the conversion splits whole KV groups over TP.
 """
 
@@ -51,6 +52,8 @@ SCENARIOS = {
     "q35_tp2_sp_thd": dict(tp=2, pp=1, sp=True, thd=True, model="q35"),
     "q35moe_ep2": dict(tp=1, pp=1, ep=2, model="q35moe", export=True),
     "q35moe_tp2_sp": dict(tp=2, pp=1, sp=True, model="q35moe"),
+    # the slime recipe's 35B-A3B layout in small: attention over TP=2, whole experts over EP=2
+    "q35moe_tp2_sp_ep2_etp1": dict(tp=2, pp=1, sp=True, ep=2, etp=1, model="q35moe", export=True),
 }
 Q35_IDS = dict(
     vocab_size=151936,
@@ -141,6 +144,7 @@ def run(tiny_setup, to_megatron_inputs, make_hf_model, tmp_path_factory):
         by_model=references,
         valid=inputs["valid"],
         hf_state={name: m["hf_state"] for name, m in models.items()},
+        configs={name: m["config"] for name, m in models.items()},
     )
     return reference, results
 
@@ -201,7 +205,9 @@ def _qwen35(reference) -> None:
         pytest.skip("Qwen3.5 needs a newer transformers")
 
 
-@pytest.mark.parametrize("scenario", ["q35_tp2", "q35moe_ep2", "q35moe_tp2_sp"])
+@pytest.mark.parametrize(
+    "scenario", ["q35_tp2", "q35moe_ep2", "q35moe_tp2_sp", "q35moe_tp2_sp_ep2_etp1"]
+)
 def test_qwen35_logits_match_hf(run, scenario):
     """Gated delta net heads, A_log, dt_bias and conv over TP; MoE with a shared expert."""
     reference, results = run
@@ -232,8 +238,26 @@ def test_qwen35_tensor_parallel_gradients_match_hf(run):
             assert error < (DECAY_GRAD_RTOL if decay else GRAD_RTOL), f"rank {rank}: {name} {error}"
 
 
+def test_expert_tensor_parallel_one_keeps_each_expert_whole(run):
+    """At TP=2 the experts are split like the rest (expert TP defaults to TP); with expert
+    TP 1 over EP=2 each rank holds half the experts, each whole (the recipe's layout)."""
+    reference, results = run
+    _qwen35(reference)
+    cfg = reference["configs"]["q35moe"].text_config
+    for rank in range(2):
+        split = results[rank]["q35moe_tp2_sp"]["expert_fc1"]
+        whole = results[rank]["q35moe_tp2_sp_ep2_etp1"]["expert_fc1"]
+        assert split and whole
+        per_layer = cfg.num_experts // 2 * cfg.num_hidden_layers
+        assert len(whole) == len(split) // 2 == per_layer
+        gate_up = 2 * cfg.moe_intermediate_size
+        assert {s[0] for s in split.values()} == {gate_up // 2}
+        assert {s[0] for s in whole.values()} == {gate_up}
+
+
 @pytest.mark.parametrize(
-    "scenario", ["tp2", "pp2", "moe_ep2", "moe_tp2_sp", "q35_tp2", "q35moe_ep2"]
+    "scenario",
+    ["tp2", "pp2", "moe_ep2", "moe_tp2_sp", "q35_tp2", "q35moe_ep2", "q35moe_tp2_sp_ep2_etp1"],
 )
 def test_hf_named_export_is_bit_exact(run, scenario):
     reference, results = run

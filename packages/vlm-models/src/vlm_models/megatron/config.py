@@ -23,15 +23,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Parallelism:
-    """How the language model is split. ``sp`` (sequence parallel) needs ``tp > 1``."""
+    """How the language model is split. ``sp`` (sequence parallel) needs ``tp > 1``; ``etp``
+    (expert tensor parallel: the TP split of each expert) defaults to ``tp``, megatron-core's
+    default; the slime recipe's 35B-A3B layout is ``tp=2, ep=8, etp=1``."""
 
     tp: int = 1
     pp: int = 1
     ep: int = 1
     sp: bool = False
+    etp: int | None = None
 
     def __post_init__(self) -> None:
-        if min(self.tp, self.pp, self.ep) < 1:
+        if min(self.tp, self.pp, self.ep, self.etp or 1) < 1:
             raise ValueError(f"parallel sizes must be >= 1, got {self}")
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism (sp=True) needs tp > 1")
@@ -226,6 +229,7 @@ def transformer_config(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
         expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.etp,
         sequence_parallel=parallel.sp,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,

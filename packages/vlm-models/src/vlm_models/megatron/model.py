@@ -342,6 +342,7 @@ def build_megatron_model(
                 tp=parallel_state.get_tensor_model_parallel_world_size(),
                 pp=parallel_state.get_pipeline_model_parallel_world_size(),
                 ep=parallel_state.get_expert_model_parallel_world_size(),
+                etp=parallel_state.get_expert_tensor_parallel_world_size(),
             )
         config = transformer_config(
             hf_config, parallel, params_dtype=params_dtype, **config_overrides
