@@ -25,6 +25,7 @@ RMS-normalised per value head and gated by ``silu(z)``.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 import logging
@@ -47,9 +48,18 @@ logger = logging.getLogger(__name__)
 FLA_HINT = "install flash-linear-attention's kernels with `pip install fla-core` (CUDA only)"
 
 
+@functools.cache
 def fla_available() -> bool:
-    """Whether flash-linear-attention's delta-rule kernel can be imported."""
-    return importlib.util.find_spec("fla") is not None and mcore_gdn.HAVE_FLA
+    """Whether flash-linear-attention's delta-rule kernel, the one fla call this module makes,
+    imports (fla-core 0.6.0 checked: its signature takes ``cu_seqlens``)."""
+    if importlib.util.find_spec("fla") is None:
+        return False
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
+    except ImportError as err:
+        logger.warning("fla is installed but its gated delta rule does not import: %s", err)
+        return False
+    return True
 
 
 def _fla_chunk_rule() -> Any:
