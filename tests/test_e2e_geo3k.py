@@ -5,6 +5,8 @@
 2. A GRPO run killed with SIGKILL after a checkpoint and resumed ends in the same state as an
    uninterrupted run (same per-step metrics, same final weights).
 3. The README's quick start, as written (with fewer steps).
+4. Qwen3.5 (gated delta net + full attention): the same SFT warm-up, then a few GRPO steps on
+   each backend raise the reward, and the two backends see the same rewards.
 """
 
 from __future__ import annotations
@@ -239,3 +241,56 @@ def test_readme_quick_start(tmp_path: Path) -> None:
     rows = _rows(run)
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[-1]["eval_accuracy"] is not None and (run / "reward.png").is_file()
+
+
+@pytest.fixture(scope="module")
+def qwen35_sft_run(tmp_path_factory) -> Path:
+    """The SFT app on the synthetic task with the tiny Qwen3.5 (hybrid linear attention)."""
+    from vlm_models.presets import PRESETS
+
+    if "qwen3.5-tiny" not in PRESETS:
+        pytest.skip("Qwen3.5 needs a newer transformers")
+    out = tmp_path_factory.mktemp("sft_qwen35")
+    argv = ["--preset", "tiny", "--model-name", "qwen3.5-tiny", "--ray-num-cpus", "2"]
+    _run("geo3k_sft", *argv, "--output-dir", str(out / "run"), log=out / "log.txt")
+    rows = _rows(out / "run")  # 2026-12-02: loss 6.2 -> 0.10 over the 36 steps
+    assert rows[-1]["loss"] < rows[0]["loss"] / 4, (rows[0]["loss"], rows[-1]["loss"])
+    return out / "run"
+
+
+def test_qwen35_grpo_learns_on_both_backends(qwen35_sft_run: Path, tmp_path: Path) -> None:
+    """Five GRPO steps per backend from the Qwen3.5 warm-up (packed micro-batches: every
+    gated-delta-net layer resets its state at sample boundaries). 2026-12-02, CPU, both
+    backends: rewards 0.633 0.672 0.693 0.688 0.758 (0.742 0.789 0.742 0.773 0.797 after).
+    About 6 minutes on two busy cores (three launcher runs, the SFT warm-up shared)."""
+    rewards, grad_norms = {}, {}
+    for backend in ("fsdp", "megatron"):
+        run = tmp_path / backend
+        _run(
+            "geo3k_grpo",
+            *GRPO_ARGS,
+            "--backend",
+            backend,
+            "--load",
+            str(qwen35_sft_run),
+            "--num-rollout",
+            "5",
+            "--eval-interval",
+            "0",
+            "--output-dir",
+            str(run),
+            log=tmp_path / f"{backend}.txt",
+        )
+        rows = _rows(run)
+        assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+        assert all(r["grad_norm"] > 0 for r in rows)
+        rewards[backend] = [r["reward_mean"] for r in rows]
+        grad_norms[backend] = [r["grad_norm"] for r in rows]
+        first, last = _mean(rewards[backend][:2]), _mean(rewards[backend][-2:])
+        assert last > first + 0.04, (backend, rewards[backend])  # measured +0.07
+    # the same rollouts while the weights agree: Megatron's Qwen3.5 trains as FSDP's does
+    # (2026-12-02: rewards equal, gradient norms within 4.9e-6 relative, on every step)
+    for f, m in zip(rewards["fsdp"], rewards["megatron"], strict=True):
+        assert abs(f - m) < 0.1, rewards
+    for f, m in zip(grad_norms["fsdp"], grad_norms["megatron"], strict=True):
+        assert abs(f - m) < 1e-3 * f, grad_norms

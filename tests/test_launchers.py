@@ -99,7 +99,9 @@ def test_megatron_options_reach_the_actor_config():
     recompute granularity (--gradient-checkpointing is full), the distributed optimizer."""
 
     def actor(argv: list[str]):
-        cfg = parse_grpo(["--preset", "tiny", "--backend", "megatron", *argv], env={})
+        # eight CPU ranks: room for every split below (the launcher checks the ranks divide)
+        tiny = ["--preset", "tiny", "--backend", "megatron", "--cpu-trainers", "8"]
+        cfg = parse_grpo([*tiny, *argv], env={})
         return cfg.trainer.for_run(
             model=cfg.model.model_name,
             seed=cfg.run.seed,
@@ -123,7 +125,78 @@ def test_megatron_options_reach_the_actor_config():
         False,
     )
     assert actor(["--gradient-checkpointing"]).recompute == "full"
+    assert default.etp is None  # megatron-core's default: experts split like the rest (TP)
+    assert actor(["--expert-parallel", "2", "--expert-tensor-parallel", "1"]).etp == 1
     assert actor(["--recompute", "full", "--gradient-checkpointing"]).recompute == "full"
+
+
+def test_the_fsdp_config_refuses_megatron_only_layouts():
+    """Past the CLI check too (a launcher that builds the layout itself): FSDP shards, so
+    it has no tensor, pipeline or expert (tensor) split to take."""
+    cfg = parse_grpo(["--preset", "tiny", "--backend", "fsdp"], env={})
+    base = dict(model=cfg.model.model_name, seed=0, use_gpu=False)
+    assert cfg.trainer.for_run(**base, **cfg.parallel.trainer_layout()).device == "cpu"
+    for layout in (dict(ep=2), dict(etp=1), dict(pp=2)):
+        with pytest.raises(ValueError, match="the fsdp backend shards instead"):
+            cfg.trainer.for_run(**base, **layout)
+
+
+QWEN35 = ["--preset", "qwen3.5-35b-a3b"]
+
+
+def test_qwen35_35b_a3b_preset_is_the_slime_layout(capsys):
+    """The slime recipe's 35B-A3B run: megatron TP2 + SP with whole experts over EP8, full
+    recompute; one SGLang engine of 8 GPUs with EP8 and NEXTN speculative decoding; the
+    layout estimated from the built-in shape before any download."""
+    pytest.importorskip("transformers", minversion="5.2")  # Qwen3.5 configs
+    cfg = parse_grpo(QWEN35, env={})
+    actor = cfg.trainer.for_run(
+        model=cfg.model.model_name, seed=0, use_gpu=True, **cfg.parallel.trainer_layout()
+    )
+    assert (actor.tp, actor.sp, actor.pp, actor.ep, actor.etp) == (2, True, 1, 8, 1)
+    assert actor.recompute == "full" and cfg.cluster.num_gpus == 8 and cfg.cluster.colocate
+    engine = cfg.rollout.sglang_config()
+    assert (cfg.rollout.backend, engine.tp_size, engine.mem_fraction_static) == ("sglang", 8, 0.7)
+    assert engine.extra_args == dict(
+        ep_size=8,
+        speculative_algorithm="NEXTN",
+        speculative_num_steps=3,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=4,
+    )
+    assert engine.engine_kwargs()["ep_size"] == 8
+    with pytest.raises(SystemExit) as done:
+        parse_grpo([*QWEN35, "--print-config", "--gpu-memory-gib", "141"], env={})
+    assert done.value.code == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["model"]["model_name"] == "Qwen3.5-35B-A3B"
+    layout = printed["layout"]
+    assert layout["description"].startswith("megatron TP2, EP8, ETP1, DP4, SP")
+    assert layout["fits"] and 80 < layout["total_gib"] < 141, layout
+
+
+QWEN35_REFUSED = [
+    (["--num-gpus", "4"], r"multiples of --expert-parallel .* = 8, but --num-gpus 4 gives 4"),
+    (["--num-gpus", "0"], r"multiples of --tensor-parallel .* = 2, but a CPU run has"),
+    (["--no-colocate"], r"= 8, but --num-gpus 8 --no-colocate leaves 4 trainer rank"),
+    (
+        ["--num-gpus", "12", "--no-colocate", "--rollout-num-gpus", "4"],
+        r"--rollout-num-gpus-per-engine 8 does not divide the 4 rollout GPUs",
+    ),
+    (["--backend", "fsdp"], r"--tensor-parallel / --sequence-parallel are for --backend megatron"),
+    (["--sglang-ep-size", "3"], r"--sglang-ep-size 3 must divide --rollout-num-gpus-per-engine 8"),
+    (["--rollout-engine", "hf"], r"--rollout-engine hf has neither"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), QWEN35_REFUSED)
+def test_qwen35_35b_a3b_preset_refuses_what_cannot_run(argv, message):
+    """At parse, before Ray or a download; a layout refusal names what the preset set."""
+    pytest.importorskip("transformers", minversion="5.2")
+    with pytest.raises(ConfigError, match=message) as err:
+        parse_grpo([*QWEN35, *argv], env={})
+    if "layout" in message or "rollout GPUs" in message or "multiples" in message:
+        assert "--preset qwen3.5-35b-a3b sets this layout" in str(err.value)
 
 
 def test_print_config_and_help_as_processes():
@@ -198,6 +271,7 @@ GRPO_BAD = [
     (["--global-batch-size", "48"], "--global-batch-size 48 must divide the 128 samples"),
     (["--tensor-parallel", "2"], "--tensor-parallel / --sequence-parallel are for --backend"),
     (["--pipeline-parallel", "2"], "--pipeline-parallel / --expert-parallel are for --backend"),
+    (["--expert-tensor-parallel", "1"], "--expert-tensor-parallel is for --backend megatron"),
     (["--recompute", "selective"], "--recompute selective is for --backend megatron"),
     (["--gradient-checkpointing", "--recompute", "none"], "--recompute none contradicts"),
     (["--recompute", "some"], "--recompute some: expected one of"),

@@ -3,7 +3,7 @@
 # Python 3.12, torch 2.11, transformers 5.17, offline). Wheels for what it lacks come from .whl/
 # (fill it with ../shared/tools/device-wheels). Each benchmark's JSON and one log go to $OUT.
 #
-#   bash tools/bench/gpu_suite.sh [logprobs] [patch_embed] [hf_engine] [fsdp_train] [fsdp_accum] [megatron_parity] [weight_sync] ...
+#   bash tools/bench/gpu_suite.sh [logprobs] [patch_embed] [hf_engine] [fsdp_train] [fsdp_accum] [megatron_parity] [weight_sync] [qwen35] ...
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -70,6 +70,9 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
           --backends "${E2E_BACKENDS:-fsdp,megatron}" --timeout "${E2E_BACKEND_TIMEOUT:-240}" \
           --after-last-step 20 --work-dir /tmp/e2e --out "$OUT/e2e.json" -- ${E2E_ARGS:-} "${transport[@]}"
         for f in /tmp/e2e/*.log; do [ -f "$f" ] && tail -c 400000 "$f" >"$OUT/e2e_$(basename "$f")"; done ;;
+      qwen35)  # Qwen3.5-35B-A3B cut to 4 layers, GRPO steps on Megatron: fla vs the torch
+        # gated delta net, packed vs one sample per micro-batch (needs fla-core in .whl/)
+        run qwen35 300 python3 tools/bench/bench_qwen35_megatron.py --device cuda --out "$OUT/qwen35.json" ;;
       gpu_tests) run gpu_tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider -o log_level=WARNING packages ;;
       *) echo "unknown benchmark $w" >>"$log" ;;
     esac

@@ -72,6 +72,18 @@ def test_pipeline_and_expert_parallel_split_the_weights():
     assert sharded.optimizer == pytest.approx(12 * expected)
     assert "megatron TP1, EP4, DP8" in TrainLayout("megatron", 8, 4096, ep=4).describe()
     assert "--pipeline-parallel 2" in pp2.flags() and "--no-distributed-optimizer" in pp2.flags()
+    # the slime recipe's 35B-A3B layout: attention over TP2, whole experts (expert TP 1) over
+    # EP8, so each rank holds 1/8 of the experts (not 1/16) and expert DP is 1
+    recipe = TrainLayout("megatron", 8, 4096, tp=2, ep=8, etp=1)
+    held = estimate_memory(moe, recipe)
+    assert held.weights == pytest.approx(
+        2 * (dense / 2 + moe.vision_params + moe.expert_params / 8)
+    )
+    assert held.optimizer == pytest.approx(
+        12 * ((dense / 2 + moe.vision_params) / 4 + moe.expert_params / 8)
+    )
+    assert "EP8, ETP1, DP4" in recipe.describe()
+    assert "--expert-tensor-parallel 1" in recipe.flags()
 
 
 def test_recompute_and_sequence_parallel_cut_activations():

@@ -66,3 +66,19 @@ def test_an_unpackable_model_runs_one_sample_per_micro_batch(
     packed, alone = logprobs_packed_and_alone(actor, make_small_batch("qwen3.5-tiny"))
     for p, a in zip(packed, alone, strict=True):  # bit-equal: the same one-sample rows
         torch.testing.assert_close(p, a, rtol=0, atol=0)
+
+
+def test_packing_without_the_reset_is_what_the_equality_test_catches(
+    make_config, make_small_batch, logprobs_packed_and_alone, monkeypatch
+):
+    """Negative control: the FSDP path as it was before the reset (packing Qwen3.5 without
+    asking, the state carried across samples) moves the later samples' log-probs far past
+    the 1e-5 the test above holds the actor to."""
+    if "qwen3.5-tiny" not in PRESETS:
+        pytest.skip("Qwen3.5 needs a newer transformers")
+    monkeypatch.setattr(actor_module, "pack_linear_attention", lambda model: 0)
+    monkeypatch.setattr(actor_module, "supports_packed_forward", lambda model: True)
+    actor = FsdpActor(make_config(model="qwen3.5-tiny", logprobs_scope="all"))
+    packed, alone = logprobs_packed_and_alone(actor, make_small_batch("qwen3.5-tiny"))
+    worst = max(float((p - a).abs().max()) for p, a in zip(packed, alone, strict=True))
+    assert worst > 1e-3, worst

@@ -19,12 +19,15 @@ from rewards_math import RewardConfig
 from rl_algos import GrpoLossConfig
 from rl_runtime import (
     ClusterConfig,
+    ConfigError,
     GrpoLoopConfig,
     ParallelConfig,
+    PreflightError,
     RunConfig,
     WarmupConfig,
     check_parallel,
     choice,
+    layout,
     layout_report,
     parse_config,
     recipe_env_aliases,
@@ -61,7 +64,16 @@ class Geo3kGrpoConfig:
     warmup: WarmupConfig = section(WarmupConfig)
 
     def check(self) -> None:
-        check_parallel(self.run.backend, self.parallel)
+        try:
+            check_parallel(self.run.backend, self.parallel, self.cluster)
+            if self.rollout.backend != "hf":  # SGLang engines of N GPUs take N rollout GPUs
+                layout(self.cluster, gpus_per_engine=self.rollout.tp_size)
+        except (ConfigError, PreflightError) as err:
+            if self.run.preset is None:
+                raise
+            raise ConfigError(
+                f"{err} (--preset {self.run.preset} sets this layout: {_preset_layout(self)})"
+            ) from None
 
 
 #: The recipe's values where a package's default is not the recipe's (the rest are).
@@ -102,6 +114,45 @@ PRESETS: dict[str, dict[str, Any]] = {
         "warmup_sft_lr": 3e-3,
     },
 }
+
+
+#: The slime recipe's Qwen3.5-35B-A3B run (examples/geo3k_vlm/run_geo3k_qwen35.sh, MoE branch)
+#: on one node of 8 GPUs, colocated; its GRPO, optimizer and rollout values are the recipe's
+#: defaults above. Glimpse packs samples into micro-batches where slime runs one at a time
+#: (micro-batch 1, no dynamic batch size: megatron-core's gated delta net refuses packed rows;
+#: ours resets its state at each sample's boundary, so packing gives the same log-probs).
+PRESETS["qwen3.5-35b-a3b"] = {
+    "backend": "megatron",
+    "num_gpus": 8,
+    "model_name": "Qwen3.5-35B-A3B",
+    "output_dir": "runs/geo3k_grpo_qwen35_35b_a3b",
+    # attention over TP2 + SP (two KV groups: TP 2 at most), whole experts over EP8
+    "tensor_parallel": 2,
+    "sequence_parallel": True,
+    "expert_parallel": 8,
+    "expert_tensor_parallel": 1,
+    "recompute": "full",
+    # SGLang: one engine of 8 GPUs with its experts over EP8, NEXTN speculative decoding from
+    # the checkpoint's MTP head
+    "rollout_engine": "sglang",
+    "rollout_num_gpus_per_engine": 8,
+    "sglang_ep_size": 8,
+    "sglang_mem_fraction_static": 0.7,
+    "sglang_speculative_algorithm": "NEXTN",
+    "sglang_speculative_num_steps": 3,
+}
+
+
+def _preset_layout(cfg: Geo3kGrpoConfig) -> str:
+    """A preset's layout settings as flags, for a refusal's message."""
+    p, r = cfg.parallel, cfg.rollout
+    parts = [f"--backend {cfg.run.backend}", f"--num-gpus {cfg.cluster.num_gpus}"]
+    parts += [f"--tensor-parallel {p.tensor_parallel}"] * bool(p.tensor_parallel)
+    parts += [f"--expert-parallel {p.expert_parallel}"] * (p.expert_parallel > 1)
+    if p.expert_tensor_parallel is not None:
+        parts.append(f"--expert-tensor-parallel {p.expert_tensor_parallel}")
+    parts += [f"--rollout-num-gpus-per-engine {r.tp_size}"] * (r.tp_size > 1)
+    return " ".join(parts)
 
 
 def print_layout(cfg: Geo3kGrpoConfig) -> dict[str, Any]:

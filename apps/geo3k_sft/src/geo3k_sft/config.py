@@ -52,7 +52,7 @@ class Geo3kSftConfig:
     sft: SftLoopConfig = section(SftLoopConfig)
 
     def check(self) -> None:
-        check_parallel(self.run.backend, self.parallel)
+        check_parallel(self.run.backend, self.parallel, self.cluster, with_engines=False)
 
 
 #: The recipe's values where a package's default is not the recipe's (the rest are).

@@ -9,9 +9,9 @@ The parts, per GPU, in bytes:
   and AdamW's two moments (8). FSDP shards all of it over the world (only the bf16 copies of
   the units being gathered are whole); ``replicate`` and one rank hold it whole. Megatron
   splits the language model by TP and PP (the vision tower is whole on every first-stage
-  rank), routed experts by EP x TP, and its distributed optimizer (the default) shards the
-  masters, moments and reduced float32 gradients over the data-parallel ranks (experts over
-  the expert-data-parallel ranks); without it every rank holds them whole.
+  rank), routed experts by EP x expert TP (TP unless set), and its distributed optimizer (the
+  default) shards the masters, moments and reduced float32 gradients over the data-parallel
+  ranks (experts over the expert-data-parallel ranks); without it every rank holds them whole.
 - activations of one micro-batch of ``max_tokens_per_gpu`` tokens, bf16: per decoder layer and
   token ``2 * (8 h + 4 I)`` bytes (norm, attention and gated-MLP inputs and outputs), split by
   TP under sequence parallelism; with recomputation only each layer's input (``2 h``) is kept,
@@ -71,6 +71,7 @@ class TrainLayout:
     replicate: bool = False  # fsdp: the whole model on every rank
     pp: int = 1  # megatron: pipeline stages
     ep: int = 1  # megatron: expert-parallel ranks (MoE)
+    etp: int | None = None  # megatron: each expert's tensor-parallel split (None: tp)
     distributed_optimizer: bool = True  # megatron: masters and moments sharded over DP
 
     @property
@@ -78,10 +79,15 @@ class TrainLayout:
         """Data-parallel replicas (megatron: ranks per replica are TP x PP)."""
         return max(1, self.world_size // (self.tp * self.pp))
 
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
     def describe(self) -> str:
         if self.backend == "megatron":
             parts = [f"megatron TP{self.tp}"] + [f"PP{self.pp}"] * (self.pp > 1)
-            parts += [f"EP{self.ep}"] * (self.ep > 1) + [f"DP{self.dp}"]
+            parts += [f"EP{self.ep}"] * (self.ep > 1) + [f"ETP{self.etp}"] * (self.etp is not None)
+            parts += [f"DP{self.dp}"]
             parts += ["SP"] * self.sp + ["distributed optimizer"] * self.distributed_optimizer
         else:
             how = "replicated" if self.replicate or self.world_size == 1 else "sharded"
@@ -97,6 +103,7 @@ class TrainLayout:
             out += ["--sequence-parallel"] * self.sp
             out += [f"--pipeline-parallel {self.pp}"] * (self.pp > 1)
             out += [f"--expert-parallel {self.ep}"] * (self.ep > 1)
+            out += [f"--expert-tensor-parallel {self.etp}"] * (self.etp is not None)
             out += ["--no-distributed-optimizer"] * (not self.distributed_optimizer)
         elif self.replicate:
             out.append("--fsdp-replicate")
@@ -153,12 +160,13 @@ def estimate_memory(
     total_params = shape.language_params + shape.vision_params
     per_layer_token = 2 * (8 * h + 4 * inter)  # bf16 activations of a decoder layer, per token
     if layout.backend == "megatron":
-        tp, pp, ep = layout.tp, layout.pp, layout.ep
+        tp, pp, ep, etp = layout.tp, layout.pp, layout.ep, layout.expert_tp
         dense = (shape.language_params - shape.expert_params) / (tp * pp) + shape.vision_params
-        experts = shape.expert_params / (ep * tp * pp)
+        experts = shape.expert_params / (ep * etp * pp)
         held = dense + experts
         if layout.distributed_optimizer:  # experts over the expert-data-parallel ranks
-            opt_held = dense / layout.dp + experts / max(1, layout.dp // ep)
+            expert_dp = max(1, layout.world_size // (ep * etp * pp))
+            opt_held = dense / layout.dp + experts / expert_dp
         else:
             opt_held = held
         weights, gradients = 2 * held, 2 * held + 4 * opt_held

@@ -58,6 +58,12 @@ class ParallelConfig:
         "megatron backend, MoE models: split the experts over this many data-parallel ranks",
         ge=1,
     )
+    expert_tensor_parallel: int | None = option(
+        None,
+        "megatron backend, MoE models: each expert's tensor-parallel split (default: the "
+        "tensor-parallel size; 1 keeps experts whole, as the slime recipe's 35B-A3B layout)",
+        ge=1,
+    )
     recompute: Literal["auto", "none", "selective", "full"] = option(
         "auto",
         "activation recomputation: full (whole decoder layers), selective (megatron backend: "
@@ -101,12 +107,21 @@ class ParallelConfig:
             "sp": bool(self.sequence_parallel),
             "pp": self.pipeline_parallel,
             "ep": self.expert_parallel,
+            "etp": self.expert_tensor_parallel,
             "recompute": self.recompute_mode,
         }
 
 
-def check_parallel(backend: str, parallel: ParallelConfig) -> None:
-    """Layout settings one backend has and the other lacks, checked before anything starts."""
+def check_parallel(
+    backend: str,
+    parallel: ParallelConfig,
+    cluster: ClusterConfig | None = None,
+    *,
+    with_engines: bool = True,
+) -> None:
+    """Layout settings one backend has and the other lacks, and (given the cluster) a Megatron
+    split the trainer ranks cannot make, checked before anything starts (megatron-core would
+    otherwise fail inside every rank)."""
     if backend == "fsdp" and ((parallel.tensor_parallel or 1) > 1 or parallel.sequence_parallel):
         raise ConfigError(
             "--tensor-parallel / --sequence-parallel are for --backend megatron; "
@@ -114,8 +129,40 @@ def check_parallel(backend: str, parallel: ParallelConfig) -> None:
         )
     if backend == "fsdp" and max(parallel.pipeline_parallel, parallel.expert_parallel) > 1:
         raise ConfigError("--pipeline-parallel / --expert-parallel are for --backend megatron")
+    if backend == "fsdp" and parallel.expert_tensor_parallel is not None:
+        raise ConfigError("--expert-tensor-parallel is for --backend megatron")
     if backend == "fsdp" and parallel.recompute == "selective":
         raise ConfigError("--recompute selective is for --backend megatron (fsdp: full or none)")
+    if backend == "megatron" and cluster is not None:
+        _check_megatron_split(parallel, cluster, with_engines=with_engines)
+
+
+def _check_megatron_split(
+    parallel: ParallelConfig, cluster: ClusterConfig, *, with_engines: bool
+) -> None:
+    ranks = layout(cluster, with_engines=with_engines).num_trainers
+    if not cluster.use_gpu:
+        where = f"a CPU run has --cpu-trainers {ranks} trainer rank(s)"
+    elif cluster.colocate or not with_engines:
+        where = f"--num-gpus {cluster.num_gpus} gives {ranks} trainer rank(s)"
+    else:
+        where = f"--num-gpus {cluster.num_gpus} --no-colocate leaves {ranks} trainer rank(s)"
+    tp, pp, ep = parallel.tensor_parallel or 1, parallel.pipeline_parallel, parallel.expert_parallel
+    etp = parallel.expert_tensor_parallel or tp
+    splits = (
+        ("--tensor-parallel x --pipeline-parallel", f"{tp} x {pp}", tp * pp),
+        (
+            "--expert-parallel x expert tensor parallel x --pipeline-parallel",
+            f"{ep} x {etp} x {pp}",
+            ep * etp * pp,
+        ),
+    )
+    for flags, sizes, size in splits:
+        if ranks % size:
+            raise ConfigError(
+                f"the megatron layout needs trainer ranks in multiples of {flags} = {sizes} = "
+                f"{size}, but {where}; give a layout that divides them, or more GPUs"
+            )
 
 
 def gpu_memory_bytes(parallel: ParallelConfig) -> float | None:
@@ -147,6 +194,7 @@ def _requested(
         replicate=bool(getattr(trainer, "replicate", False)) and backend == "fsdp",
         pp=parallel.pipeline_parallel if megatron else 1,
         ep=parallel.expert_parallel if megatron else 1,
+        etp=parallel.expert_tensor_parallel if megatron else None,
         distributed_optimizer=bool(getattr(trainer, "distributed_optimizer", False)),
     )
 

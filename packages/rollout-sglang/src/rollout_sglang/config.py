@@ -66,6 +66,32 @@ class RolloutConfig:
             "ge": 1,
         },
     )
+    ep_size: int = field(
+        default=1,
+        metadata={
+            "help": "SGLang, MoE models: expert-parallel size inside each engine (divides "
+            "--rollout-num-gpus-per-engine)",
+            "flag": "sglang_ep_size",
+            "ge": 1,
+        },
+    )
+    speculative_algorithm: str | None = field(
+        default=None,
+        metadata={
+            "help": "SGLang speculative decoding, e.g. NEXTN (Qwen3.5's MTP head as the draft "
+            "model, kept from the checkpoint, not trained); default: off",
+            "flag": "sglang_speculative_algorithm",
+        },
+    )
+    speculative_num_steps: int = field(
+        default=3,
+        metadata={
+            "help": "SGLang speculative decoding: draft steps (one draft per step, so steps + "
+            "1 draft tokens)",
+            "flag": "sglang_speculative_num_steps",
+            "ge": 1,
+        },
+    )
     dtype: str = "bfloat16"
     mem_fraction_static: float = field(
         default=0.6,
@@ -121,6 +147,33 @@ class RolloutConfig:
         },
     )
 
+    def check(self) -> None:
+        if self.backend == "hf" and (self.ep_size > 1 or self.speculative_algorithm):
+            raise ValueError(
+                "--sglang-ep-size / --sglang-speculative-algorithm are SGLang's; "
+                "--rollout-engine hf has neither"
+            )
+        if self.tp_size % self.ep_size:
+            raise ValueError(
+                f"--sglang-ep-size {self.ep_size} must divide --rollout-num-gpus-per-engine "
+                f"{self.tp_size} (SGLang splits an engine's GPUs into expert groups)"
+            )
+
+    def server_args(self) -> dict[str, Any]:
+        """SGLang server arguments of the settings without a field of `SGLangConfig`, then
+        ``extra_sglang_args`` (which win)."""
+        args: dict[str, Any] = {}
+        if self.ep_size > 1:
+            args["ep_size"] = self.ep_size
+        if self.speculative_algorithm:
+            args.update(
+                speculative_algorithm=self.speculative_algorithm,
+                speculative_num_steps=self.speculative_num_steps,
+                speculative_eagle_topk=1,
+                speculative_num_draft_tokens=self.speculative_num_steps + 1,
+            )
+        return {**args, **self.extra_sglang_args}
+
     def sglang_config(self, index: int = 0) -> SGLangConfig:
         return SGLangConfig(
             model_path=self.model_path,
@@ -137,7 +190,7 @@ class RolloutConfig:
             min_pixels=self.min_pixels,
             max_pixels=self.max_pixels,
             enable_deterministic_inference=self.enable_deterministic_inference,
-            extra_args=dict(self.extra_sglang_args),
+            extra_args=self.server_args(),
         )
 
     def weight_name_check(self) -> WeightNameCheck | None:

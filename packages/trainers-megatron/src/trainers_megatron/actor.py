@@ -172,7 +172,9 @@ class MegatronActor:
             # megatron-core 0.16.1 assumes CUDA in a few places; CPU runs (tests, debugging)
             # need the compatibility layer, which refuses to run where CUDA exists.
             apply_cpu_compat()
-        parallel = Parallelism(tp=config.tp, pp=config.pp, ep=config.ep, sp=config.sp)
+        parallel = Parallelism(
+            tp=config.tp, pp=config.pp, ep=config.ep, sp=config.sp, etp=config.etp
+        )
         initialize_model_parallel(parallel, seed=config.seed)
         self.rank = dist.get_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -184,9 +186,19 @@ class MegatronActor:
         overrides = dict(schedule_config(config.pp), **recompute_settings(config))
         if config.pipeline_first_stage_layers is not None:
             overrides["num_layers_in_first_pipeline_stage"] = config.pipeline_first_stage_layers
+        gdn = dict(gdn_path=config.linear_attention_kernels)
         self.module: Qwen3VLMegatronModel = build_megatron_model(
-            self.hf_config, parallel, params_dtype=self.dtype, **overrides
+            self.hf_config, parallel, params_dtype=self.dtype, **gdn, **overrides
         )
+        # a packed row must keep its samples apart in every layer (Qwen3.5's gated delta net
+        # resets its state at sample boundaries); a model that cannot runs one per row
+        self.one_sample_per_micro_batch = not self.module.packs_samples
+        if self.one_sample_per_micro_batch:
+            logger.warning(
+                "%s: a packed row would carry linear-attention state across samples; running "
+                "one sample per micro-batch",
+                type(self.module).__name__,
+            )
         self._load_initial_weights()
         self.compiled = config.compile
         if self.compiled is None:
@@ -198,7 +210,7 @@ class MegatronActor:
         self.ref_model = None
         if config.reference_model:  # the initial policy, frozen: the KL penalty's reference
             self.ref_model = build_megatron_model(
-                self.hf_config, parallel, params_dtype=self.dtype, **overrides
+                self.hf_config, parallel, params_dtype=self.dtype, **gdn, **overrides
             )
             self.ref_model.load_state_dict(self.module.state_dict())
             self.ref_model.requires_grad_(False).eval()
@@ -245,7 +257,10 @@ class MegatronActor:
         """Packs of at most ``max_tokens_per_gpu`` tokens. With expert parallelism every
         data-parallel rank runs as many micro-batches as the busiest (empty ones run a dummy
         sample): the experts' token exchange is collective in every MoE layer."""
-        plan = pack_by_token_budget(lengths, self.config.max_tokens_per_gpu) if lengths else []
+        if self.one_sample_per_micro_batch:
+            plan = [[i] for i in range(len(lengths))]
+        else:
+            plan = pack_by_token_budget(lengths, self.config.max_tokens_per_gpu) if lengths else []
         if self.config.ep > 1:
             count = torch.tensor([len(plan)], device=self.device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
@@ -437,12 +452,17 @@ class MegatronActor:
             yield [(n, t.to(device=device, dtype=dtype)) for n, t in bucket]
 
     def export_hf(self, path: str | os.PathLike) -> None:
-        """An HF folder (config + safetensors) that ``from_pretrained`` loads; rank 0 writes."""
+        """An HF folder (config + safetensors) that ``from_pretrained`` loads; rank 0 writes.
+        A Qwen3.5 MTP head of the source folder (not trained here) is copied along as read."""
         path = Path(path)
         tensors: dict[str, Tensor] = {}
         for bucket in self.iter_hf_weights():
             if self.rank == 0:
                 tensors.update(bucket)
+        source = self.config.model
+        if self.rank == 0 and isinstance(source, str) and source not in PRESETS:
+            with SafetensorsReader(source) as reader:
+                tensors.update(reader.mtp_tensors())
         if self.rank == 0:
             path.mkdir(parents=True, exist_ok=True)
             self.hf_config.save_pretrained(path)

@@ -30,6 +30,7 @@ class MegatronConfig:
     # every deepstack layer when the even split does not)
     pipeline_first_stage_layers: int | None = None
     ep: int = 1  # expert parallel (MoE): experts split over this many data-parallel ranks
+    etp: int | None = None  # expert tensor parallel: each expert's TP split (None: tp)
     # megatron-core's distributed optimizer: float32 masters and AdamW moments sharded over the
     # data-parallel ranks (False: every rank holds them whole)
     distributed_optimizer: bool = field(
@@ -54,6 +55,17 @@ class MegatronConfig:
     # H200 the first compiled step had not finished after 3.5 min (2026-12-01), not yet
     # understood; None: on CUDA for dense models (compiles_by_default)
     compile: bool | None = False
+    # Qwen3.5's gated-delta-net kernels: "fla" (flash-linear-attention, CUDA; varlen over
+    # packed rows), "torch" (megatron-core's torch reference, per sample) or "auto" (fla on
+    # CUDA where installed, else torch)
+    linear_attention_kernels: Literal["auto", "fla", "torch"] = field(
+        default="auto",
+        metadata={
+            "help": "Qwen3.5 gated-delta-net kernels: fla (CUDA, `pip install fla-core`), "
+            "torch (reference), auto (fla where installed)",
+            "choices": ("auto", "fla", "torch"),
+        },
+    )
     reference_model: bool = False  # keep a frozen copy of the initial weights (KL penalty)
     max_tokens_per_gpu: int = field(  # micro-batch token budget (packed THD sequences)
         default=16384, metadata={"help": "micro-batch token budget per GPU", "ge": 1}
@@ -140,6 +152,7 @@ class MegatronConfig:
         sp: bool = False,
         pp: int = 1,
         ep: int = 1,
+        etp: int | None = None,
         recompute: str | bool = "none",
         temperature: float = 1.0,
         grpo: GrpoLossConfig | None = None,
@@ -158,6 +171,7 @@ class MegatronConfig:
             sp=sp,
             pp=pp,
             ep=ep,
+            etp=etp,
             recompute=recompute,
             temperature=temperature,
             grpo=self.grpo if grpo is None else grpo,

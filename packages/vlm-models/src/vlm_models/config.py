@@ -17,6 +17,7 @@ SUPPORTED_MODELS = (
     "Qwen3-VL-8B-Thinking",
     "Qwen3-VL-30B-A3B-Thinking",
     "Qwen3-VL-235B-A22B-Thinking",
+    "Qwen3.5-35B-A3B",  # the slime recipe's (gated delta net + MoE)
 )
 HUB_NAMESPACE = "Qwen"  # a bare name such as Qwen3-VL-8B-Instruct is Qwen/Qwen3-VL-8B-Instruct
 TINY_MODEL = "qwen3-vl-tiny"
@@ -26,6 +27,7 @@ SHAPE_OF_NAME = {
     "Qwen3-VL-4B-": "qwen3-vl-4b",
     "Qwen3-VL-8B-": "qwen3-vl-8b",
     "Qwen3-VL-30B-A3B-": "qwen3-vl-30b-a3b",
+    "Qwen3.5-35B-A3B": "qwen3.5-35b-a3b",  # where transformers has Qwen3.5
 }
 
 

@@ -2,8 +2,9 @@
 
 Two kinds of preset:
 
-* shape presets (``qwen3-vl-2b``, ``qwen3-vl-4b``, ``qwen3-vl-8b``, ``qwen3-vl-30b-a3b``): the
-  published architectures, for random-init benchmarks at full size;
+* shape presets (``qwen3-vl-2b``, ``qwen3-vl-4b``, ``qwen3-vl-8b``, ``qwen3-vl-30b-a3b``,
+  ``qwen3.5-35b-a3b``): the published architectures, for random-init benchmarks at full size
+  (or cut to a few layers) and memory estimates before a download;
 * tiny presets (``qwen3-vl-tiny``, ``qwen3-vl-moe-tiny``, ``qwen3.5-tiny``,
   ``qwen3.5-moe-tiny``): the same
   architecture features (deepstack, interleaved M-RoPE with ``mrope_section``, GQA, tied or
@@ -266,6 +267,54 @@ def qwen3_5_moe_tiny() -> PretrainedConfig:
     )
 
 
+def qwen3_5_35b_a3b() -> PretrainedConfig:
+    """Qwen3.5-35B-A3B (the slime recipe's model): 40 layers, three gated-delta-net layers then
+    one gated full-attention layer, 256 routed experts (top-8) and a gated shared expert in
+    every layer, partial M-RoPE over a quarter of each 256-wide head, untied embeddings, the
+    27-block vision tower; its MTP head is not part of the config's model."""
+    from transformers import Qwen3_5MoeConfig  # absent from older transformers
+
+    text = dict(
+        vocab_size=248320,
+        hidden_size=2048,
+        num_hidden_layers=40,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        num_experts=256,
+        num_experts_per_tok=8,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=262144,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": 0.25,  # 64 rotary dims -> 32 pairs
+            "mrope_interleaved": True,
+            "mrope_section": [11, 11, 10],
+        },
+        tie_word_embeddings=False,
+    )
+    vision = dict(
+        _PATCH_GEOMETRY,
+        depth=27,
+        hidden_size=1152,
+        intermediate_size=4304,
+        num_heads=16,
+        out_hidden_size=2048,
+        num_position_embeddings=2304,
+        hidden_act="gelu_pytorch_tanh",
+    )
+    return Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+
+
 def _has_qwen3_5() -> bool:
     import transformers
 
@@ -283,6 +332,7 @@ TINY_PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
     "qwen3-vl-moe-tiny": qwen3_vl_moe_tiny,
 }
 if _has_qwen3_5():
+    SHAPE_PRESETS["qwen3.5-35b-a3b"] = qwen3_5_35b_a3b
     TINY_PRESETS["qwen3.5-tiny"] = qwen3_5_tiny
     TINY_PRESETS["qwen3.5-moe-tiny"] = qwen3_5_moe_tiny
 

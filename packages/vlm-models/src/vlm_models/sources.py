@@ -103,7 +103,7 @@ def model_config(model: ModelConfig, *, load: str | None = None) -> Any | None:
             return AutoConfig.from_pretrained(candidate)
     base = name.rsplit("/", 1)[-1]
     shape = next((p for prefix, p in SHAPE_OF_NAME.items() if base.startswith(prefix)), None)
-    return preset_config(shape) if shape else None
+    return preset_config(shape) if shape in PRESETS else None
 
 
 def model_shape(config: Any) -> dict[str, int]:
@@ -111,7 +111,7 @@ def model_shape(config: Any) -> dict[str, int]:
     from an HF config; for MoE, the intermediate size of a token's experts and the parameters
     of all routed experts (split by expert parallelism)."""
     tc = getattr(config, "text_config", config)
-    inter, experts = tc.intermediate_size, 0
+    inter, experts = getattr(tc, "intermediate_size", 0), 0  # Qwen3.5 MoE has none
     if getattr(tc, "num_experts", 0):
         shared = getattr(tc, "shared_expert_intermediate_size", 0) or 0
         inter = tc.num_experts_per_tok * tc.moe_intermediate_size + shared

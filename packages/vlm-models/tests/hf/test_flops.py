@@ -4,6 +4,7 @@ from torch import nn
 from transformers import AutoModelForImageTextToText
 
 from vlm_models import (
+    SHAPE_PRESETS,
     TINY_PRESETS,
     build_model,
     count_parameters,
@@ -15,6 +16,9 @@ from vlm_models import (
     vision_matmul_params_per_patch,
     vision_tower,
 )
+
+# the slime recipe's Qwen3.5 MoE, where transformers has Qwen3.5
+QWEN35 = ["qwen3.5-35b-a3b"] if "qwen3.5-35b-a3b" in SHAPE_PRESETS else []
 
 
 def _meta_model(config):
@@ -34,7 +38,15 @@ def _matmul_weights(module: nn.Module) -> int:
 
 
 @pytest.mark.parametrize(
-    "name", ["qwen3-vl-2b", "qwen3-vl-4b", "qwen3-vl-8b", "qwen3-vl-30b-a3b", *sorted(TINY_PRESETS)]
+    "name",
+    [
+        "qwen3-vl-2b",
+        "qwen3-vl-4b",
+        "qwen3-vl-8b",
+        "qwen3-vl-30b-a3b",
+        *QWEN35,
+        *sorted(TINY_PRESETS),
+    ],
 )
 def test_matmul_counts_equal_the_built_modules(name):
     config = preset_config(name)
@@ -55,7 +67,7 @@ def test_matmul_counts_equal_the_built_modules(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["qwen3-vl-2b", "qwen3-vl-8b", "qwen3-vl-30b-a3b", "qwen3-vl-tiny"]
+    "name", ["qwen3-vl-2b", "qwen3-vl-8b", "qwen3-vl-30b-a3b", *QWEN35, "qwen3-vl-tiny"]
 )
 def test_parameter_counts_from_the_config_equal_the_built_model(name):
     """The memory estimate's counts: exact for dense shapes, within 0.1% for MoE."""
@@ -74,6 +86,13 @@ def test_moe_counts_only_routed_experts_as_active():
     total, active = lm_matmul_params(cfg, active=False), lm_matmul_params(cfg, active=True)
     assert 29e9 < total < 31e9  # "30B"
     assert 2.5e9 < active < 3.5e9  # "A3B"
+
+
+@pytest.mark.parametrize("name", QWEN35)
+def test_qwen35_35b_a3b_is_35b_with_3b_active(name):
+    cfg = preset_config(name)
+    assert 34.5e9 < parameter_counts(cfg)["total"] < 36e9  # "35B"
+    assert 2.5e9 < lm_matmul_params(cfg, active=True) < 3.5e9  # "A3B"
 
 
 def test_flops_per_token_follow_the_convention():

@@ -127,12 +127,14 @@ def main(case_path: str, out_dir: str) -> None:
             pp=scenario["pp"],
             ep=scenario.get("ep", 1),
             sp=scenario.get("sp", False),
+            etp=scenario.get("etp"),
         )
         initialize_model_parallel(parallel)
         weights = case["models"][scenario.get("model", "dense")]
         model = build_megatron_model(weights["config"], parallel, **scenario.get("overrides", {}))
         load_hf_weights(model, weights["hf_state"])
         result: dict = {}
+        hf_grads = weights.get("hf_grads", case["hf_grads"])
         if scenario.get("pipeline_grads"):
             result["grad_rel_err"] = _pipeline_grads(model, case)
             results[name] = result
@@ -140,6 +142,12 @@ def main(case_path: str, out_dir: str) -> None:
         logits = _forward(model, case, scenario.get("thd", False))
         if logits is not None:
             result["logits"] = logits.detach()
+        # what a rank holds of the routed experts (for the expert-TP scenarios)
+        result["expert_fc1"] = {
+            n: tuple(p.shape)
+            for n, p in model.named_parameters()
+            if "experts" in n and "shared" not in n and "linear_fc1" in n
+        }
         if scenario.get("grads"):
             loss = (logits * case["loss_weights"]).sum()
             loss.backward()
@@ -150,9 +158,7 @@ def main(case_path: str, out_dir: str) -> None:
             for pmap in param_maps(model):
                 if pmap.kind == "replicated" and not pmap.megatron.startswith("visual."):
                     continue  # partial over TP until finalize_model_grads all-reduces them
-                expected = shard(
-                    pmap, [case["hf_grads"][n] for n in pmap.hf], model.arch, tp_rank, tp_size
-                )
+                expected = shard(pmap, [hf_grads[n] for n in pmap.hf], model.arch, tp_rank, tp_size)
                 got = grads[pmap.megatron].grad
                 checks[pmap.megatron] = float(
                     (got - expected).abs().max() / expected.abs().max().clamp_min(1e-12)

@@ -11,7 +11,12 @@ One launch of two ranks runs every scenario (imports dominate the cost):
 * ``pp2_train``: the same two stages, forward and backward with activations and their
   gradients exchanged between stages, gradients of both stages against HF's;
 * ``moe_ep2`` / ``moe_tp2_sp``: the MoE preset with experts over two expert-parallel ranks, or
-  over two tensor-parallel ranks with sequence parallelism; logits and export.
+  over two tensor-parallel ranks with sequence parallelism; logits and export;
+* ``q35_*``: Qwen3.5 (gated delta net + gated attention) dense at TP=2 (logits, gradients of
+  every TP-sharded tensor, export) and TP=2 + SP on packed rows, and MoE (shared expert) at
+  EP=2 (logits, export), TP=2 + SP, and TP=2 + SP with whole experts over EP=2 (expert TP 1,
+  the recipe's 35B-A3B layout). The tiny presets have one KV head; these runs give them
+  two (and four query heads), since the conversion splits whole KV groups over TP.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from vlm_models.presets import PRESETS
 
 ATOL = 1e-5
 GRAD_RTOL = 1e-4
@@ -41,7 +48,26 @@ SCENARIOS = {
     # MoE: experts split over two expert-parallel ranks, or over two (expert) TP ranks + SP.
     "moe_ep2": dict(tp=1, pp=1, ep=2, model="moe", export=True),
     "moe_tp2_sp": dict(tp=2, pp=1, sp=True, model="moe", export=True),
+    "q35_tp2": dict(tp=2, pp=1, grads=True, export=True, model="q35"),
+    "q35_tp2_sp_thd": dict(tp=2, pp=1, sp=True, thd=True, model="q35"),
+    "q35moe_ep2": dict(tp=1, pp=1, ep=2, model="q35moe", export=True),
+    "q35moe_tp2_sp": dict(tp=2, pp=1, sp=True, model="q35moe"),
+    # the slime recipe's 35B-A3B layout in small: attention over TP=2, whole experts over EP=2
+    "q35moe_tp2_sp_ep2_etp1": dict(tp=2, pp=1, sp=True, ep=2, etp=1, model="q35moe", export=True),
 }
+Q35_IDS = dict(
+    vocab_size=151936,
+    image_token_id=151655,
+    video_token_id=151656,
+    vision_start_token_id=151652,
+    vision_end_token_id=151653,
+    num_key_value_heads=2,
+    num_attention_heads=4,
+)
+# A_log and dt_bias set each head's decay; their gradient sums every token's through exp and
+# softplus and is ill-conditioned in float32: transformers' own float32 gradient is off its
+# float64 one by up to 4e-3 of a two-head slice's largest entry (measured, this model).
+DECAY_GRAD_RTOL = 1e-2
 
 pytestmark = pytest.mark.slow
 
@@ -74,12 +100,24 @@ def run(tiny_setup, to_megatron_inputs, make_hf_model, tmp_path_factory):
         "dense": dict(config=config, hf_state=dict(hf_model.state_dict())),
         "moe": dict(config=moe_config, hf_state=dict(moe_model.state_dict())),
     }
+    references = {"dense": logits.detach(), "moe": moe_logits}
+    if "qwen3.5-tiny" in PRESETS:
+        for name, preset, seed in (("q35", "qwen3.5-tiny", 11), ("q35moe", "qwen3.5-moe-tiny", 12)):
+            q35_config = tiny_config(preset, **Q35_IDS)
+            q35 = make_hf_model(q35_config, seed=seed)
+            q35_logits = q35(**batch).logits
+            (q35_logits * weights).sum().backward()
+            grads = {n: p.grad.clone() for n, p in q35.named_parameters()}
+            q35.zero_grad()
+            models[name] = dict(config=q35_config, hf_state=dict(q35.state_dict()), hf_grads=grads)
+            references[name] = q35_logits.detach()
+    scenarios = {k: v for k, v in SCENARIOS.items() if v.get("model", "dense") in models}
     case = dict(
         models=models,
         sbhd=inputs["sbhd"],
         thd=inputs["thd"],
         hidden=config.text_config.hidden_size,
-        scenarios=SCENARIOS,
+        scenarios=scenarios,
         loss_weights=weights,
         hf_grads=hf_grads,
     )
@@ -103,8 +141,10 @@ def run(tiny_setup, to_megatron_inputs, make_hf_model, tmp_path_factory):
     reference = dict(
         logits=logits.detach(),
         moe_logits=moe_logits,
+        by_model=references,
         valid=inputs["valid"],
-        hf_state={"dense": hf_model.state_dict(), "moe": moe_model.state_dict()},
+        hf_state={name: m["hf_state"] for name, m in models.items()},
+        configs={name: m["config"] for name, m in models.items()},
     )
     return reference, results
 
@@ -160,11 +200,72 @@ def test_moe_logits_match_hf(run, scenario):
         assert diff < ATOL, f"{scenario} rank {rank}: max |diff| {diff}"
 
 
-@pytest.mark.parametrize("scenario", ["tp2", "pp2", "moe_ep2", "moe_tp2_sp"])
+def _qwen35(reference) -> None:
+    if "q35" not in reference["by_model"]:
+        pytest.skip("Qwen3.5 needs a newer transformers")
+
+
+@pytest.mark.parametrize(
+    "scenario", ["q35_tp2", "q35moe_ep2", "q35moe_tp2_sp", "q35moe_tp2_sp_ep2_etp1"]
+)
+def test_qwen35_logits_match_hf(run, scenario):
+    """Gated delta net heads, A_log, dt_bias and conv over TP; MoE with a shared expert."""
+    reference, results = run
+    _qwen35(reference)
+    expected = reference["by_model"][SCENARIOS[scenario]["model"]]
+    for rank in range(2):
+        diff = (results[rank][scenario]["logits"] - expected)[reference["valid"]].abs().max()
+        assert diff < ATOL, f"{scenario} rank {rank}: max |diff| {diff}"
+
+
+def test_qwen35_packed_rows_with_sequence_parallel_match_hf(run):
+    reference, results = run
+    _qwen35(reference)
+    expected = reference["by_model"]["q35"][reference["valid"]]
+    for rank in range(2):
+        assert (results[rank]["q35_tp2_sp_thd"]["logits"][0] - expected).abs().max() < ATOL
+
+
+def test_qwen35_tensor_parallel_gradients_match_hf(run):
+    reference, results = run
+    _qwen35(reference)
+    for rank in range(2):
+        errors = results[rank]["q35_tp2"]["grad_rel_err"]
+        for part in ("in_proj.weight", "conv1d.weight", "A_log", "dt_bias", "linear_qkv.weight"):
+            assert any(n.endswith(part) for n in errors), part
+        for name, error in errors.items():
+            decay = name.endswith(("A_log", "dt_bias"))
+            assert error < (DECAY_GRAD_RTOL if decay else GRAD_RTOL), f"rank {rank}: {name} {error}"
+
+
+def test_expert_tensor_parallel_one_keeps_each_expert_whole(run):
+    """At TP=2 the experts are split like the rest (expert TP defaults to TP); with expert
+    TP 1 over EP=2 each rank holds half the experts, each whole (the recipe's layout)."""
+    reference, results = run
+    _qwen35(reference)
+    cfg = reference["configs"]["q35moe"].text_config
+    for rank in range(2):
+        split = results[rank]["q35moe_tp2_sp"]["expert_fc1"]
+        whole = results[rank]["q35moe_tp2_sp_ep2_etp1"]["expert_fc1"]
+        assert split and whole
+        per_layer = cfg.num_experts // 2 * cfg.num_hidden_layers
+        assert len(whole) == len(split) // 2 == per_layer
+        gate_up = 2 * cfg.moe_intermediate_size
+        assert {s[0] for s in split.values()} == {gate_up // 2}
+        assert {s[0] for s in whole.values()} == {gate_up}
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    ["tp2", "pp2", "moe_ep2", "moe_tp2_sp", "q35_tp2", "q35moe_ep2", "q35moe_tp2_sp_ep2_etp1"],
+)
 def test_hf_named_export_is_bit_exact(run, scenario):
     reference, results = run
-    hf_state = reference["hf_state"][SCENARIOS[scenario].get("model", "dense")]
-    tied = "moe" not in scenario
+    model = SCENARIOS[scenario].get("model", "dense")
+    if model not in reference["hf_state"]:
+        pytest.skip("Qwen3.5 needs a newer transformers")
+    hf_state = reference["hf_state"][model]
+    tied = model == "dense"
     expected = {k: v for k, v in hf_state.items() if not (tied and k == "lm_head.weight")}
     for rank in range(2):
         exported = results[rank][scenario]["exported"]

@@ -1,4 +1,5 @@
-"""Qwen3-VL on Megatron-Core: native language model + HF vision tower, and weight conversion.
+"""Qwen3-VL and Qwen3.5 on Megatron-Core: native language model + HF vision tower, and weight
+conversion (Qwen3.5's gated-delta-net layers: :mod:`vlm_models.megatron.gated_delta_net`).
 
 Needs megatron-core (``uv sync --extra megatron``, or ``pip install megatron-core==0.16.1``);
 ``import vlm_models`` alone never imports it. Transformer Engine is optional (``use_te=True``).
@@ -49,8 +50,15 @@ from vlm_models.megatron.convert import (
     stage_param_maps,
     to_file_layout,
 )
+from vlm_models.megatron.gated_delta_net import (
+    PackedGatedDeltaNet,
+    fla_available,
+    gated_delta_net_spec,
+    packs_samples,
+)
 from vlm_models.megatron.layers import (
     DeepstackTransformerLayer,
+    GatedSelfAttention,
     RMSNorm,
     SDPACoreAttention,
     block_spec,
@@ -68,8 +76,10 @@ from vlm_models.megatron.weights import iter_hf_weights, load_hf_weights, param_
 
 __all__ = [
     "DeepstackTransformerLayer",
+    "GatedSelfAttention",
     "InterleavedMRoPE",
     "MRoPEGPTModel",
+    "PackedGatedDeltaNet",
     "Parallelism",
     "ParamMap",
     "Qwen3VLMegatronModel",
@@ -85,8 +95,10 @@ __all__ = [
     "compiles_by_default",
     "destroy_model_parallel",
     "first_stage_layers",
+    "fla_available",
     "from_file_layout",
     "fuse_qkv",
+    "gated_delta_net_spec",
     "hf_state_dict_to_megatron",
     "hf_to_megatron_checkpoint",
     "hf_to_megatron_stage",
@@ -99,6 +111,7 @@ __all__ = [
     "megatron_shards_to_hf",
     "megatron_to_hf_checkpoint",
     "megatron_to_hf_stage",
+    "packs_samples",
     "param_maps",
     "rope_position_ids",
     "split_qkv",

@@ -7,8 +7,11 @@ Megatron-LM's ``--load`` also finds it::
     glimpse_megatron.json                    tp, pp, layer split, use_te, format version
     latest_checkpointed_iteration.txt        "release"
     release/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt   {"model": state dict, ...}
+    mtp.safetensors                          Qwen3.5's multi-token-prediction head, as read
 
-State-dict keys are those of :class:`~vlm_models.megatron.model.Qwen3VLMegatronModel`. Both
+State-dict keys are those of :class:`~vlm_models.megatron.model.Qwen3VLMegatronModel`. The
+MTP head (``mtp.*``, Qwen3.5 checkpoints) is not part of the trained model: its tensors are
+kept byte for byte beside the shards and written back with the HF folder. Both
 directions hold one output shard (HF) or one rank's shard (Megatron) at a time, and read input
 tensors lazily (safetensors ``safe_open``, ``torch.load(mmap=True)``), so the model is never in
 memory twice.
@@ -31,11 +34,15 @@ from transformers import AutoConfig, PretrainedConfig
 
 from vlm_models.megatron.config import text_arch
 from vlm_models.megatron.convert import (
+    _EXPERT_STACKS,
     StageLayout,
     from_file_layout,
     hf_to_megatron_stage,
     is_released_expert_layout,
     megatron_to_hf_stage,
+    per_expert_names,
+    split_experts,
+    stack_experts,
     stage_layouts,
     to_file_layout,
     vision_names_from,
@@ -44,6 +51,8 @@ from vlm_models.megatron.convert import (
 logger = logging.getLogger(__name__)
 
 META_FILE = "glimpse_megatron.json"
+MTP_FILE = "mtp.safetensors"
+MTP_PREFIX = "mtp."  # Qwen3.5's multi-token-prediction head (transformers ignores it too)
 FORMAT_VERSION = 1
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
 
@@ -65,6 +74,8 @@ class SafetensorsReader:
     def __init__(self, folder: str | Path) -> None:
         folder = Path(folder)
         self.arch = text_arch(AutoConfig.from_pretrained(folder))
+        # the last stacked-expert tensor read: the maps ask for it once per local expert
+        self._last: tuple[str, Tensor] | None = None
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{folder}: no *.safetensors files (only safetensors is read)")
@@ -78,11 +89,34 @@ class SafetensorsReader:
     def keys(self) -> list[str]:
         return list(self._where)
 
+    def mtp_tensors(self) -> dict[str, Tensor]:
+        """The checkpoint's MTP-head tensors (``mtp.*``), unchanged; empty when it has none."""
+        return {n: self._where[n].get_tensor(n) for n in self._where if n.startswith(MTP_PREFIX)}  # type: ignore[attr-defined]
+
     def __call__(self, name: str) -> Tensor:
+        if self._last is not None and self._last[0] == name:
+            return self._last[1]
+        handle = self._where.get(name)
+        if handle is not None:
+            tensor = from_file_layout(name, handle.get_tensor(name), self.arch)  # type: ignore[attr-defined]
+        elif self.per_expert_layout() and name.endswith(_EXPERT_STACKS):
+            parts = per_expert_names(name, self.arch.num_experts or 0)
+            tensor = stack_experts([[self._raw(n) for n in names] for names in parts])
+        else:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint")
+        if name.endswith(_EXPERT_STACKS):
+            self._last = (name, tensor)
+        return tensor
+
+    def _raw(self, name: str) -> Tensor:
         handle = self._where.get(name)
         if handle is None:
             raise KeyError(f"tensor {name!r} is not in the checkpoint")
-        return from_file_layout(name, handle.get_tensor(name), self.arch)  # type: ignore[attr-defined]
+        return handle.get_tensor(name)  # type: ignore[attr-defined]
+
+    def per_expert_layout(self) -> bool:
+        """Whether this folder stores MoE experts one tensor per expert (Qwen3.5-MoE files)."""
+        return any(".mlp.experts.0." in n for n in self._where)
 
     def released_expert_layout(self) -> bool:
         """Whether this folder's MoE experts are in the released (transposed) layout."""
@@ -143,6 +177,11 @@ def hf_to_megatron_checkpoint(
     reader = SafetensorsReader(hf_dir)
     vision = vision_names_from(reader.keys())
     released_experts = reader.released_expert_layout()
+    per_expert = reader.per_expert_layout()
+    mtp = reader.mtp_tensors()
+    if mtp:  # not trained here; kept as read, so the HF folder written back has it
+        save_file(mtp, str(out_dir / MTP_FILE), metadata={"format": "pt"})
+        logger.info("kept %d MTP-head tensors in %s", len(mtp), out_dir / MTP_FILE)
 
     def get(name: str) -> Tensor:
         tensor = reader(name)
@@ -172,6 +211,7 @@ def hf_to_megatron_checkpoint(
         last_stage_layers=last_stage_layers,
         use_te=use_te,
         released_expert_layout=released_experts,  # written back the same way
+        per_expert_layout=per_expert,
     )
     (out_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     (out_dir / "latest_checkpointed_iteration.txt").write_text("release")
@@ -219,6 +259,15 @@ def _iter_hf_tensors(megatron_dir: Path, config: PretrainedConfig) -> Iterator[t
         del shards
 
 
+def _iter_mtp_tensors(megatron_dir: Path) -> Iterator[tuple[str, Tensor]]:
+    """The MTP head kept by :func:`hf_to_megatron_checkpoint`, one tensor at a time."""
+    path = megatron_dir / MTP_FILE
+    if path.exists():
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open handles are not mappings
+                yield name, handle.get_tensor(name)
+
+
 def megatron_to_hf_checkpoint(
     megatron_dir: str | Path,
     out_dir: str | Path,
@@ -243,11 +292,19 @@ def megatron_to_hf_checkpoint(
         files.append((path, list(bucket)))
         bucket, size = {}, 0
 
-    released = read_meta(megatron_dir).get("released_expert_layout", False)
-    for name, tensor in _iter_hf_tensors(megatron_dir, config):
-        tensor = to_file_layout(
-            name, tensor if dtype is None else tensor.to(dtype), released=released
-        )
+    meta = read_meta(megatron_dir)
+    released = meta.get("released_expert_layout", False)
+
+    def file_tensors() -> Iterator[tuple[str, Tensor]]:
+        for name, tensor in _iter_hf_tensors(megatron_dir, config):
+            if meta.get("per_expert_layout") and name.endswith(_EXPERT_STACKS):
+                yield from split_experts(name, tensor)
+            else:
+                yield name, to_file_layout(name, tensor, released=released)
+        yield from _iter_mtp_tensors(megatron_dir)
+
+    for name, tensor in file_tensors():
+        tensor = tensor if dtype is None else tensor.to(dtype)
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > max_shard_bytes:
             flush()

@@ -1,4 +1,11 @@
-"""Megatron-Core ``TransformerConfig`` for a Qwen3-VL language model, from the HF config."""
+"""Megatron-Core ``TransformerConfig`` for a Qwen3-VL or Qwen3.5 language model, from the HF config.
+
+Qwen3.5 maps onto megatron-core's own fields: ``experimental_attention_variant="gated_delta_net"``
+with a per-layer ``linear_attention_freq`` pattern and the ``linear_*`` sizes for its
+gated-delta-net layers, ``attention_output_gate`` for the gated full-attention layers,
+``layernorm_zero_centered_gamma`` for its ``(1 + weight)`` RMSNorms, and
+``moe_shared_expert_intermediate_size`` / ``moe_shared_expert_gate`` for the gated shared expert.
+"""
 
 from __future__ import annotations
 
@@ -16,15 +23,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Parallelism:
-    """How the language model is split. ``sp`` (sequence parallel) needs ``tp > 1``."""
+    """How the language model is split. ``sp`` (sequence parallel) needs ``tp > 1``; ``etp``
+    (expert tensor parallel: the TP split of each expert) defaults to ``tp``, megatron-core's
+    default; the slime recipe's 35B-A3B layout is ``tp=2, ep=8, etp=1``."""
 
     tp: int = 1
     pp: int = 1
     ep: int = 1
     sp: bool = False
+    etp: int | None = None
 
     def __post_init__(self) -> None:
-        if min(self.tp, self.pp, self.ep) < 1:
+        if min(self.tp, self.pp, self.ep, self.etp or 1) < 1:
             raise ValueError(f"parallel sizes must be >= 1, got {self}")
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism (sp=True) needs tp > 1")
@@ -51,11 +61,47 @@ class TextArch:
     moe_intermediate_size: int | None = None
     num_experts_per_tok: int | None = None
     deepstack_layers: int = 0
+    #: per decoder layer, ``"full_attention"`` or ``"linear_attention"`` (Qwen3.5)
+    layer_types: tuple[str, ...] = ()
+    #: rotated dimensions of each head (Qwen3.5 rotates a quarter: ``partial_rotary_factor``)
+    rotary_dim: int | None = None
+    #: Qwen3.5: ``q_proj`` also emits a per-head gate, ``sigmoid(gate)`` scales the attention out
+    attention_output_gate: bool = False
+    #: Qwen3.5: RMSNorms scale by ``1 + weight`` (weights stored zero-centred)
+    zero_centered_norms: bool = False
+    linear_conv_kernel_dim: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
+    shared_expert_intermediate_size: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some decoder layers are gated-delta-net (linear attention) layers."""
+        return "linear_attention" in self.layer_types
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether global decoder layer ``layer`` (0-based) is a gated-delta-net layer."""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def linear_qk_dim(self) -> int:
+        """Width of the gated delta net's query (and key) projection."""
+        return (self.linear_key_head_dim or 0) * (self.linear_num_key_heads or 0)
+
+    @property
+    def linear_v_dim(self) -> int:
+        """Width of the gated delta net's value (and output-gate ``z``) projection."""
+        return (self.linear_value_head_dim or 0) * (self.linear_num_value_heads or 0)
+
+
+_QWEN3_5 = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 def text_arch(hf_config: PretrainedConfig) -> TextArch:
-    """Read a Qwen3-VL (dense or MoE) ``*Config`` into a :class:`TextArch`."""
+    """Read a Qwen3-VL or Qwen3.5 (dense or MoE) ``*Config`` into a :class:`TextArch`."""
     text = getattr(hf_config, "text_config", hf_config)
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
     if not rope.get("mrope_interleaved", True):
@@ -63,8 +109,15 @@ def text_arch(hf_config: PretrainedConfig) -> TextArch:
     theta = rope.get("rope_theta", getattr(text, "rope_theta", None))
     if rope.get("rope_type", "default") != "default":
         raise NotImplementedError(f"rope_type {rope.get('rope_type')!r} is not supported")
-    if getattr(text, "layer_types", None) and set(text.layer_types) != {"full_attention"}:
-        raise NotImplementedError("hybrid (linear-attention) layers are not supported yet")
+    qwen3_5 = getattr(text, "model_type", "") in _QWEN3_5
+    layer_types = tuple(getattr(text, "layer_types", None) or ())
+    if set(layer_types) - {"full_attention", "linear_attention"}:
+        raise NotImplementedError(f"layer types {sorted(set(layer_types))} are not supported")
+    if "linear_attention" in layer_types and not qwen3_5:
+        raise NotImplementedError(
+            f"linear-attention layers of {getattr(text, 'model_type', '?')!r} are not mapped; "
+            "only Qwen3.5's gated delta net is"
+        )
     vision = getattr(hf_config, "vision_config", None)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     tie = bool(getattr(hf_config, "tie_word_embeddings", text.tie_word_embeddings))
@@ -79,7 +132,7 @@ def text_arch(hf_config: PretrainedConfig) -> TextArch:
         num_heads=text.num_attention_heads,
         num_kv_heads=text.num_key_value_heads,
         head_dim=head_dim,
-        intermediate_size=text.intermediate_size,
+        intermediate_size=getattr(text, "intermediate_size", None) or text.moe_intermediate_size,
         vocab_size=text.vocab_size,
         rms_norm_eps=text.rms_norm_eps,
         rope_theta=float(theta),
@@ -91,6 +144,18 @@ def text_arch(hf_config: PretrainedConfig) -> TextArch:
         moe_intermediate_size=getattr(text, "moe_intermediate_size", None) if num_experts else None,
         num_experts_per_tok=getattr(text, "num_experts_per_tok", None) if num_experts else None,
         deepstack_layers=len(getattr(vision, "deepstack_visual_indexes", None) or []),
+        layer_types=layer_types,
+        rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 1.0)),
+        attention_output_gate=qwen3_5,
+        zero_centered_norms=qwen3_5,
+        linear_conv_kernel_dim=getattr(text, "linear_conv_kernel_dim", None) if qwen3_5 else None,
+        linear_key_head_dim=getattr(text, "linear_key_head_dim", None) if qwen3_5 else None,
+        linear_value_head_dim=getattr(text, "linear_value_head_dim", None) if qwen3_5 else None,
+        linear_num_key_heads=getattr(text, "linear_num_key_heads", None) if qwen3_5 else None,
+        linear_num_value_heads=getattr(text, "linear_num_value_heads", None) if qwen3_5 else None,
+        shared_expert_intermediate_size=(
+            getattr(text, "shared_expert_intermediate_size", None) if num_experts else None
+        ),
     )
 
 
@@ -136,6 +201,11 @@ def transformer_config(
         raise ValueError(
             f"num_key_value_heads {arch.num_kv_heads} not divisible by tp={parallel.tp}"
         )
+    if arch.hybrid and (arch.linear_num_key_heads % parallel.tp):
+        raise ValueError(
+            f"linear_num_key_heads {arch.linear_num_key_heads} (gated delta net) not divisible "
+            f"by tp={parallel.tp}"
+        )
     if use_cpu_initialization is None:
         use_cpu_initialization = not torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(
@@ -159,6 +229,7 @@ def transformer_config(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
         expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.etp,
         sequence_parallel=parallel.sp,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
@@ -190,6 +261,25 @@ def transformer_config(
             moe_router_load_balancing_type="none",
             moe_grouped_gemm=False,
             moe_aux_loss_coeff=0.0,
+        )
+    if arch.hybrid:
+        kwargs.update(
+            experimental_attention_variant="gated_delta_net",
+            linear_attention_freq=[int(arch.is_linear(i)) for i in range(arch.num_layers)],
+            linear_conv_kernel_dim=arch.linear_conv_kernel_dim,
+            linear_key_head_dim=arch.linear_key_head_dim,
+            linear_value_head_dim=arch.linear_value_head_dim,
+            linear_num_key_heads=arch.linear_num_key_heads,
+            linear_num_value_heads=arch.linear_num_value_heads,
+        )
+    if arch.attention_output_gate:
+        kwargs["attention_output_gate"] = True
+    if arch.zero_centered_norms:
+        kwargs["layernorm_zero_centered_gamma"] = True
+    if arch.shared_expert_intermediate_size:
+        kwargs.update(
+            moe_shared_expert_intermediate_size=arch.shared_expert_intermediate_size,
+            moe_shared_expert_gate=True,  # sigmoid(x @ gate) scales the shared expert's output
         )
     first = first_stage_layers(arch, parallel.pp)
     if first is not None and "num_layers_in_first_pipeline_stage" not in overrides:

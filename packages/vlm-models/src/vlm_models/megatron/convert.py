@@ -12,7 +12,13 @@ kind           HF tensors -> one Megatron tensor                                
 ``row``        one tensor (embedding, ``lm_head``)                                dim 0
 ``col``        one tensor (``o_proj``, ``down_proj``)                             dim 1
 ``qkv``        q, k, v fused per query group: ``[g0: q.. k v][g1: q.. k v]...``   dim 0
+               (Qwen3.5: ``[g0: q.. gate.. k v]...``, the output gate from
+               ``q_proj``'s per-head ``[q_h; gate_h]`` rows)
 ``gate_up``    gate and up, each split over TP, then ``[gate_r; up_r]``           dim 0
+``gdn_in``     Qwen3.5's ``in_proj_qkv`` (``[q; k; v]``), ``in_proj_z/b/a``: each  dim 0
+               of q, k, v, z, b, a split over TP, ``[q_r k_r v_r z_r b_r a_r]``
+``gdn_conv``   the gated delta net's ``conv1d`` (channels ``[q; k; v]``): each     dim 0
+               split over TP, ``[q_r k_r v_r]``
 ``expert_*``   one expert's slice of HF's stacked ``gate_up_proj`` (``[E, 2I,     expert TP
                H]``, gate rows first) or ``down_proj`` (``[E, H, I]``), then
                split as ``gate_up`` / ``col``
@@ -45,7 +51,17 @@ HF_TEXT = "model.language_model."
 HF_VISUAL = "model.visual."
 MG_DECODER = "language_model.decoder."
 
-KINDS = ("replicated", "row", "col", "qkv", "gate_up", "expert_gate_up", "expert_col")
+KINDS = (
+    "replicated",
+    "row",
+    "col",
+    "qkv",
+    "gate_up",
+    "gdn_in",
+    "gdn_conv",
+    "expert_gate_up",
+    "expert_col",
+)
 
 
 @dataclass(frozen=True)
@@ -116,6 +132,33 @@ def _layer_maps(
     mlp_norm = "mlp.linear_fc1.layer_norm_weight" if use_te else "pre_mlp_layernorm.weight"
     if arch.num_experts and use_te:
         mlp_norm = "pre_mlp_layernorm.weight"  # TE's MoE spec keeps a separate norm
+    linear = arch.is_linear(layer)  # Qwen3.5's gated delta net, else (gated) attention
+    maps = _gdn_maps(mg, hf) if linear else _attention_maps(arch, mg, hf, attn_norm)
+    maps.append(ParamMap(mg + mlp_norm, (hf + "post_attention_layernorm.weight",), "replicated"))
+    return maps + _mlp_maps(arch, mg, hf, use_te, ep_rank, ep_size)
+
+
+def _gdn_maps(layer_mg: str, hf: str) -> list[ParamMap]:
+    """Qwen3.5's gated-delta-net token mixer (megatron-core's ``GatedDeltaNet`` names)."""
+    mg, la = layer_mg + "self_attention.", hf + "linear_attn."
+    return [
+        ParamMap(
+            layer_mg + "input_layernorm.weight", (hf + "input_layernorm.weight",), "replicated"
+        ),
+        ParamMap(
+            mg + "in_proj.weight",
+            tuple(la + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")),
+            "gdn_in",
+        ),
+        ParamMap(mg + "conv1d.weight", (la + "conv1d.weight",), "gdn_conv"),
+        ParamMap(mg + "A_log", (la + "A_log",), "row"),
+        ParamMap(mg + "dt_bias", (la + "dt_bias",), "row"),
+        ParamMap(mg + "out_norm.weight", (la + "norm.weight",), "replicated"),
+        ParamMap(mg + "out_proj.weight", (la + "out_proj.weight",), "col"),
+    ]
+
+
+def _attention_maps(arch: TextArch, mg: str, hf: str, attn_norm: str) -> list[ParamMap]:
     maps = [
         ParamMap(mg + attn_norm, (hf + "input_layernorm.weight",), "replicated"),
         ParamMap(
@@ -136,7 +179,6 @@ def _layer_maps(
         ParamMap(
             mg + "self_attention.linear_proj.weight", (hf + "self_attn.o_proj.weight",), "col"
         ),
-        ParamMap(mg + mlp_norm, (hf + "post_attention_layernorm.weight",), "replicated"),
     ]
     if arch.attention_bias:
         maps.append(
@@ -146,12 +188,38 @@ def _layer_maps(
                 "qkv",
             )
         )
+    return maps
+
+
+def _mlp_maps(
+    arch: TextArch, mg: str, hf: str, use_te: bool, ep_rank: int, ep_size: int
+) -> list[ParamMap]:
+    maps: list[ParamMap] = []
     if arch.num_experts:
         if use_te:
             raise NotImplementedError("Transformer Engine names for MoE experts are not mapped")
         if arch.num_experts % ep_size:
             raise ValueError(f"{arch.num_experts} experts do not split over ep={ep_size}")
         maps.append(ParamMap(mg + "mlp.router.weight", (hf + "mlp.gate.weight",), "replicated"))
+        if arch.shared_expert_intermediate_size:  # Qwen3.5: a gated shared expert
+            shared = hf + "mlp.shared_expert."
+            maps += [
+                ParamMap(
+                    mg + "mlp.shared_experts.linear_fc1.weight",
+                    (shared + "gate_proj.weight", shared + "up_proj.weight"),
+                    "gate_up",
+                ),
+                ParamMap(
+                    mg + "mlp.shared_experts.linear_fc2.weight",
+                    (shared + "down_proj.weight",),
+                    "col",
+                ),
+                ParamMap(
+                    mg + "mlp.shared_experts.gate_weight",
+                    (hf + "mlp.shared_expert_gate.weight",),
+                    "replicated",
+                ),
+            ]
         # HF stacks all experts in two tensors; Megatron has one module per local expert.
         n_local = arch.num_experts // ep_size
         for e in range(n_local):
@@ -258,7 +326,18 @@ def shard(
         return torch.cat([gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank]]).contiguous()
     if kind == "qkv":
         return fuse_qkv(*hf_tensors, arch).chunk(tp_size)[tp_rank].contiguous()
+    if kind in ("gdn_in", "gdn_conv"):
+        parts = torch.cat(hf_tensors).split(_gdn_sections(arch, kind))
+        for name, part in zip(("q", "k", "v", "z", "b", "a"), parts, strict=False):
+            _check(f"{pmap.megatron} ({name})", part.shape[0], tp_size)
+        return torch.cat([p.chunk(tp_size)[tp_rank] for p in parts]).contiguous()
     raise ValueError(f"unknown kind {kind!r}")
+
+
+def _gdn_sections(arch: TextArch, kind: str) -> list[int]:
+    """Row counts of the gated delta net's fused tensors: q, k, v (conv), then z, b, a."""
+    qk, v, heads = arch.linear_qk_dim, arch.linear_v_dim, arch.linear_num_value_heads or 0
+    return [qk, qk, v] if kind == "gdn_conv" else [qk, qk, v, v, heads, heads]
 
 
 def unshard(pmap: ParamMap, shards: list[Tensor], arch: TextArch) -> list[Tensor]:
@@ -279,23 +358,35 @@ def unshard(pmap: ParamMap, shards: list[Tensor], arch: TextArch) -> list[Tensor
         return [torch.cat([gate, up])] if pmap.kind.startswith("expert_") else [gate, up]
     if kind == "qkv":
         return list(split_qkv(torch.cat(shards), arch))
+    if kind in ("gdn_in", "gdn_conv"):
+        sizes = _gdn_sections(arch, kind)
+        local = [n // len(shards) for n in sizes]
+        per_rank = [s.split(local) for s in shards]
+        full = [torch.cat([r[i] for r in per_rank]) for i in range(len(sizes))]
+        if kind == "gdn_conv":
+            return [torch.cat(full)]
+        return [torch.cat(full[:3]), *full[3:]]  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
     raise ValueError(f"unknown kind {kind!r}")
 
 
 def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, arch: TextArch) -> Tensor:
-    """Megatron's fused QKV: per query group, that group's query heads then its key and value."""
+    """Megatron's fused QKV: per query group, that group's query heads then its key and value.
+
+    With ``arch.attention_output_gate`` (Qwen3.5) HF's ``q_proj`` holds ``[q_h; gate_h]`` per
+    head and each group is ``[its query heads, their gates, key, value]``, megatron-core's
+    layout for ``attention_output_gate``.
+    """
     groups, hd = arch.num_kv_heads, arch.head_dim
     per_group = arch.num_heads // groups
     tail = q.shape[1:]  # (hidden,) for weights, () for biases
-    fused = torch.cat(
-        [
-            q.reshape(groups, per_group * hd, *tail),
-            k.reshape(groups, hd, *tail),
-            v.reshape(groups, hd, *tail),
-        ],
-        dim=1,
-    )
-    return fused.reshape(groups * (per_group + 2) * hd, *tail)
+    if arch.attention_output_gate:
+        heads = q.reshape(groups, per_group, 2, hd, *tail)
+        queries = [heads[:, :, 0].reshape(groups, per_group * hd, *tail)]
+        queries.append(heads[:, :, 1].reshape(groups, per_group * hd, *tail))
+    else:
+        queries = [q.reshape(groups, per_group * hd, *tail)]
+    fused = torch.cat([*queries, k.reshape(groups, hd, *tail), v.reshape(groups, hd, *tail)], dim=1)
+    return fused.reshape(-1, *tail)
 
 
 def split_qkv(fused: Tensor, arch: TextArch) -> tuple[Tensor, Tensor, Tensor]:
@@ -303,10 +394,13 @@ def split_qkv(fused: Tensor, arch: TextArch) -> tuple[Tensor, Tensor, Tensor]:
     groups, hd = arch.num_kv_heads, arch.head_dim
     per_group = arch.num_heads // groups
     tail = fused.shape[1:]
-    grouped = fused.reshape(groups, (per_group + 2) * hd, *tail)
-    q, k, v = grouped.split([per_group * hd, hd, hd], dim=1)
+    n_q = 2 * per_group if arch.attention_output_gate else per_group
+    grouped = fused.reshape(groups, (n_q + 2) * hd, *tail)
+    q, k, v = grouped.split([n_q * hd, hd, hd], dim=1)
+    if arch.attention_output_gate:  # back to HF's per-head [q_h; gate_h]
+        q = q.reshape(groups, 2, per_group, hd, *tail).transpose(1, 2)
     return (
-        q.reshape(groups * per_group * hd, *tail).contiguous(),
+        q.reshape(groups * n_q * hd, *tail).contiguous(),
         k.reshape(groups * hd, *tail).contiguous(),
         v.reshape(groups * hd, *tail).contiguous(),
     )
@@ -343,6 +437,32 @@ def to_file_layout(name: str, tensor: Tensor, *, released: bool = True) -> Tenso
     if released and name.endswith(_EXPERT_STACKS):
         return tensor.transpose(1, 2).contiguous()
     return tensor
+
+
+def per_expert_names(name: str, num_experts: int) -> list[tuple[str, ...]]:
+    """The per-expert file names of stacked tensor ``name`` (Qwen3.5-MoE files, which
+    transformers stacks on load: ``experts.{e}.gate_proj`` / ``up_proj`` -> ``gate_up_proj``,
+    ``experts.{e}.down_proj`` -> ``down_proj``)."""
+    base = name.rsplit(".", 1)[0]  # "...mlp.experts"
+    if name.endswith("gate_up_proj"):
+        return [
+            (f"{base}.{e}.gate_proj.weight", f"{base}.{e}.up_proj.weight")
+            for e in range(num_experts)
+        ]
+    return [(f"{base}.{e}.down_proj.weight",) for e in range(num_experts)]
+
+
+def stack_experts(parts: list[list[Tensor]]) -> Tensor:
+    """The stacked in-memory tensor from each expert's file tensors (gate and up, or down)."""
+    return torch.stack([torch.cat(p) if len(p) > 1 else p[0] for p in parts])
+
+
+def split_experts(name: str, stacked: Tensor) -> list[tuple[str, Tensor]]:
+    """Inverse of :func:`stack_experts`, under :func:`per_expert_names`."""
+    out = []
+    for names, expert in zip(per_expert_names(name, stacked.shape[0]), stacked, strict=True):
+        out += zip(names, expert.chunk(len(names)), strict=True)
+    return [(n, t.contiguous()) for n, t in out]
 
 
 class ExpertStacker:

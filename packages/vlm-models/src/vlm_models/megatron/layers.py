@@ -1,10 +1,11 @@
-"""Layer specs for the Qwen3-VL language model on Megatron-Core.
+"""Layer specs for the Qwen3-VL and Qwen3.5 language models on Megatron-Core.
 
-Three small modules complete Megatron's local (non-Transformer-Engine) layer spec:
+Small modules complete Megatron's local (non-Transformer-Engine) layer spec:
 
 * :class:`RMSNorm` computes exactly what HF's ``Qwen3VLTextRMSNorm`` computes (normalise in
-  float32, cast back, then scale) and, unlike ``WrappedTorchNorm``, works with sequence
-  parallelism (its weight is marked so Megatron all-reduces its gradient over TP).
+  float32, cast back, then scale), or Qwen3.5's zero-centred ``(1 + weight)`` norm, and, unlike
+  ``WrappedTorchNorm``, works with sequence parallelism (its weight is marked so Megatron
+  all-reduces its gradient over TP).
 * :class:`SDPACoreAttention` is core attention on ``torch.nn.functional.scaled_dot_product_attention``
   that also takes packed THD sequences (``PackedSeqParams``), which the local
   ``DotProductAttention`` refuses: on CUDA in half precision all samples in one FlashAttention
@@ -15,6 +16,10 @@ Three small modules complete Megatron's local (non-Transformer-Engine) layer spe
   ``[S, B, n_deepstack, H]`` tensor, zero away from image tokens), because the block already
   hands ``context`` to every layer, through activation recomputation too. Cross-attention is not
   used by this model, so nothing else reads it.
+* Qwen3.5: :class:`GatedSelfAttention` (megatron-core's ``attention_output_gate``) for the full
+  attention layers and :class:`~vlm_models.megatron.gated_delta_net.PackedGatedDeltaNet` for
+  the linear-attention ones, chosen per layer by megatron-core's ``linear_attention_freq``
+  pattern (``get_linear_attention_pattern``; its own hybrid block spec needs TE).
 
 With Transformer Engine installed, ``use_te=True`` takes TE's fused modules instead and keeps
 only the deepstack layer.
@@ -29,6 +34,7 @@ import math
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -37,7 +43,10 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    get_transformer_layer_offset,
+)
 from torch import Tensor, nn
 
 from vlm_models.varlen import flash_varlen, flash_varlen_supported
@@ -50,20 +59,37 @@ def param_device(config: TransformerConfig) -> torch.device:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with HF Qwen3 numerics; sequence-parallel aware."""
+    """RMSNorm with HF Qwen3 / Qwen3.5 numerics; sequence-parallel aware.
+
+    ``zero_centered`` (default: the config's ``layernorm_zero_centered_gamma``) is Qwen3.5's
+    ``Qwen3_5RMSNorm``: the weight is stored around 0 and scales by ``1 + weight``, in float32
+    before the cast back, as HF computes it.
+    """
 
     def __init__(
-        self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_: object
+        self,
+        config: TransformerConfig,
+        hidden_size: int,
+        eps: float = 1e-6,
+        zero_centered: bool | None = None,
+        **_: object,
     ) -> None:
         super().__init__()
         self.eps = eps
+        if zero_centered is None:
+            zero_centered = config.layernorm_zero_centered_gamma
+        self.zero_centered = zero_centered
+        init = torch.zeros if zero_centered else torch.ones
         self.weight = nn.Parameter(
-            torch.ones(hidden_size, dtype=config.params_dtype, device=param_device(config))
+            init(hidden_size, dtype=config.params_dtype, device=param_device(config))
         )
         # Megatron's finalize_model_grads all-reduces grads of params marked this way over TP.
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.zero_centered:
+            normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
         # F.rms_norm normalises in float32 and rounds to x's dtype (one fused kernel on CUDA),
         # then the weight multiplies: the same roundings as HF's eager formula.
         return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
@@ -168,6 +194,17 @@ class SDPACoreAttention(MegatronModule):
         return out[0].transpose(0, 1).reshape(t, -1)
 
 
+class GatedSelfAttention(SelfAttention):
+    """megatron-core's self-attention with ``attention_output_gate`` (Qwen3.5's per-head
+    ``sigmoid(gate)`` on the attention output), whose gate runs eagerly off CUDA: megatron-core
+    wraps it in ``torch.compile`` (its jit fuser), which on a CPU means a C++ build per shape."""
+
+    def _apply_output_gate(self, x: Tensor, gate: Tensor) -> Tensor:
+        if x.is_cuda:
+            return super()._apply_output_gate(x, gate)
+        return (x * torch.sigmoid(gate.contiguous().view(*x.shape).float())).to(x.dtype)
+
+
 class DeepstackTransformerLayer(TransformerLayer):
     """A decoder layer that adds deepstack visual features to its output.
 
@@ -194,9 +231,21 @@ class DeepstackTransformerLayer(TransformerLayer):
         return hidden_states, context
 
 
-def layer_spec(config: TransformerConfig, *, use_te: bool = False) -> ModuleSpec:
-    """The Qwen3-VL decoder layer: GQA + per-head RMS QK-norm, SwiGLU or MoE, RMSNorm."""
+def layer_spec(
+    config: TransformerConfig,
+    *,
+    use_te: bool = False,
+    linear_attention: bool = False,
+    gdn_path: str = "auto",
+) -> ModuleSpec:
+    """A decoder layer: GQA + per-head RMS QK-norm (Qwen3.5: with the output gate), or
+    (``linear_attention``) Qwen3.5's gated delta net; SwiGLU or MoE (with a gated shared
+    expert where the config has one); RMSNorm."""
     num_experts = config.num_moe_experts
+    if use_te and (linear_attention or config.attention_output_gate):
+        raise NotImplementedError(
+            "Qwen3.5 layers are built on the local spec only (use_te=False); TE's are not mapped"
+        )
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
@@ -220,6 +269,13 @@ def layer_spec(config: TransformerConfig, *, use_te: bool = False) -> ModuleSpec
     sub = spec.submodules
     sub.input_layernorm = RMSNorm
     sub.pre_mlp_layernorm = RMSNorm
+    if linear_attention:
+        from vlm_models.megatron.gated_delta_net import gated_delta_net_spec
+
+        sub.self_attention = gated_delta_net_spec(RMSNorm, path=gdn_path)
+        return spec
+    if config.attention_output_gate:
+        sub.self_attention.module = GatedSelfAttention
     attn = sub.self_attention.submodules
     attn.core_attention = SDPACoreAttention
     attn.q_layernorm = RMSNorm
@@ -228,15 +284,31 @@ def layer_spec(config: TransformerConfig, *, use_te: bool = False) -> ModuleSpec
 
 
 def block_spec(
-    config: TransformerConfig, *, use_te: bool = False, vp_stage: int | None = None
+    config: TransformerConfig,
+    *,
+    use_te: bool = False,
+    vp_stage: int | None = None,
+    gdn_path: str = "auto",
 ) -> TransformerBlockSubmodules:
-    """The layers of this pipeline stage plus the final RMSNorm."""
+    """The layers of this pipeline stage plus the final RMSNorm. A hybrid config (Qwen3.5)
+    gets a gated delta net where megatron-core's ``linear_attention_freq`` pattern says 1."""
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     final_norm: type[nn.Module] = RMSNorm
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm
 
         final_norm = TENorm
-    return TransformerBlockSubmodules(
-        layer_specs=[layer_spec(config, use_te=use_te)] * num_layers, layer_norm=final_norm
-    )
+    if config.experimental_attention_variant != "gated_delta_net":
+        specs = [layer_spec(config, use_te=use_te)] * num_layers
+    else:
+        from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+            get_linear_attention_pattern,
+        )
+
+        pattern = get_linear_attention_pattern(config)
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        specs = [
+            layer_spec(config, use_te=use_te, linear_attention=bool(pattern[i]), gdn_path=gdn_path)
+            for i in range(offset, offset + num_layers)
+        ]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=final_norm)

@@ -35,6 +35,7 @@ from vlm_models.megatron._upstream_fixes import (
     use_packed_rope_without_host_reads,
 )
 from vlm_models.megatron.config import Parallelism, text_arch, transformer_config
+from vlm_models.megatron.gated_delta_net import packs_samples
 from vlm_models.megatron.layers import block_spec, param_device
 from vlm_models.megatron.rope import InterleavedMRoPE
 from vlm_models.patch_embed import set_fast_patch_embed
@@ -61,6 +62,7 @@ class MRoPEGPTModel(GPTModel):
         *,
         mrope_section: list[int],
         rotary_base: float,
+        rotary_dim: int | None = None,
         pre_process: bool,
         post_process: bool,
         share_embeddings_and_output_weights: bool,
@@ -82,7 +84,8 @@ class MRoPEGPTModel(GPTModel):
         )
         self.position_embedding_type = "mrope"
         self.mrope_section = list(mrope_section)
-        self.rotary_pos_emb = InterleavedMRoPE(config.kv_channels, rotary_base)
+        # Qwen3.5 rotates the first quarter of each head (rotary_dim); the rest pass through
+        self.rotary_pos_emb = InterleavedMRoPE(rotary_dim or config.kv_channels, rotary_base)
 
 
 class Qwen3VLMegatronModel(MegatronModule):
@@ -100,6 +103,7 @@ class Qwen3VLMegatronModel(MegatronModule):
         fast_patch_embed: bool = True,
         fused_vision_attention: bool = True,
         vp_stage: int | None = None,
+        gdn_path: str = "auto",
     ) -> None:
         super().__init__(config=config)
         self.hf_config = hf_config
@@ -109,7 +113,7 @@ class Qwen3VLMegatronModel(MegatronModule):
         self.use_te = use_te
         self.model_type = ModelType.encoder_or_decoder  # what Megatron's schedules look up
         self.image_token_id = hf_config.image_token_id
-        spec = block_spec(config, use_te=use_te, vp_stage=vp_stage)
+        spec = block_spec(config, use_te=use_te, vp_stage=vp_stage, gdn_path=gdn_path)
         if pre_process and self.arch.deepstack_layers > len(spec.layer_specs):
             raise NotImplementedError(
                 f"the first pipeline stage holds {len(spec.layer_specs)} decoder layers but "
@@ -136,11 +140,19 @@ class Qwen3VLMegatronModel(MegatronModule):
             self.arch.vocab_size,
             mrope_section=self.arch.mrope_section,
             rotary_base=self.arch.rope_theta,
+            rotary_dim=self.arch.rotary_dim,
             pre_process=pre_process,
             post_process=post_process,
             share_embeddings_and_output_weights=self.arch.tie_word_embeddings,
             vp_stage=vp_stage,
         )
+
+    @property
+    def packs_samples(self) -> bool:
+        """Whether a packed THD row keeps its samples apart in every layer (attention always;
+        gated-delta-net layers when they reset their state at boundaries). Where False the
+        caller must run one sample per row."""
+        return packs_samples(self.language_model)
 
     def set_input_tensor(self, input_tensor: Tensor | list[Tensor]) -> None:
         """Pipeline schedules hand the previous stage's activations in here."""
@@ -198,7 +210,7 @@ class Qwen3VLMegatronModel(MegatronModule):
         merged = flat.index_copy(0, image_positions, image_embeds.to(dtype))
         merged = merged.view(batch, seq, -1).transpose(0, 1).contiguous()
         context = None
-        if out.deepstack_features:
+        if getattr(out, "deepstack_features", None):  # Qwen3-VL; Qwen3.5 has none
             features = torch.stack(list(out.deepstack_features), dim=1).to(dtype)  # [N, k, H]
             context = features.new_zeros(batch * seq, *features.shape[1:])
             context = context.index_copy(0, image_positions, features)
@@ -314,12 +326,15 @@ def build_megatron_model(
     vision_attn_implementation: str = "sdpa",
     fast_patch_embed: bool = True,
     fused_vision_attention: bool = True,
+    gdn_path: str = "auto",
     **config_overrides,
 ) -> Qwen3VLMegatronModel:
     """This rank's stage of the model (random init; load weights with ``load_hf_weights``).
 
     Megatron's model-parallel state must be initialised (:func:`initialize_model_parallel`).
-    ``parallel`` defaults to the sizes that state was initialised with.
+    ``parallel`` defaults to the sizes that state was initialised with. ``gdn_path`` picks
+    the gated-delta-net kernels of a Qwen3.5 model (``auto``, ``fla``, ``torch``; see
+    :mod:`vlm_models.megatron.gated_delta_net`).
     """
     if config is None:
         if parallel is None:
@@ -327,11 +342,12 @@ def build_megatron_model(
                 tp=parallel_state.get_tensor_model_parallel_world_size(),
                 pp=parallel_state.get_pipeline_model_parallel_world_size(),
                 ep=parallel_state.get_expert_model_parallel_world_size(),
+                etp=parallel_state.get_expert_tensor_parallel_world_size(),
             )
         config = transformer_config(
             hf_config, parallel, params_dtype=params_dtype, **config_overrides
         )
-    return Qwen3VLMegatronModel(
+    model = Qwen3VLMegatronModel(
         hf_config,
         config,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -340,17 +356,23 @@ def build_megatron_model(
         vision_attn_implementation=vision_attn_implementation,
         fast_patch_embed=fast_patch_embed,
         fused_vision_attention=fused_vision_attention,
+        gdn_path=gdn_path,
     )
+    device = param_device(config)
+    if device.type == "cuda":
+        # megatron-core 0.16.1 creates the shared expert's gate weight on the CPU always
+        model.to(device)
+    return model
 
 
 class _RopeIndex:
-    """Just enough of HF ``Qwen3VLModel`` to call its own ``get_rope_index``."""
+    """Just enough of the HF ``*Model`` (Qwen3-VL, Qwen3.5) to call its own ``get_rope_index``."""
 
     def __init__(self, hf_config: PretrainedConfig) -> None:
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+        from vlm_models.packing import _model_class
 
         self.config = hf_config
-        self._model_cls = Qwen3VLModel
+        self._model_cls = _model_class(hf_config)
 
     def __call__(self, *args, **kwargs) -> tuple[Tensor, Tensor]:
         return self._model_cls.get_rope_index(self, *args, **kwargs)

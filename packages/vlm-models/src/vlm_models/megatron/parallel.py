@@ -40,6 +40,7 @@ def initialize_model_parallel(parallel: Parallelism | None = None, *, seed: int 
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
         expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.etp,
     )
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -1,0 +1,273 @@
+"""Qwen3.5-35B-A3B-shaped GRPO train steps on the Megatron actor: fla's gated-delta-net kernels
+against the torch reference path, in one run on the same weights.
+
+The model is ``qwen3.5-35b-a3b`` (vlm_models' shape preset) cut to ``--layers`` decoder layers
+(the hybrid pattern kept: three gated-delta-net layers, then a gated full-attention one; every
+layer MoE with all 256 experts and the shared expert; the whole vision tower), random init, on
+one rank (TP1 EP1). The batch is geo3k-like and synthetic: ``--samples`` rows of one image
+(``--image-size`` px) in a ``--prompt-len`` prompt and a ``--response-len`` response, packed
+into micro-batches of ``--max-tokens-per-gpu`` tokens (each sample's recurrent state starts
+fresh at its boundary).
+
+One actor is built; the kernels are switched between runs (``PackedGatedDeltaNet.path``), so
+both see the same weights and optimizer. In order:
+
+1. log-probs with each path on the initial weights: max |fla - torch| over response tokens,
+   and fla packed against one sample per micro-batch (the boundary reset on the GPU kernel);
+2. per path, one warm-up step then ``--steps`` timed GRPO steps (forward, backward, AdamW):
+   tokens/s and peak allocated memory; then fla with one sample per micro-batch (the slime
+   recipe's micro-batch 1, which Glimpse only falls back to) for the packing speed-up.
+
+Rank 0 prints the ratios and writes ``--out`` JSON. fla is needed for its path (the device
+machine carries ``fla-core`` as a wheel, see gpu_suite.sh); without it only torch runs.
+
+CPU check (tiny MoE preset, seconds):
+    uv run python tools/bench/bench_qwen35_megatron.py --device cpu --tiny --out /tmp/q35.json
+H200 (about 2 minutes):
+    bash tools/bench/gpu_suite.sh qwen35
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("bench_qwen35_megatron")
+GiB = 1 << 30
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--tiny", action="store_true", help="qwen3.5-moe-tiny (a CPU check)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers kept (>= 4: one full)")
+    p.add_argument("--samples", type=int, default=None, help="rows per step (16 CUDA, 4 tiny)")
+    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (400 / 48)")
+    p.add_argument("--response-len", type=int, default=None, help="response tokens (1024 / 16)")
+    p.add_argument("--image-size", type=int, default=None, help="image px (448 / 64)")
+    p.add_argument("--max-tokens-per-gpu", type=int, default=None, help="(8192 / 256)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per path (3 / 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="JSON result path")
+    args = p.parse_args()
+    big = not args.tiny
+    defaults = dict(
+        samples=16 if big else 4,
+        prompt_len=400 if big else 48,
+        response_len=1024 if big else 16,
+        image_size=448 if big else 64,
+        max_tokens_per_gpu=8192 if big else 256,
+        steps=3 if big else 1,
+    )
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.layers < 4:
+        p.error("--layers must be >= 4 (the fourth layer is the first full-attention one)")
+    return args
+
+
+def model_config(tiny: bool, layers: int) -> Any:
+    """The shape cut to ``layers`` decoder layers, its layer pattern kept."""
+    from vlm_models import preset_config
+
+    config = preset_config("qwen3.5-moe-tiny" if tiny else "qwen3.5-35b-a3b")
+    text = config.text_config
+    pattern = list(text.layer_types)
+    text.layer_types = (pattern * (layers // len(pattern) + 1))[:layers]
+    text.num_hidden_layers = layers
+    assert "full_attention" in text.layer_types and "linear_attention" in text.layer_types
+    return config
+
+
+def synthetic_batch(config: Any, args: argparse.Namespace) -> Any:
+    """Rows of [prompt with one image | response], response-masked, advantages of either sign."""
+    from rl_algos import TrainBatch
+
+    vision = config.vision_config
+    grid = args.image_size // vision.patch_size
+    n_image = grid * grid // vision.spatial_merge_size**2
+    if n_image + 8 > args.prompt_len:
+        raise SystemExit(f"--prompt-len {args.prompt_len} is too short for {n_image} image tokens")
+    patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    vocab = min(config.text_config.vocab_size, 150_000)  # ordinary text ids, no special ones
+    gen = torch.Generator().manual_seed(args.seed)
+    fields: dict[str, list] = {
+        k: [] for k in ("input_ids", "loss_mask", "advantages", "pixel_values", "image_grid_thw")
+    }
+    for i in range(args.samples):
+        ids = torch.randint(0, vocab, (args.prompt_len + args.response_len,), generator=gen)
+        ids[3] = config.vision_start_token_id
+        ids[4 : 4 + n_image] = config.image_token_id
+        ids[4 + n_image] = config.vision_end_token_id
+        mask = torch.zeros(len(ids))
+        mask[args.prompt_len :] = 1.0
+        fields["input_ids"].append(ids)
+        fields["loss_mask"].append(mask)
+        fields["advantages"].append(mask * (1.0 if i % 2 == 0 else -1.0))
+        fields["pixel_values"].append(torch.randn(grid * grid, patch_dim, generator=gen))
+        fields["image_grid_thw"].append(torch.tensor([[1, grid, grid]]))
+    return TrainBatch(**fields)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_path(module: torch.nn.Module, path: str) -> int:
+    """Point every gated-delta-net layer at ``path``; the number of layers switched."""
+    from vlm_models.megatron import PackedGatedDeltaNet
+
+    layers = [m for m in module.modules() if isinstance(m, PackedGatedDeltaNet)]
+    for m in layers:
+        m.path = path
+    return len(layers)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_steps(actor: Any, batch: Any, steps: int, device: str) -> dict[str, float]:
+    """One warm-up GRPO step, then ``steps`` timed: tokens/s, seconds per step, peak memory."""
+    tokens = sum(batch.lengths)
+    actor.train_step(batch, loss="grpo")
+    _sync(device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    metrics: dict[str, float] = {}
+    for _ in range(steps):
+        metrics = actor.train_step(batch, loss="grpo")
+    _sync(device)
+    seconds = (time.perf_counter() - start) / steps
+    peak = torch.cuda.max_memory_allocated() / GiB if device == "cuda" else None
+    return {
+        "tokens_per_s": tokens / seconds,
+        "step_s": seconds,
+        "peak_memory_gib": peak,
+        "num_micro_batches": metrics.get("num_micro_batches"),
+        "grad_norm": metrics.get("grad_norm"),
+    }
+
+
+def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor], masks: list[torch.Tensor]) -> float:
+    return max(float(((x - y).abs() * m).max()) for x, y, m in zip(a, b, masks, strict=True))
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no GPU visible (use --device cpu --tiny)")
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the actor picks CUDA wherever it sees one
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    from trainers_megatron import MegatronActor, MegatronConfig
+    from vlm_models.megatron import fla_available
+
+    config = model_config(args.tiny, args.layers)
+    batch = synthetic_batch(config, args)
+    start = time.perf_counter()
+    actor = MegatronActor(
+        MegatronConfig(
+            model=config,
+            seed=args.seed,
+            lr=1e-6,
+            max_tokens_per_gpu=args.max_tokens_per_gpu,
+            linear_attention_kernels="torch",  # switched per run below
+        )
+    )
+    build_s = time.perf_counter() - start
+    params = sum(p.numel() for p in actor.module.parameters())
+    paths = ["fla", "torch"] if fla_available() and args.device == "cuda" else ["torch"]
+    log.info("built %.2fB parameters in %.0f s; paths %s", params / 1e9, build_s, paths)
+
+    masks = batch.loss_mask
+    logprobs = {}
+    for path in paths:
+        set_path(actor.module, path)
+        logprobs[path] = actor.compute_logprobs(batch)
+    batch.old_logprobs = logprobs[paths[0]]  # GRPO's ratio starts at 1
+    result: dict[str, Any] = dict(
+        shape="qwen3.5-moe-tiny" if args.tiny else "qwen3.5-35b-a3b",
+        layers=list(config.text_config.layer_types),
+        num_experts=config.text_config.num_experts,
+        parameters=params,
+        device=args.device,
+        dtype=str(actor.dtype).removeprefix("torch."),
+        samples=args.samples,
+        tokens_per_step=sum(batch.lengths),
+        max_tokens_per_gpu=args.max_tokens_per_gpu,
+        build_s=build_s,
+        fla_available=fla_available(),
+    )
+    if "fla" in paths:
+        result["logprob_max_diff_fla_vs_torch"] = _max_diff(
+            logprobs["fla"], logprobs["torch"], masks
+        )
+    # packed against one sample per micro-batch, with the first path (fla on a GPU)
+    set_path(actor.module, paths[0])
+    actor.config.max_tokens_per_gpu = 1
+    alone = actor.compute_logprobs(batch)
+    actor.config.max_tokens_per_gpu = args.max_tokens_per_gpu
+    result[f"logprob_max_diff_packed_vs_alone_{paths[0]}"] = _max_diff(
+        logprobs[paths[0]], alone, masks
+    )
+
+    runs: dict[str, dict[str, float]] = {}
+    for path in paths:
+        set_path(actor.module, path)
+        runs[path] = timed_steps(actor, batch, args.steps, args.device)
+        log.info("%s: %s", path, runs[path])
+    set_path(actor.module, paths[0])
+    actor.config.max_tokens_per_gpu = 1  # one sample per micro-batch: the recipe's rule
+    runs[f"{paths[0]}_one_sample_per_micro_batch"] = timed_steps(
+        actor, batch, args.steps, args.device
+    )
+    actor.config.max_tokens_per_gpu = args.max_tokens_per_gpu
+    result["runs"] = runs
+    first = runs[paths[0]]
+    one = runs[f"{paths[0]}_one_sample_per_micro_batch"]
+    result["packed_over_one_sample_tokens_per_s"] = first["tokens_per_s"] / one["tokens_per_s"]
+    if "fla" in paths:
+        result["fla_over_torch_tokens_per_s"] = (
+            first["tokens_per_s"] / runs["torch"]["tokens_per_s"]
+        )
+
+    lines = [f"{result['shape']} x{args.layers} layers, {params / 1e9:.2f}B params, {args.device}"]
+    for name, r in runs.items():
+        peak = "" if r["peak_memory_gib"] is None else f", peak {r['peak_memory_gib']:.1f} GiB"
+        lines.append(f"  {name}: {r['tokens_per_s']:.0f} tokens/s ({r['step_s']:.2f} s/step{peak})")
+    lines.append(
+        f"  packed / one sample per micro-batch: {result['packed_over_one_sample_tokens_per_s']:.2f}x"
+    )
+    if "fla" in paths:
+        lines.append(
+            f"  fla / torch: {result['fla_over_torch_tokens_per_s']:.2f}x tokens/s; "
+            f"log-prob max |fla - torch| {result['logprob_max_diff_fla_vs_torch']:.2e}"
+        )
+    key = f"logprob_max_diff_packed_vs_alone_{paths[0]}"
+    lines.append(f"  log-prob max |packed - alone| ({paths[0]}): {result[key]:.2e}")
+    print("\n".join(lines))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
