@@ -179,6 +179,7 @@ def main() -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     from trainers_megatron import MegatronActor, MegatronConfig
     from vlm_models.megatron import fla_available
+    from vlm_models.megatron.gated_delta_net import fla_refusal
 
     config = model_config(args.tiny, args.layers)
     batch = synthetic_batch(config, args)
@@ -194,7 +195,10 @@ def main() -> None:
     )
     build_s = time.perf_counter() - start
     params = sum(p.numel() for p in actor.module.parameters())
-    paths = ["fla", "torch"] if fla_available() and args.device == "cuda" else ["torch"]
+    refusal = fla_refusal(torch.device(args.device)) if fla_available() else "fla not installed"
+    paths = ["torch"] if refusal else ["fla", "torch"]
+    if refusal:
+        log.warning("fla path not measured: %s", refusal)
     log.info("built %.2fB parameters in %.0f s; paths %s", params / 1e9, build_s, paths)
 
     masks = batch.loss_mask
@@ -215,6 +219,7 @@ def main() -> None:
         max_tokens_per_gpu=args.max_tokens_per_gpu,
         build_s=build_s,
         fla_available=fla_available(),
+        fla_refusal=refusal,
     )
     if "fla" in paths:
         result["logprob_max_diff_fla_vs_torch"] = _max_diff(

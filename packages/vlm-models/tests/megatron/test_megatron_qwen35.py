@@ -183,3 +183,16 @@ def test_folders_round_trip_with_the_mtp_head_and_load(tp1, setup, tmp_path):
         load_hf_weights(model, reader)  # the MTP tensors are not the live model's
     got = model(**inputs["sbhd"])
     assert (got - expected)[inputs["valid"]].abs().max() < ATOL
+
+
+def test_fla_backward_refusal_follows_fla_rule():
+    """fla-core 0.6.0 raises mid-backward on Hopper with Triton 3.4.0-3.7.0 (met on the H200
+    with torch 2.11's Triton); the check says so before the step, so `auto` takes torch."""
+    from vlm_models.megatron.gated_delta_net import fla_backward_refusal, fla_refusal
+
+    assert "Triton 3.6.0" in fla_backward_refusal(9, "3.6.0", tilelang=False)
+    assert fla_backward_refusal(9, "3.6.0", tilelang=True) is None  # fla's tilelang backend
+    assert fla_backward_refusal(9, "3.7.1", tilelang=False) is None
+    assert fla_backward_refusal(9, "3.3.1", tilelang=False) is None
+    assert fla_backward_refusal(8, "3.6.0", tilelang=False) is None  # Ampere is not affected
+    assert fla_refusal(torch.device("cpu")) == "fla runs on CUDA only"

@@ -62,6 +62,39 @@ def fla_available() -> bool:
     return True
 
 
+@functools.cache
+def fla_refusal(device: torch.device) -> str | None:
+    """Why fla's kernels cannot train on ``device``, or None. fla-core 0.6.0 raises in the
+    *backward* of ``chunk_gated_delta_rule`` on Hopper with Triton 3.4.0 up to 3.7.1 (wrong
+    results, its issue #640) unless tilelang is installed: met on the H200 with torch 2.11's
+    Triton, mid-step. Checked here so that ``auto`` picks the torch path before the step."""
+    if device.type != "cuda" or not fla_available():
+        return None if device.type == "cuda" else "fla runs on CUDA only"
+    import triton
+
+    major = torch.cuda.get_device_capability(device)[0]
+    tilelang = importlib.util.find_spec("tilelang") is not None
+    return fla_backward_refusal(major, triton.__version__, tilelang=tilelang)
+
+
+def fla_backward_refusal(sm_major: int, triton_version: str, *, tilelang: bool) -> str | None:
+    """fla-core 0.6.0's own rule (``fla/ops/common/chunk_o.py``) as a reason, or None."""
+    from packaging.version import Version
+
+    bad = Version("3.4.0") <= Version(triton_version) < Version("3.7.1")
+    if sm_major == 9 and bad and not tilelang:
+        return (
+            f"fla's gated delta rule backward refuses Triton {triton_version} on Hopper "
+            "(fla issue #640): upgrade Triton to 3.7.1 or later, or `pip install tilelang`"
+        )
+    return None
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+    logger.warning("gated delta net: the torch path, since %s", reason)
+
+
 def _fla_chunk_rule() -> Any:
     """fla's ``chunk_gated_delta_rule``, with a clear message where fla is missing."""
     try:
@@ -129,7 +162,14 @@ class PackedGatedDeltaNet(GatedDeltaNet):
     def kernel_path(self, device: torch.device) -> str:
         """``"fla"`` or ``"torch"``: what a forward on ``device`` runs."""
         if self.path == "auto":
-            return "fla" if device.type == "cuda" and fla_available() else "torch"
+            if device.type != "cuda" or not fla_available():
+                return "torch"
+            reason = fla_refusal(device)
+            if reason is not None:
+                _warn_once(reason)
+            return "torch" if reason else "fla"
+        if self.path == "fla" and (reason := fla_refusal(device)) is not None:
+            raise RuntimeError(f"gated delta net path 'fla': {reason}")
         return self.path
 
     def forward(
