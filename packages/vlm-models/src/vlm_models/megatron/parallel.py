@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -12,6 +13,12 @@ from megatron.core import parallel_state, tensor_parallel
 from vlm_models.megatron.config import Parallelism
 
 logger = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def initialize_model_parallel(parallel: Parallelism | None = None, *, seed: int = 0) -> None:
@@ -25,6 +32,9 @@ def initialize_model_parallel(parallel: Parallelism | None = None, *, seed: int 
     parallel = parallel or Parallelism()
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if int(os.environ.get("WORLD_SIZE", 1)) == 1:
+            # one process: any free port (a fixed one collided with another run's trainer)
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.setdefault("MASTER_PORT", "29511")
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
