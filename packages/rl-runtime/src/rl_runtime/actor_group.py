@@ -60,6 +60,11 @@ class TrainWorker:
                 MASTER_ADDR=str(master_addr),
                 MASTER_PORT=str(master_port),
             )
+        else:
+            # A world of one: launcher variables inherited from the driver's shell (torchrun,
+            # SLURM, a test that set them) would make the trainer join a group that isn't its.
+            for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+                os.environ.pop(key, None)
         self.actor = factory()
         self._gc = PeriodicGC(gc_every)  # no collector pauses inside a step
         self._transports: list[tuple[TransportFactory, list[Any], WeightTransport]] = []
