@@ -134,6 +134,7 @@ def test_continuous_batching_equals_one_at_a_time_when_sampling(tiny_model, requ
     assert stats["decode_steps"] >= 8 * 4 / 2  # 4 decoded tokens each (the first: prefill)
     assert 0 < stats["prefill_s"] + stats["decode_s"] <= stats["seconds"]
     assert stats["graph_captures"] == 0  # CPU: eager steps
+    assert stats["decode_device_s"] == 0  # CUDA events only: no device clock on a CPU
     alone = [HFEngine(tiny_model, max_batch_size=1).generate([r], params)[0] for r in many]
     assert [c.token_ids for c in batched] == [c.token_ids for c in alone]
     for a, b in zip(batched, alone, strict=True):

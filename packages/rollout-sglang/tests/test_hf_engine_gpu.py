@@ -81,6 +81,8 @@ def test_graph_decode_equals_eager_and_a_forward_pass(model, settings):
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
     graphed = engine.generate(requests, greedy)
     assert engine.runner is not None and engine.runner.num_graphs > 0
+    stats = engine.last_stats  # the device's share of the decode steps' wall time
+    assert 0 < stats["decode_device_s"] <= stats["decode_s"]
     assert [c.token_ids for c in graphed] == [c.token_ids for c in eager.generate(requests, greedy)]
     sampled = SamplingParams(temperature=1.0, max_new_tokens=12, seed=4)
     for request, completion in zip(requests, engine.generate(requests, sampled), strict=True):

@@ -293,6 +293,10 @@ class DecodeRunner:
         self.out_logprobs: Tensor | None = None
         self.captures = 0  # graphs captured and the wall time it took, since construction
         self.capture_s = 0.0
+        # device time of the decode steps (CUDA events around each step, read after the
+        # step's own sync): beside the scheduler's wall time it says whether a slow step is
+        # the GPU's work or the host's
+        self.device_s = 0.0
 
     def reset(self) -> None:
         """Forget captured graphs and buffers (cache layout changed or memory released)."""
@@ -338,6 +342,10 @@ class DecodeRunner:
         assert self.state is not None and self.out_tokens is not None
         assert self.out_logprobs is not None
         batch = host_state.shape[1]
+        cuda = self.device.type == "cuda"
+        if cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
         self.state[:, :batch].copy_(host_state, non_blocking=True)
         if not self.use_graphs:
             self._body(batch, kv_len, sampling)
@@ -353,8 +361,10 @@ class DecodeRunner:
             graph.replay()
         tokens = self.out_tokens[:batch].to("cpu", non_blocking=True)
         logprobs = self.out_logprobs[:batch].to("cpu", non_blocking=True)
-        if self.device.type == "cuda":
+        if cuda:
+            end.record()
             torch.cuda.current_stream(self.device).synchronize()
+            self.device_s += begin.elapsed_time(end) / 1e3
         return tokens.numpy(), logprobs.numpy()
 
     def _capture(self, batch: int, kv_len: int, sampling: SamplingKey) -> torch.cuda.CUDAGraph:

@@ -226,7 +226,8 @@ class HFEngine:
                 prefill_tokens=self.prefill_tokens,
                 admit_min=int(self.admit_fraction * cache.slots),
             )
-            captures, capture_s, start = runner.captures, runner.capture_s, time.perf_counter()
+            captures, capture_s, device_s = runner.captures, runner.capture_s, runner.device_s
+            start = time.perf_counter()
             with torch.inference_mode():
                 scheduler.run(seqs)
             self.last_stats = {
@@ -236,6 +237,7 @@ class HFEngine:
                 "prefill_s": scheduler.prefill_s,
                 "decode_steps": scheduler.steps,
                 "decode_s": scheduler.decode_s,  # graph captures included
+                "decode_device_s": runner.device_s - device_s,  # CUDA only; captures included
                 "graph_captures": runner.captures - captures,
                 "capture_s": runner.capture_s - capture_s,
             }
