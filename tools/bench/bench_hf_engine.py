@@ -17,6 +17,14 @@ Runs with only ``packages/*/src`` on PYTHONPATH (torch, transformers; no dataset
         --device cuda --variants graph,graph-matmul,graph-compile --out bench_hf_engine.json
     # CPU smoke run (tiny model, small shapes)
     uv run python tools/bench/bench_hf_engine.py --device cpu
+    # the rollout as the GRPO loop sends it: Geometry3K prompts (real images, the real
+    # processor, the "boxed" template), 16 prompts x 8 samples, 384 tokens, a seed per request
+    python tools/bench/bench_hf_engine.py --device cuda --geo3k $GLIMPSE_SHARED/data/geo3k \
+        --batch-sizes 128 --new-tokens 384 --skip-baseline
+
+``--geo3k`` prompts differ in length, which ``model.generate`` cannot batch without padding, so
+that mode times the engine alone and prints its own account (wall and device time of the
+decode steps).
 """
 
 from __future__ import annotations
@@ -24,8 +32,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import platform
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,6 +82,41 @@ def synthetic_requests(
             )
         )
     return requests
+
+
+def geo3k_requests(
+    path: str, processor_dir: str, n: int, samples: int, config: Any
+) -> list[GenerateRequest]:
+    """``n`` requests as the GRPO loop builds them: ``n // samples`` Geometry3K validation rows
+    through `vlm_data.PromptBuilder` (the launcher's "boxed" template), each repeated
+    ``samples`` times (one GRPO group), with no fixed seed (the engine gives each its own)."""
+    import pyarrow.parquet as pq
+    from transformers import AutoProcessor
+
+    from vlm_data import PromptBuilder
+
+    parquet = Path(path) / "validation.parquet" if Path(path).is_dir() else Path(path)
+    rows = pq.read_table(parquet).to_pylist()  # lists as lists (pandas gives arrays)
+    processor = AutoProcessor.from_pretrained(processor_dir)
+    if int(processor.image_token_id) != int(config.image_token_id):
+        raise ValueError(f"{processor_dir}: its image token is not the model's")
+    builder = PromptBuilder(processor, template="boxed")
+    prompts = list(builder.iter_samples(rows))[: max(n // samples, 1)]
+    requests = [
+        GenerateRequest.from_prompt(p, request_id=f"{p.index}/{k}")
+        for p in prompts
+        for k in range(samples)
+    ]
+    lengths = [r.prompt_length for r in requests]
+    logger.info(
+        "geo3k: %d prompts x %d samples, prompt tokens %d-%d (mean %.0f)",
+        len(prompts),
+        samples,
+        min(lengths),
+        max(lengths),
+        sum(lengths) / len(lengths),
+    )
+    return requests[:n]
 
 
 def sync(device: torch.device) -> None:
@@ -161,23 +206,26 @@ def step_ms(total_s: float, first_token_s: float, new_tokens: int) -> float:
     return (total_s - first_token_s) / max(new_tokens - 1, 1) * 1e3
 
 
-def profile_decode(model, device, prompt_len: int, image_side: int, path: str) -> None:
-    """Top device/host ops of 32 decode steps at batch 64, ours and model.generate, to see where
-    a per-step gap comes from (slow under the profiler: give it minutes on a 2B model)."""
+def profile_decode(model, device, requests: list[GenerateRequest], path: str) -> None:
+    """Top device/host ops of 32 decode steps over ``requests``, ours and (prompts of one
+    length) model.generate, to see where a per-step gap comes from (slow under the profiler:
+    give it minutes on a 2B model)."""
     from torch.profiler import ProfilerActivity, profile
 
-    requests = synthetic_requests(model.config, 64, prompt_len, image_side, seed=7)
+    batch = len(requests)
     acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     out = []
-    engine = HFEngine(model, device=device, max_batch_size=64)
-    for name, fn in [
-        ("ours", lambda: run_ours(engine, requests, 32, device)[0]),
-        ("generate", lambda: run_generate(model, requests, 32, device)),
-    ]:
+    engine = HFEngine(model, device=device, max_batch_size=batch)
+    sides = [("ours", lambda: run_ours(engine, requests, 32, device)[0])]
+    if len({r.prompt_length for r in requests}) == 1:
+        sides.append(("generate", lambda: run_generate(model, requests, 32, device)))
+    for name, fn in sides:
         fn()  # warm
         with profile(activities=acts) as prof:
             elapsed = fn()
-        out.append(f"===== {name}: {elapsed:.3f} s for 32 new tokens at batch 64")
+        out.append(f"===== {name}: {elapsed:.3f} s for 32 new tokens at batch {batch}")
+        if name == "ours":
+            out.append(f"engine account: {engine.last_stats}")
         for key in ("self_cuda_time_total", "cpu_time_total"):
             out.append(
                 prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
@@ -243,6 +291,18 @@ def main() -> None:
     )
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--profile", default=None, help="profile 32 decode steps, tables here")
+    parser.add_argument(
+        "--geo3k",
+        default=None,
+        help="Geometry3K folder or parquet: its validation prompts instead of synthetic ones "
+        "(engine only: the prompts differ in length)",
+    )
+    parser.add_argument(
+        "--processor",
+        default=None,
+        help="processor folder for --geo3k (default: $GLIMPSE_SHARED/models/Qwen3-VL-4B-Instruct)",
+    )
+    parser.add_argument("--samples", type=int, default=8, help="--geo3k: samples per prompt")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
@@ -262,8 +322,16 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = build_model(preset, dtype=dtype, attn_implementation=args.attn, device=device).eval()
+
+    def requests_for(batch: int) -> list[GenerateRequest]:
+        if args.geo3k:
+            shared = Path(os.environ.get("GLIMPSE_SHARED", Path(__file__).parents[3] / "shared"))
+            processor = args.processor or str(shared / "models" / "Qwen3-VL-4B-Instruct")
+            return geo3k_requests(args.geo3k, processor, batch, args.samples, model.config)
+        return synthetic_requests(model.config, batch, prompt_len, image_side, seed=batch)
+
     if args.profile:
-        profile_decode(model, device, prompt_len, image_side, args.profile)
+        profile_decode(model, device, requests_for(batch_sizes[0]), args.profile)
         return
     results: dict[str, Any] = {
         "bench": "bench_hf_engine",
@@ -282,12 +350,12 @@ def main() -> None:
     }
     results["variants"] = variants
     for batch in batch_sizes:
-        requests = synthetic_requests(model.config, batch, prompt_len, image_side, seed=batch)
-        tokens = batch * new_tokens
+        requests = requests_for(batch)
+        tokens = len(requests) * new_tokens
         row: dict[str, Any] = {"batch": batch}
         # Per decode step: (time for N tokens - time for 1 token, i.e. prefill and the first
         # sample) / (N - 1). Best of --repeats for each.
-        if not args.skip_baseline:
+        if not args.skip_baseline and not args.geo3k:
             run_generate(model, requests, 2, device)  # warm-up at this batch size
             full = first = float("inf")
             for _ in range(repeats):
@@ -316,16 +384,18 @@ def main() -> None:
                 run_ours(engine, requests, new_tokens, device)
                 full = first = float("inf")
                 completions: list = []
+                stats: dict[str, float] = {}
                 for _ in range(repeats):
                     elapsed, out = run_ours(engine, requests, new_tokens, device)
                     if elapsed < full:
-                        full, completions = elapsed, out
+                        full, completions, stats = elapsed, out, dict(engine.last_stats)
                     first = min(first, run_ours(engine, requests, 1, device)[0])
                 ours: dict[str, Any] = {
                     "s": full,
                     "tok_s": tokens / full,
                     "prefill_s": first,
                     "step_ms": step_ms(full, first, new_tokens),
+                    "engine_stats": stats,
                     "graphs": engine.runner.num_graphs if engine.runner else 0,
                     "slots": engine.cache.slots if engine.cache else 0,
                     "max_abs_logprob_diff": logprob_gap(
@@ -368,6 +438,15 @@ def main() -> None:
             if "ratio" in r:
                 line += f" | vs generate {r['ratio']:.2f}x, per step {r['step_ratio']:.2f}x"
             print(line, flush=True)
+            st = r["engine_stats"]
+            if st.get("decode_steps"):
+                steps = st["decode_steps"]
+                print(
+                    f"    engine: {steps} decode steps, {1e3 * st['decode_s'] / steps:.2f} ms"
+                    f" a step wall, {1e3 * st.get('decode_device_s', 0) / steps:.2f} ms device;"
+                    f" {st['prefills']} prefills {st['prefill_s']:.2f} s",
+                    flush=True,
+                )
 
     if args.out:
         with open(args.out, "w") as f:
