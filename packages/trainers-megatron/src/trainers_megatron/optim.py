@@ -67,7 +67,40 @@ def build_optimizer(
         params_dtype=config.params_dtype,
         use_distributed_optimizer=distributed_optimizer,
     )
-    return get_megatron_optimizer(opt_config, [model])
+    optimizer = get_megatron_optimizer(opt_config, [model])
+    fuse_torch_adam(optimizer)
+    return optimizer
+
+
+def fuse_torch_adam(optimizer: MegatronOptimizer) -> int:
+    """Step torch's AdamW in its fused kernel; returns the parameter groups switched.
+
+    Without Transformer Engine or Apex, megatron-core 0.16.1 falls back to
+    ``torch.optim.AdamW`` with torch's default, the ``foreach`` implementation: about a dozen
+    passes over the float32 masters and moments per step, where the fused kernel makes one.
+    torch fuses float32 on CUDA and on CPU, so the CPU tests run the arithmetic the GPU runs.
+    Step counters a checkpoint left on the host move to the parameters' device, where the
+    fused kernel keeps them.
+    """
+    switched = 0
+    for opt in optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue  # Transformer Engine's or Apex's FusedAdam, already one kernel
+        for group in inner.param_groups:
+            params = group["params"]
+            fusable = all(
+                p.device.type in ("cuda", "cpu") and p.dtype == torch.float32 for p in params
+            )
+            if not params or not fusable:
+                continue
+            group["fused"], group["foreach"] = True, False
+            for p in params:
+                step = inner.state.get(p, {}).get("step")
+                if isinstance(step, Tensor) and step.device != p.device:
+                    inner.state[p]["step"] = step.to(p.device, torch.float32)
+            switched += 1
+    return switched
 
 
 def optimizers(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
@@ -161,6 +194,7 @@ def load_optimizer_state(optimizer: MegatronOptimizer, saved: list[dict[str, Any
     for opt, entry in zip(opts, saved, strict=True):
         opt.load_state_dict(entry)
         _unshare_steps(opt)
+    fuse_torch_adam(optimizer)  # loading put the saved (host) step counters back
 
 
 def _unshare_steps(opt: MegatronOptimizer) -> None:
