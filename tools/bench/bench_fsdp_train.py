@@ -732,6 +732,8 @@ def run_megatron(args, device: torch.device) -> tuple[dict, int, int]:
     result["last_metrics"] = metrics
     if args.profile and actor.rank == 0:
         profile_step(step, args.profile / "profile_megatron.txt", device, actor.model)
+        if device.type == "cuda":
+            timeline_steps(step, args.profile / "timeline_megatron.txt")
     return result, params, 1
 
 

@@ -230,15 +230,22 @@ def main() -> None:
     actor.config.max_tokens_per_gpu = 1
     alone = actor.compute_logprobs(batch)
     actor.config.max_tokens_per_gpu = args.max_tokens_per_gpu
-    result[f"logprob_max_diff_packed_vs_alone_{paths[0]}"] = _max_diff(
-        logprobs[paths[0]], alone, masks
-    )
+    alone_key = f"logprob_max_diff_packed_vs_alone_{paths[0]}"
+    result[alone_key] = _max_diff(logprobs[paths[0]], alone, masks)
 
     runs: dict[str, dict[str, float]] = {}
-    for path in paths:
+    for path in list(paths):
         set_path(actor.module, path)
-        runs[path] = timed_steps(actor, batch, args.steps, args.device)
+        try:
+            runs[path] = timed_steps(actor, batch, args.steps, args.device)
+        except Exception as exc:  # a kernel path that fails (fla's backward) still leaves torch's
+            log.exception("%s path failed in training", path)
+            result[f"{path}_train_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+            paths.remove(path)
+            continue
         log.info("%s: %s", path, runs[path])
+    if not paths:
+        raise SystemExit(f"every path failed: {result}")
     set_path(actor.module, paths[0])
     actor.config.max_tokens_per_gpu = 1  # one sample per micro-batch: the recipe's rule
     runs[f"{paths[0]}_one_sample_per_micro_batch"] = timed_steps(
@@ -258,6 +265,7 @@ def main() -> None:
     for name, r in runs.items():
         peak = "" if r["peak_memory_gib"] is None else f", peak {r['peak_memory_gib']:.1f} GiB"
         lines.append(f"  {name}: {r['tokens_per_s']:.0f} tokens/s ({r['step_s']:.2f} s/step{peak})")
+    lines += [f"  {k}: {v}" for k, v in result.items() if k.endswith("_train_error")]
     lines.append(
         f"  packed / one sample per micro-batch: {result['packed_over_one_sample_tokens_per_s']:.2f}x"
     )
@@ -266,8 +274,7 @@ def main() -> None:
             f"  fla / torch: {result['fla_over_torch_tokens_per_s']:.2f}x tokens/s; "
             f"log-prob max |fla - torch| {result['logprob_max_diff_fla_vs_torch']:.2e}"
         )
-    key = f"logprob_max_diff_packed_vs_alone_{paths[0]}"
-    lines.append(f"  log-prob max |packed - alone| ({paths[0]}): {result[key]:.2e}")
+    lines.append(f"  log-prob max |packed - alone|: {result[alone_key]:.2e} ({alone_key})")
     print("\n".join(lines))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

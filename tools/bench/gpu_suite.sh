@@ -3,12 +3,19 @@
 # Python 3.12, torch 2.11, transformers 5.17, offline). Wheels for what it lacks come from .whl/
 # (fill it with ../shared/tools/device-wheels). Each benchmark's JSON and one log go to $OUT.
 #
-#   bash tools/bench/gpu_suite.sh [logprobs] [patch_embed] [hf_engine] [fsdp_train] [fsdp_accum] [megatron_parity] [weight_sync] [qwen35] ...
+#   bash tools/bench/gpu_suite.sh [logprobs] [patch_embed] [hf_engine] [fsdp_train] [fsdp_accum] [megatron_parity] [weight_sync] [qwen35]
+#     [megatron_train] [megatron_profile] [hf_geo3k] [ipc_probe] [e2e] ...
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+# WHEEL_DIR (default .whl, git-ignored, carried): wheels, and *.tar.xz of an installed
+# site-packages tree for packages whose wheels together pass the 64 MiB carry limit (xz packs
+# them tighter; see docs/megatron.md for tilelang's)
+wheels=${WHEEL_DIR:-.whl}
+mkdir -p /tmp/site
+for t in "$wheels"/*.tar.xz; do [ -f "$t" ] && tar -xJf "$t" -C /tmp/site; done
+if ls "$wheels"/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$wheels"/*.whl
   # the slimmed Ray's vendored dist-infos carry empty RECORD files, which make
   # importlib.metadata (called by transformers at import) raise once Ray is imported first
   find /tmp/site/ray -path '*.dist-info/RECORD' -size -2c -delete 2>/dev/null
@@ -55,6 +62,14 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
             tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --variants "${SCALING_VARIANTS:-replicate}" \
             --out "$OUT/fsdp_train_${n}gpu.json"
         done ;;
+      megatron_profile)  # one Megatron train step under torch.profiler, and its timeline
+        run megatron_profile 300 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline \
+          --variants megatron --steps 2 --profile "$OUT/profile" ;;
+      hf_geo3k)  # the engine on the loop's own rollout: Geometry3K prompts, 16 x 8, 384 tokens
+        run hf_geo3k 300 python3 tools/bench/bench_hf_engine.py --device cuda --geo3k "$GLIMPSE_SHARED/data/geo3k" \
+          --batch-sizes 128 --new-tokens 384 --variants graph --out "$OUT/hf_geo3k.json"
+        run hf_geo3k_profile 300 python3 tools/bench/bench_hf_engine.py --device cuda --geo3k \
+          "$GLIMPSE_SHARED/data/geo3k" --batch-sizes 128 --profile "$OUT/hf_geo3k_profile.txt" ;;
       hf_profile) run hf_profile 200 python3 tools/bench/bench_hf_engine.py --device cuda --profile "$OUT/hf_profile.txt" ;;
       hf_engine) run hf_engine 540 python3 tools/bench/bench_hf_engine.py --device cuda --variants graph,graph-matmul,graph-compile --out "$OUT/hf_engine.json" ;;
       weight_sync)  # colocated sync, object store vs CUDA IPC, FSDP and Megatron (GLIMPSE_SHARED: the processor)
@@ -71,8 +86,9 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
           --after-last-step 20 --work-dir /tmp/e2e --out "$OUT/e2e.json" -- ${E2E_ARGS:-} "${transport[@]}"
         for f in /tmp/e2e/*.log; do [ -f "$f" ] && tail -c 400000 "$f" >"$OUT/e2e_$(basename "$f")"; done ;;
       qwen35)  # Qwen3.5-35B-A3B cut to 4 layers, GRPO steps on Megatron: fla vs the torch
-        # gated delta net, packed vs one sample per micro-batch (needs fla-core in .whl/)
-        run qwen35 300 python3 tools/bench/bench_qwen35_megatron.py --device cuda --out "$OUT/qwen35.json" ;;
+        # gated delta net, packed vs one sample per micro-batch (needs fla-core in .whl/, and
+        # on Hopper with Triton < 3.7.1 tilelang for fla's backward)
+        run qwen35 480 python3 tools/bench/bench_qwen35_megatron.py --device cuda --out "$OUT/qwen35.json" ;;
       gpu_tests) run gpu_tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider -o log_level=WARNING packages ;;
       *) echo "unknown benchmark $w" >>"$log" ;;
     esac
