@@ -31,3 +31,24 @@ def test_views_survive_an_offload_round_trip():
     buffer.add_(1.0)  # the views still share the buffer's memory
     assert torch.equal(weight.detach().reshape(-1), buffer[:6])
     assert torch.equal(shard, buffer[6:])
+
+
+def test_the_next_offload_reuses_the_host_buffers():
+    """A colocated run offloads the same storages every step: the host memory is taken once."""
+    weight, state = torch.randn(6), torch.randn(4)
+    offload = StorageOffload()
+    offload.offload([weight, state])
+    first = [h.data_ptr() for _, h in offload._saved]
+    offload.onload()
+    weight.mul_(2.0)  # the training step changes the values in between
+    expected = weight.clone()
+    offload.offload([weight, state])
+    assert [h.data_ptr() for _, h in offload._saved] == first
+    assert offload.host_bytes == (6 + 4) * 4
+    offload.onload()
+    assert torch.equal(weight, expected)
+
+    bigger = torch.randn(8)  # another storage in that place gets a buffer of its own size
+    offload.offload([weight, bigger])
+    assert offload.host_bytes == (6 + 8) * 4
+    offload.onload()

@@ -18,35 +18,52 @@ from torch import Tensor
 
 
 class StorageOffload:
-    """The storages of some tensors, moved out (:meth:`offload`) and back (:meth:`onload`)."""
+    """The storages of some tensors, moved out (:meth:`offload`) and back (:meth:`onload`).
+
+    The host buffers are kept and reused by the next offload of the same storages (a colocated
+    run offloads the same tensors every step; pinning gigabytes anew each time cost more than
+    the copy), and all copies of one offload are queued before one wait.
+    """
 
     def __init__(self) -> None:
         self._saved: list[tuple[torch.UntypedStorage, Tensor]] = []
+        self._host: list[Tensor] = []  # one per storage, in the order they were offloaded
 
     @property
     def offloaded(self) -> bool:
         return bool(self._saved)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory held for the storages (also while they are on the device)."""
+        return sum(h.numel() for h in self._host)
 
     def offload(self, tensors: Iterable[Tensor]) -> int:
         """Copy each distinct storage of ``tensors`` to the host and free it; bytes moved."""
         if self._saved:
             raise RuntimeError("already offloaded")
         seen: set[int] = set()
-        moved = 0
+        storages: list[tuple[torch.UntypedStorage, torch.device]] = []
         for t in tensors:
             storage = t.untyped_storage()
             if storage.nbytes() == 0 or storage.data_ptr() in seen:
                 continue
             seen.add(storage.data_ptr())
-            source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-            host = torch.empty(
-                storage.nbytes(), dtype=torch.uint8, pin_memory=torch.cuda.is_available()
-            )
-            host.copy_(source)
+            storages.append((storage, t.device))
+        pin = torch.cuda.is_available()
+        for i, (storage, device) in enumerate(storages):
+            if i == len(self._host) or self._host[i].numel() != storage.nbytes():
+                host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+                self._host[i : i + 1] = [host]
+            source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+            self._host[i].copy_(source, non_blocking=pin and device.type == "cuda")
+        del self._host[len(storages) :]
+        if any(device.type == "cuda" for _, device in storages):
+            torch.cuda.synchronize()  # every copy landed before any storage is freed
+        for (storage, _), host in zip(storages, self._host, strict=True):
             storage.resize_(0)
             self._saved.append((storage, host))
-            moved += host.numel()
-        return moved
+        return sum(host.numel() for _, host in self._saved)
 
     def onload(self) -> None:
         """Give every storage its bytes back (the views see their old values again)."""
