@@ -117,7 +117,8 @@ def parse_args() -> argparse.Namespace:
         "--variants",
         default="",
         help="extra configurations of ours, each measured after it, comma separated: "
-        f"{', '.join(VARIANTS)}; or megatron (the Megatron actor's train_step, TP=1)",
+        f"{', '.join(VARIANTS)}; or megatron / megatron-compiled (the Megatron actor's "
+        "train_step, TP=1, eager or with MegatronConfig.compile)",
     )
     p.add_argument(
         "--count-ops", action="store_true", help="count the aten ops one step of ours dispatches"
@@ -705,10 +706,14 @@ def _device_busy_ms(prof) -> float:
     return busy / 1e6
 
 
-def run_megatron(args, device: torch.device) -> tuple[dict, int, int]:
+def run_megatron(args, device: torch.device, compile: bool = False) -> tuple[dict, int, int]:
     """The Megatron backend's ``MegatronActor.train_step`` (TP=1, its defaults) on the same
-    batch and token budget: the default backend against the FSDP actor, same process kind."""
+    batch and token budget: the default backend against the FSDP actor, same process kind.
+    ``compile``: ``MegatronConfig.compile`` (decoder layers, vision blocks, log-prob kernels;
+    opt-in, since its first step on the H200 once ran past 3.5 min)."""
     from trainers_megatron import MegatronActor, MegatronConfig
+
+    name = "megatron-compiled" if compile else "megatron"
 
     actor = MegatronActor(
         MegatronConfig(
@@ -718,6 +723,7 @@ def run_megatron(args, device: torch.device) -> tuple[dict, int, int]:
             lr=1e-6,
             weight_decay=0.01,
             max_grad_norm=1.0,
+            compile=compile,
         )
     )
     params = sum(p.numel() for p in actor.model.parameters())
@@ -728,13 +734,16 @@ def run_megatron(args, device: torch.device) -> tuple[dict, int, int]:
         metrics.update(actor.train_step(batch, loss=args.loss))
 
     times = time_steps(step, args, device)
-    result = summarize("megatron", times, tokens_per_step(args), params, device)
+    result = summarize(name, times, tokens_per_step(args), params, device)
     result["last_metrics"] = metrics
     if args.profile and actor.rank == 0:
-        profile_step(step, args.profile / "profile_megatron.txt", device, actor.model)
+        profile_step(step, args.profile / f"profile_{name}.txt", device, actor.model)
         if device.type == "cuda":
-            timeline_steps(step, args.profile / "timeline_megatron.txt")
+            timeline_steps(step, args.profile / f"timeline_{name}.txt")
     return result, params, 1
+
+
+MEGATRON = ("megatron", "megatron-compiled")  # the Megatron actor, eager (its default) or compiled
 
 
 def run_config(name: str, args, device: torch.device) -> tuple[dict, int, int]:
@@ -742,8 +751,8 @@ def run_config(name: str, args, device: torch.device) -> tuple[dict, int, int]:
     if name == "baseline":
         result, params = run_baseline(args, device)
         return result, params, 1
-    if name == "megatron":
-        return run_megatron(args, device)
+    if name in MEGATRON:
+        return run_megatron(args, device, compile=name == "megatron-compiled")
     return run_ours(args, device, name, **({} if name == "ours" else VARIANTS[name]))
 
 
@@ -770,7 +779,7 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     names = [n for n in args.variants.split(",") if n]
     for name in names:
-        if name not in VARIANTS and name != "megatron":
+        if name not in VARIANTS and name not in MEGATRON:
             raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
     if args.only:  # worker of run_isolated: one configuration, one JSON line
         result, params, world = run_config(args.only, args, device)

@@ -4,7 +4,7 @@
 # (fill it with ../shared/tools/device-wheels). Each benchmark's JSON and one log go to $OUT.
 #
 #   bash tools/bench/gpu_suite.sh [logprobs] [patch_embed] [hf_engine] [fsdp_train] [fsdp_accum] [megatron_parity] [weight_sync] [qwen35]
-#     [megatron_train] [megatron_profile] [hf_geo3k] [ipc_probe] [e2e] ...
+#     [megatron_train] [megatron_compiled] [megatron_profile] [hf_geo3k] [ipc_probe] [e2e] ...
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -62,6 +62,10 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
             tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --variants "${SCALING_VARIANTS:-replicate}" \
             --out "$OUT/fsdp_train_${n}gpu.json"
         done ;;
+      megatron_compiled)  # MegatronConfig.compile (layers, vision blocks, log-prob kernels): its
+        # first step once ran past 3.5 min on the H200, so alone and bounded
+        run megatron_compiled 420 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline \
+          --variants megatron-compiled --out "$OUT/megatron_compiled.json" ;;
       megatron_profile)  # one Megatron train step under torch.profiler, and its timeline
         run megatron_profile 300 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline \
           --variants megatron --steps 2 --profile "$OUT/profile" ;;

@@ -231,13 +231,14 @@ def aligned_logprobs(
     temperature: float = 1.0,
     *,
     chunk_size: int | None = None,
+    compiled: bool = False,
 ) -> Tensor:
     """Log-probs of packed samples, aligned to ``input_ids`` (the token alignment convention).
 
     ``logits[t]`` is the model output at position ``t`` (it predicts token ``t + 1``). The result
     has ``out[t] = log p(input_ids[t] | input_ids[:t])`` inside each sample and ``0`` at each
     sample's first position, so it lines up with ``loss_mask`` / ``advantages`` of the packed
-    batch. Float32 ``[T]``.
+    batch. Float32 ``[T]``. ``compiled``: as :func:`logprobs_from_logits`.
     """
     _check_2d(logits)
     total = input_ids.shape[0]
@@ -249,7 +250,9 @@ def aligned_logprobs(
     # Row t scores input_ids[t + 1]; the last row of each sample scores the next sample's first
     # token, a value that lands on that sample's first position and is zeroed below.
     next_ids = torch.roll(input_ids, -1)
-    lp = logprobs_from_logits(logits, next_ids, temperature, chunk_size=chunk_size)
+    lp = logprobs_from_logits(
+        logits, next_ids, temperature, chunk_size=chunk_size, compiled=compiled
+    )
     shifted = torch.cat([lp.new_zeros(1), lp[:-1]])
     first = first_positions_mask(bounds, total, device=lp.device)
     return shifted.masked_fill(first, 0.0)

@@ -75,6 +75,7 @@ from vlm_models.megatron import (
     apply_cpu_compat,
     build_megatron_model,
     compile_decoder_layers,
+    compile_vision_blocks,
     compiles_by_default,
     initialize_model_parallel,
     iter_hf_weights,
@@ -204,9 +205,9 @@ class MegatronActor:
         if self.compiled is None:
             self.compiled = self.device.type == "cuda" and compiles_by_default(self.hf_config)
         if self.compiled:
-            compile_decoder_layers(
-                self.module, backend="inductor" if self.device.type == "cuda" else "aot_eager"
-            )
+            backend = "inductor" if self.device.type == "cuda" else "aot_eager"
+            compile_decoder_layers(self.module, backend=backend)
+            compile_vision_blocks(self.module, backend=backend)
         self.ref_model = None
         if config.reference_model:  # the initial policy, frozen: the KL penalty's reference
             self.ref_model = build_megatron_model(
@@ -320,7 +321,9 @@ class MegatronActor:
         temperature = self.config.temperature
         if positions is None:
             if self.tp_size == 1:
-                lp = aligned_logprobs(logits, mb.input_ids, mb.cu_seqlens, temperature)
+                lp = aligned_logprobs(
+                    logits, mb.input_ids, mb.cu_seqlens, temperature, compiled=self.compiled
+                )
             else:
                 lp = _vocab_parallel_aligned_logprobs(
                     logits, mb.input_ids, mb.cu_seqlens, temperature
@@ -328,7 +331,7 @@ class MegatronActor:
             return lp[: mb.num_real_tokens]
         targets = mb.input_ids[positions]
         if self.tp_size == 1:
-            scored = logprobs_from_logits(logits, targets, temperature)
+            scored = logprobs_from_logits(logits, targets, temperature, compiled=self.compiled)
         else:  # vocabulary-parallel: the full-vocabulary logits are never gathered
             scaled = logits.float() / temperature
             scored = -tensor_parallel.vocab_parallel_cross_entropy(

@@ -51,8 +51,9 @@ class MegatronConfig:
     recompute_method: Literal["uniform", "block"] = "uniform"
     recompute_num_layers: int = 1
     recompute_modules: tuple[str, ...] | None = None
-    # torch.compile each decoder layer (one function shared by all). Off by default: on the
-    # H200 the first compiled step had not finished after 3.5 min (2026-12-01), not yet
+    # torch.compile each decoder layer (one function shared by all), each HF vision block and
+    # the log-prob kernels, as the FSDP actor compiles its units. Off by default: on the H200
+    # the first compiled step had not finished after 3.5 min (2026-12-01, layers only), not yet
     # understood; None: on CUDA for dense models (compiles_by_default)
     compile: bool | None = False
     # Qwen3.5's gated-delta-net kernels: "fla" (flash-linear-attention, CUDA; varlen over

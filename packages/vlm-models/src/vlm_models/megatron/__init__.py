@@ -28,7 +28,11 @@ from vlm_models.megatron.checkpoint import (
     load_megatron_checkpoint,
     megatron_to_hf_checkpoint,
 )
-from vlm_models.megatron.compiling import compile_decoder_layers, compiles_by_default
+from vlm_models.megatron.compiling import (
+    compile_decoder_layers,
+    compile_vision_blocks,
+    compiles_by_default,
+)
 from vlm_models.megatron.config import (
     Parallelism,
     TextArch,
@@ -92,6 +96,7 @@ __all__ = [
     "block_spec",
     "build_megatron_model",
     "compile_decoder_layers",
+    "compile_vision_blocks",
     "compiles_by_default",
     "destroy_model_parallel",
     "first_stage_layers",

@@ -1,11 +1,12 @@
-"""``torch.compile`` for the Megatron language model's decoder layers.
+"""``torch.compile`` for the Megatron model's decoder layers and its HF vision blocks.
 
 Without Transformer Engine every decoder layer runs megatron-core's local modules eagerly: each
 RMSNorm, rotary half-rotation, SwiGLU and residual add is its own kernel (plus its backward),
 and on the H200 those elementwise passes cost more device time than the GEMMs they surround.
 Compiling each layer (as the FSDP trainer does with its HF layers) fuses them. The layers
 share one compiled function with dynamic shapes (micro-batches vary in length); modules,
-names and parameters stay as they are for checkpoints and weight sync.
+names and parameters stay as they are for checkpoints and weight sync. The vision tower is
+Transformers' own module, compiled block by block exactly as the FSDP trainer compiles it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,22 @@ def compile_decoder_layers(model: nn.Module, backend: str = "inductor") -> int:
         layer.layer_forward = compiled
     logger.info("compiled %d decoder layers", len(layers))
     return len(layers)
+
+
+def compile_vision_blocks(model: nn.Module, backend: str = "inductor") -> int:
+    """Compile each block of ``model.visual`` (the HF vision tower; absent on later pipeline
+    stages) in place, the units the tower declares in ``_no_split_modules``; returns how many.
+    Eager, each block's LayerNorms, GELU MLP, rotary and residuals are separate kernels, forward
+    and backward: the FSDP actor compiles the same blocks."""
+    visual = getattr(model, "visual", None)
+    if visual is None:
+        return 0
+    names = set(getattr(visual, "_no_split_modules", None) or ())
+    blocks = [m for m in visual.modules() if type(m).__name__ in names]
+    for block in blocks:
+        block.compile(dynamic=True, backend=backend)
+    logger.info("compiled %d vision blocks", len(blocks))
+    return len(blocks)
 
 
 def compiles_by_default(hf_config) -> bool:
