@@ -62,7 +62,7 @@ class MegatronConfig:
     linear_attention_kernels: Literal["auto", "fla", "torch"] = field(
         default="auto",
         metadata={
-            "help": "Qwen3.5 gated-delta-net kernels: fla (CUDA, `pip install fla-core`), "
+            "help": "Qwen3.5 gated-delta-net kernels: fla (CUDA, `uv sync --extra gpu`), "
             "torch (reference), auto (fla where installed)",
             "choices": ("auto", "fla", "torch"),
         },

@@ -45,7 +45,10 @@ from torch import Tensor, nn
 
 logger = logging.getLogger(__name__)
 
-FLA_HINT = "install flash-linear-attention's kernels with `pip install fla-core` (CUDA only)"
+FLA_HINT = (
+    "install flash-linear-attention's kernels: `uv sync --extra gpu` (or `pip install "
+    "fla-core==0.6.0`; CUDA only)"
+)
 
 
 @functools.cache
