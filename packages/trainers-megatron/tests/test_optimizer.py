@@ -22,7 +22,6 @@ def _batch(vocab: int) -> TrainBatch:
         input_ids=ids,
         loss_mask=masks,
         advantages=[m * s for m, s in zip(masks, (1.0, -0.5), strict=True)],
-        old_logprobs=[torch.zeros(len(t)) for t in ids],
     )
 
 

@@ -52,9 +52,10 @@ class StorageOffload:
             storages.append((storage, t.device))
         pin = torch.cuda.is_available()
         for i, (storage, device) in enumerate(storages):
-            if i == len(self._host) or self._host[i].numel() != storage.nbytes():
-                host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
-                self._host[i : i + 1] = [host]
+            if i == len(self._host):
+                self._host.append(torch.empty(0, dtype=torch.uint8))
+            if self._host[i].numel() != storage.nbytes():  # new, or another storage's place
+                self._host[i] = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
             source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
             self._host[i].copy_(source, non_blocking=pin and device.type == "cuda")
         del self._host[len(storages) :]

@@ -72,8 +72,8 @@ def build_optimizer(
     return optimizer
 
 
-def fuse_torch_adam(optimizer: MegatronOptimizer) -> int:
-    """Step torch's AdamW in its fused kernel; returns the parameter groups switched.
+def fuse_torch_adam(optimizer: MegatronOptimizer) -> None:
+    """Step torch's AdamW in its fused kernel.
 
     Without Transformer Engine or Apex, megatron-core 0.16.1 falls back to
     ``torch.optim.AdamW`` with torch's default, the ``foreach`` implementation: about a dozen
@@ -82,7 +82,6 @@ def fuse_torch_adam(optimizer: MegatronOptimizer) -> int:
     Step counters a checkpoint left on the host move to the parameters' device, where the
     fused kernel keeps them.
     """
-    switched = 0
     for opt in optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
         if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
@@ -99,8 +98,6 @@ def fuse_torch_adam(optimizer: MegatronOptimizer) -> int:
                 step = inner.state.get(p, {}).get("step")
                 if isinstance(step, Tensor) and step.device != p.device:
                     inner.state[p]["step"] = step.to(p.device, torch.float32)
-            switched += 1
-    return switched
 
 
 def optimizers(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
