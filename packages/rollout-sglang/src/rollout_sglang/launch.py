@@ -33,7 +33,12 @@ def engine_factory(
     processor's pixel bounds, so that it expands each image to the trainer's token count."""
     if not uses_sglang(cfg, use_gpu):
         return functools.partial(
-            build_hf_engine, source, list(eos_token_ids), pad_token_id, cfg.max_batch_size
+            build_hf_engine,
+            source,
+            list(eos_token_ids),
+            pad_token_id,
+            cfg.max_batch_size,
+            dtype=cfg.dtype,
         )
     if not sglang_available():
         raise ValueError("--rollout-engine sglang: SGLang is not installed (uv sync --extra gpu)")
@@ -52,15 +57,28 @@ def engine_factory(
     return functools.partial(build_engine, engine)
 
 
-def build_hf_engine(source: Any, eos_ids: list[int], pad_id: int, max_batch_size: int) -> Any:
-    """Runs inside a rollout Ray actor: the transformers engine (CPU, or a GPU without SGLang)."""
+def build_hf_engine(
+    source: Any, eos_ids: list[int], pad_id: int, max_batch_size: int, dtype: str = "bfloat16"
+) -> Any:
+    """Runs inside a rollout Ray actor: the transformers engine (CPU, or a GPU without SGLang).
+
+    On a GPU the model is built in ``dtype`` (the rollout's, bfloat16 by default, as SGLang
+    serves): in float32 the decode step is compute-bound on float32 matmuls and its KV cache
+    twice the size (3.6x slower a step on the H200, 2026-12-02). On the CPU it stays float32,
+    which CPU kernels handle best and the CPU tests compare exactly."""
     import torch
 
     from rollout_sglang.hf_engine import HFEngine
     from vlm_models import build_model
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build_model(source, attn_implementation="sdpa").to(device)
+    gpu = torch.cuda.is_available()
+    device = "cuda" if gpu else "cpu"
+    model = build_model(
+        source,
+        dtype=getattr(torch, dtype) if gpu else torch.float32,
+        attn_implementation="sdpa",
+        device=device,
+    )
     return HFEngine(
         model,
         device=device,

@@ -1,0 +1,48 @@
+"""The launcher's engine factory builds the transformers engine in the precision it serves in.
+
+Found on the H200 (2026-12-02): the factory built the engine's model in float32, so the
+colocated GRPO step decoded at 31 ms a step (float32 matmuls, a float32 KV cache) where the
+engine's own benchmark, in bfloat16, took 8.5 ms on the same prompts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout_sglang import HFEngine, RolloutConfig, engine_factory
+from vlm_models import tiny_config
+
+
+def _factory(dtype: str):
+    cfg = RolloutConfig(model_path="unused", backend="hf", max_batch_size=4, dtype=dtype)
+    return engine_factory(
+        cfg, source=tiny_config(), use_gpu=False, eos_token_ids=[151645], pad_token_id=0
+    )
+
+
+def test_factory_passes_the_rollout_dtype():
+    factory = _factory("float16")
+    assert factory.keywords["dtype"] == "float16"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU rule")
+def test_cpu_engine_stays_float32():
+    engine = _factory("bfloat16")()
+    try:
+        assert isinstance(engine, HFEngine)
+        assert {p.dtype for p in engine.model.parameters()} == {torch.float32}
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_engine_serves_in_the_rollout_dtype():
+    engine = _factory("bfloat16")()
+    try:
+        dtypes = {p.dtype for p in engine.model.parameters()}
+        assert dtypes == {torch.bfloat16}
+        assert next(engine.model.parameters()).is_cuda
+    finally:
+        engine.shutdown()
