@@ -162,3 +162,29 @@ def test_the_gpu_double_refuses_what_does_not_fit(tmp_path):
     trainer.train_step(None)
     with pytest.raises(MemoryError, match="resume_memory"):
         engine.resume_memory()
+
+
+def _small_run(**kw) -> GrpoLoopConfig:
+    return GrpoLoopConfig(
+        num_rollout=3,
+        rollout_batch_size=2,
+        n_samples_per_prompt=2,
+        global_batch_size=4,
+        eval_interval=0,
+        save_interval=2,
+        **kw,
+    )
+
+
+def test_no_offload_train_keeps_the_state_on_the_gpu(tmp_path):
+    """`--no-offload-train`: the trainer's state never moves (no onload / offload in the step),
+    the engine still gives its memory back for the train phase and the cache is still
+    released before it resumes."""
+    gpu = Gpu(CAPACITY)
+    parts = _parts(tmp_path, gpu)
+    rows = run_grpo(_small_run(offload_train=False), parts)
+    assert len(rows) == 3 and parts.train.on
+    assert not [e for e in gpu.events if e.startswith(("offload", "onload"))]
+    assert len([e for e in gpu.events if e.startswith("release_memory")]) == 3
+    assert all(row["time_sync_offload_s"] < 0.05 for row in rows)
+

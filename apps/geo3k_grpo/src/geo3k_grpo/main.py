@@ -170,7 +170,7 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
             forbidden_token_ids=frozenset(vlm_data.vision_token_ids(processor)),
         )
         rows = run_grpo(loop_cfg, parts)
-        if parts.offload_between_phases:
+        if parts.offload_between_phases and loop_cfg.offload_train:
             train.onload()
         train.export_hf(run_dir / "hf")
         processor.save_pretrained(run_dir / "hf")

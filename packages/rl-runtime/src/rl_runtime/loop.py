@@ -66,6 +66,11 @@ class GrpoLoopConfig:
     max_nonfinite_steps: int = option(
         3, "stop after this many steps in a row with a non-finite loss or gradient (0: never)", ge=0
     )
+    offload_train: bool = option(
+        True,
+        "colocated: the trainer's weights, gradients and optimizer state go to the host while "
+        "the engines generate (off: they stay on the GPU, where they fit beside the engine)",
+    )
 
     @property
     def optimizer_steps(self) -> int:
@@ -132,8 +137,7 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
     sampling = dict(temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p)
     sampling["max_new_tokens"] = cfg.rollout_max_response_len
     p.train.push_weights(p.rollout, cfg.weight_bucket_mb << 20)  # engines start from the trainer
-    if p.offload_between_phases:
-        p.train.offload()  # colocated: the first rollout needs the GPU memory
+    _offload(p, cfg)  # colocated: the first rollout needs the GPU memory
     engines = RestartingRollout(p.rollout, lambda: _resync(p, cfg), cfg.max_rollout_retries)
     # the next step's prompts are built while this step computes log-probs, trains and syncs
     prompts_ahead = PromptPrefetch(sampler, cfg.rollout_batch_size)
@@ -187,7 +191,7 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
                 if p.offload_between_phases:
                     with timer("onload"):  # colocated: the engine gives the GPU to the trainer
                         p.rollout.release_memory()
-                        p.train.onload()
+                        _onload(p, cfg)
                 with timer("logprobs"):
                     batch.old_logprobs = p.train.compute_logprobs(batch)
                     if cfg.use_ref_logprobs:
@@ -213,7 +217,7 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
                         p.train.push_weights(p.rollout, cfg.weight_bucket_mb << 20)
                     if p.offload_between_phases:
                         with timer("sync_offload"):
-                            p.train.offload()
+                            _offload(p, cfg)
             else:
                 log.warning("step %d: no group with a learning signal; update skipped", step)
             # 6. Evaluation every eval_interval steps and at the end.
@@ -239,7 +243,7 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
                 )
             # 7. Checkpoint (after the row is logged, so a resumed run rewrites nothing twice).
             if step == cfg.num_rollout or (cfg.save_interval and step % cfg.save_interval == 0):
-                _save(p, step, prompts_ahead, rng)
+                _save(p, cfg, step, prompts_ahead, rng)
             advance(row)
     p.logger.plot()
     return p.logger.rows()
@@ -287,13 +291,26 @@ def _train(train, batch, global_batch_size: int, rng: np.random.Generator) -> di
     return out | {"optimizer_steps": len(chunks), "nonfinite_updates": skipped}
 
 
+def _offloads(p: GrpoParts, cfg: GrpoLoopConfig) -> bool:
+    """Whether the trainer's state leaves the GPU while the engines generate."""
+    return p.offload_between_phases and cfg.offload_train
+
+
+def _onload(p: GrpoParts, cfg: GrpoLoopConfig) -> None:
+    if _offloads(p, cfg):
+        p.train.onload()
+
+
+def _offload(p: GrpoParts, cfg: GrpoLoopConfig) -> None:
+    if _offloads(p, cfg):
+        p.train.offload()
+
+
 def _resync(p: GrpoParts, cfg: GrpoLoopConfig) -> None:
     """Give restarted engines the current weights (the trainer onloaded for it if needed)."""
-    if p.offload_between_phases:
-        p.train.onload()
+    _onload(p, cfg)
     p.train.push_weights(p.rollout, cfg.weight_bucket_mb << 20)
-    if p.offload_between_phases:
-        p.train.offload()
+    _offload(p, cfg)
 
 
 def _metric_name(key: str) -> str:
@@ -318,10 +335,14 @@ def _evaluate(p: GrpoParts, engines, evals, cfg: GrpoLoopConfig, step: int) -> d
     )
 
 
-def _save(p: GrpoParts, step: int, sampler: PromptPrefetch, rng: np.random.Generator) -> None:
-    if p.offload_between_phases:
-        p.train.onload()
+def _save(
+    p: GrpoParts,
+    cfg: GrpoLoopConfig,
+    step: int,
+    sampler: PromptPrefetch,
+    rng: np.random.Generator,
+) -> None:
+    _onload(p, cfg)
     state = {"sampler": sampler.state_dict(), "rng": rng.bit_generator.state}
     p.checkpoints.save(step, state | p.extra_loop_state, p.train.save_checkpoint)
-    if p.offload_between_phases:
-        p.train.offload()
+    _offload(p, cfg)
