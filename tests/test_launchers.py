@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from geo3k_grpo.config import offload_train
 from geo3k_grpo.main import parse as parse_grpo
 from geo3k_grpo.main import run as run_grpo
 from geo3k_sft.main import parse as parse_sft
@@ -139,6 +140,42 @@ def test_the_fsdp_config_refuses_megatron_only_layouts():
     for layout in (dict(ep=2), dict(etp=1), dict(pp=2)):
         with pytest.raises(ValueError, match="the fsdp backend shards instead"):
             cfg.trainer.for_run(**base, **layout)
+
+
+# the 2B shape on one H200, colocated with the transformers engine
+ONE_H200 = ["--model-name", "qwen3-vl-2b", "--num-gpus", "1", "--gpu-memory-gib", "141"]
+ISSUE_STEP = ["--rollout-batch-size", "16", "--n-samples-per-prompt", "8"]
+ISSUE_STEP += ["--global-batch-size", "128", "--rollout-max-response-len", "384"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "offloads"),
+    [
+        # 39.6 GiB of trainer state leave the engine 45.7 GiB of KV cache for 19.2 needed
+        ([*ISSUE_STEP, "--rollout-engine", "hf"], False),
+        ([*ISSUE_STEP, "--rollout-engine", "hf", "--backend", "fsdp"], False),
+        # the recipe's 64 x 8 responses of up to 4,096 tokens need 140 GiB of cache
+        (["--rollout-engine", "hf"], True),
+        # 80 GiB leave 15.2 GiB of cache beside the state
+        ([*ISSUE_STEP, "--rollout-engine", "hf", "--gpu-memory-gib", "80"], True),
+        # SGLang sizes its pool once at start
+        ([*ISSUE_STEP, "--rollout-engine", "sglang"], True),
+        ([*ISSUE_STEP, "--rollout-engine", "hf", "--offload-train"], True),
+    ],
+)
+def test_offload_train_follows_the_memory_estimate(argv, offloads):
+    """Unset, the trainer's state stays on the GPU during rollout only where the engine's KV
+    cache beside it still holds the whole rollout; the choice is in `--print-config`."""
+    cfg = parse_grpo([*ONE_H200, *argv], env={})
+    offload, why = offload_train(cfg)
+    assert offload is offloads, why
+    if "GiB" in why:
+        assert "trainer state 39.6 GiB" in why, why
+
+
+def test_no_offload_train_is_kept():
+    cfg = parse_grpo([*ONE_H200, "--rollout-engine", "hf", "--no-offload-train"], env={})
+    assert offload_train(cfg) == (False, "set")
 
 
 QWEN35 = ["--preset", "qwen3.5-35b-a3b"]

@@ -120,6 +120,18 @@ def test_shapes_from_the_real_configs(qwen3vl_dir, shared_dir):
     # one GPU of 80 GiB cannot hold the 4B model's AdamW training state (20 bytes/parameter)
     one_gpu = estimate_memory(real_4b, TrainLayout("fsdp", 1, 4096, recompute=True))
     assert one_gpu.weights + one_gpu.gradients + one_gpu.optimizer > 80 * GiB
+    # a rollout token's bf16 keys and values: 36 layers x 8 KV heads x 128 (the 4B config)
+    assert real_4b.kv_bytes_per_token == 2 * 36 * 8 * 128 * 2
+
+
+def test_kv_bytes_count_only_full_attention_layers():
+    """Qwen3.5's gated-delta-net layers hold a state per sequence, not per token: 10 of the
+    35B-A3B's 40 layers cache keys and values (2 KV heads of 256)."""
+    pytest.importorskip("transformers", minversion="5.2")
+    assert (
+        shape_numbers(preset_config("qwen3.5-35b-a3b"))["kv_bytes_per_token"]
+        == 2 * 10 * 2 * 256 * 2
+    )
 
 
 def test_unset_layout_is_chosen_and_shown_by_print_config(capsys):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rl_runtime import PreflightError, TrainLayout, check_layout, choose_layout, estimate_memory
-from rl_runtime.memory import GiB, ModelShape
+from rl_runtime.memory import GiB, ModelShape, keep_train_state_on_gpu
 
 # vlm_models.parameter_counts of the qwen3-vl-2b / qwen3-vl-8b presets
 QWEN3_VL_2B = ModelShape(1_720_574_976, 406_957_056, 2048, 6144, 28, 151936, 1024, 4096, 24)
@@ -138,3 +138,28 @@ def test_80gb_gpus_get_the_recipes_tp4_layout():
 def test_nothing_fits_says_so():
     with pytest.raises(PreflightError, match="No layout on this many GPUs fits"):
         check_layout(QWEN3_VL_8B, TrainLayout("fsdp", 1, 16384), 24 * GiB)
+
+
+def _shape(kv_bytes_per_token: int) -> ModelShape:
+    return ModelShape(
+        language_params=1_700_000_000,
+        vision_params=400_000_000,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=28,
+        vocab_size=151_936,
+        kv_bytes_per_token=kv_bytes_per_token,
+    )
+
+
+def test_train_state_stays_where_the_engine_keeps_its_rollout():
+    """The state (20 bytes a parameter on one GPU) stays when the engine's share of what is
+    left holds the rollout's KV cache; more sequences, or a cache of unknown size, offload."""
+    shape = _shape(114_688)
+    estimate = estimate_memory(shape, TrainLayout("fsdp", 1, 16384))
+    kw = {"gpu_bytes": 141 * GiB, "tokens_per_sequence": 1408, "engine_share": 0.5}
+    keep, why = keep_train_state_on_gpu(shape, estimate, engine_sequences=128, **kw)
+    assert keep and "trainer state 39.1 GiB" in why, why
+    assert not keep_train_state_on_gpu(shape, estimate, engine_sequences=512, **kw)[0]
+    unknown = _shape(0)
+    assert not keep_train_state_on_gpu(unknown, estimate, engine_sequences=1, **kw)[0]

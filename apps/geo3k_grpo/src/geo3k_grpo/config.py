@@ -21,19 +21,23 @@ from rl_runtime import (
     ClusterConfig,
     ConfigError,
     GrpoLoopConfig,
+    ModelShape,
     ParallelConfig,
     PreflightError,
     RunConfig,
     WarmupConfig,
     check_parallel,
     choice,
+    gpu_memory_bytes,
+    keep_train_state_on_gpu,
     layout,
     layout_report,
     parse_config,
     recipe_env_aliases,
     section,
+    state_estimate,
 )
-from rollout_sglang import RolloutConfig
+from rollout_sglang import RolloutConfig, uses_sglang
 from trainers_fsdp import FsdpConfig
 from trainers_megatron import MegatronConfig
 from vlm_data import DataConfig
@@ -165,7 +169,44 @@ def print_layout(cfg: Geo3kGrpoConfig) -> dict[str, Any]:
         shape=vlm_models.shape_of(cfg.model, load=cfg.run.load) if cfg.cluster.use_gpu else None,
         model_name=cfg.model.model_name,
     )
-    return {"layout": report}
+    offload, why = offload_train(cfg)
+    return {"layout": report, "offload_train": {"on": offload, "why": why}}
+
+
+#: Prompt tokens assumed per sequence when ``--max-prompt-length`` is unset (Geometry3K's
+#: prompts with their image: 109-436 tokens in the validation split).
+ASSUMED_PROMPT_TOKENS = 1024
+
+
+def offload_train(cfg: Geo3kGrpoConfig) -> tuple[bool, str]:
+    """``--offload-train`` as set; unset, colocated on GPUs with the transformers engine: on
+    only where the trainer's state, kept on the GPU, would leave the engine's KV cache short of
+    one rollout (``rl_runtime.keep_train_state_on_gpu``). SGLang sizes its pool once at start,
+    so it keeps the recipes' offload. Returns the choice and why (for the log)."""
+    if cfg.loop.offload_train is not None:
+        return cfg.loop.offload_train, "set"
+    lay = layout(cfg.cluster, gpus_per_engine=cfg.rollout.tp_size)
+    if not (lay.colocate and lay.use_gpu):
+        return True, "not colocated on GPUs"
+    if uses_sglang(cfg.rollout, lay.use_gpu):
+        return True, "SGLang engine"
+    shape = vlm_models.shape_of(cfg.model, load=cfg.run.load)
+    gpu = gpu_memory_bytes(cfg.parallel)
+    kw = {"backend": cfg.run.backend, "trainer": cfg.trainer, "shape": shape}
+    estimate = state_estimate(cfg.parallel, cfg.cluster, **kw)
+    if shape is None or gpu is None or estimate is None:
+        return True, "no memory estimate"
+    samples = cfg.loop.rollout_batch_size * cfg.loop.n_samples_per_prompt
+    keep, why = keep_train_state_on_gpu(
+        ModelShape(**shape),
+        estimate,
+        gpu_bytes=gpu,
+        engine_sequences=min(cfg.rollout.max_batch_size, -(-samples // lay.num_engines)),
+        tokens_per_sequence=(cfg.data.max_prompt_length or ASSUMED_PROMPT_TOKENS)
+        + cfg.loop.rollout_max_response_len,
+        engine_share=cfg.rollout.kv_cache_fraction,
+    )
+    return not keep, why
 
 
 def parse(

@@ -19,7 +19,7 @@ from typing import Any
 import rollout_sglang
 import vlm_data
 import vlm_models
-from geo3k_grpo.config import ENV_ALIASES, PRESETS, Geo3kGrpoConfig, parse
+from geo3k_grpo.config import ENV_ALIASES, PRESETS, Geo3kGrpoConfig, offload_train, parse
 from rl_runtime import (
     CheckpointManager,
     Cluster,
@@ -138,7 +138,14 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
         transport = rollout_sglang.weight_transport(cfg.rollout, **kw)
     except ValueError as err:
         raise PreflightError(str(err)) from None
-    loop_cfg = dataclasses.replace(cfg.loop, use_ref_logprobs=cfg.loss.kl_coef > 0)
+    offload, why = offload_train(cfg)
+    if lay.colocate and lay.use_gpu:
+        log.info(
+            "trainer state %s the GPU during rollout (%s)", "leaves" if offload else "stays on", why
+        )
+    loop_cfg = dataclasses.replace(
+        cfg.loop, use_ref_logprobs=cfg.loss.kl_coef > 0, offload_train=offload
+    )
     with cfg.reward.build() as scorer, Cluster(cfg.cluster, lay) as cluster:
         # the trainer ranks and the engines load their models side by side
         train = cluster.train_group(trainer, tp_size=cfg.parallel.tensor_parallel, wait=False)
@@ -170,7 +177,7 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
             forbidden_token_ids=frozenset(vlm_data.vision_token_ids(processor)),
         )
         rows = run_grpo(loop_cfg, parts)
-        if parts.offload_between_phases and loop_cfg.offload_train:
+        if parts.offload_between_phases and offload:
             train.onload()
         train.export_hf(run_dir / "hf")
         processor.save_pretrained(run_dir / "hf")

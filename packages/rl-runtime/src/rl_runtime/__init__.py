@@ -28,6 +28,7 @@ from rl_runtime.memory import (
     check_layout,
     choose_layout,
     estimate_memory,
+    keep_train_state_on_gpu,
 )
 from rl_runtime.metrics import RunLogger, plot_metrics, read_metrics
 from rl_runtime.parallel import (
@@ -37,6 +38,7 @@ from rl_runtime.parallel import (
     layout_report,
     plan_layout,
     settle,
+    state_estimate,
 )
 from rl_runtime.placement import Placement, create_placement, init_ray, shutdown_ray
 from rl_runtime.preflight import PreflightError, check_backend, check_gpus, count_gpus
@@ -110,6 +112,7 @@ __all__ = [
     "evaluate",
     "gpu_memory_bytes",
     "init_ray",
+    "keep_train_state_on_gpu",
     "layout",
     "layout_report",
     "object_store",
@@ -128,6 +131,7 @@ __all__ = [
     "sft_batch",
     "sft_warmup",
     "shutdown_ray",
+    "state_estimate",
     "to_dict",
     "to_json",
     "train_sft",

@@ -66,10 +66,11 @@ class GrpoLoopConfig:
     max_nonfinite_steps: int = option(
         3, "stop after this many steps in a row with a non-finite loss or gradient (0: never)", ge=0
     )
-    offload_train: bool = option(
-        True,
+    offload_train: bool | None = option(
+        None,
         "colocated: the trainer's weights, gradients and optimizer state go to the host while "
-        "the engines generate (off: they stay on the GPU, where they fit beside the engine)",
+        "the engines generate (off: they stay on the GPU; default: off where the memory "
+        "estimate leaves the engine room for a whole rollout beside them, else on)",
     )
 
     @property
@@ -293,7 +294,7 @@ def _train(train, batch, global_batch_size: int, rng: np.random.Generator) -> di
 
 def _offloads(p: GrpoParts, cfg: GrpoLoopConfig) -> bool:
     """Whether the trainer's state leaves the GPU while the engines generate."""
-    return p.offload_between_phases and cfg.offload_train
+    return p.offload_between_phases and cfg.offload_train is not False
 
 
 def _onload(p: GrpoParts, cfg: GrpoLoopConfig) -> None:

@@ -56,6 +56,7 @@ class ModelShape:
     vision_intermediate_size: int = 0
     vision_depth: int = 0
     expert_params: int = 0  # the part of language_params in routed experts (MoE)
+    kv_bytes_per_token: int = 0  # bf16 keys and values of every attention layer (rollout)
 
 
 @dataclass(frozen=True)
@@ -277,3 +278,32 @@ def check_layout(
     else:
         message += " No layout on this many GPUs fits: use more GPUs (--num-gpus)."
     raise PreflightError(message)
+
+
+def keep_train_state_on_gpu(
+    shape: ModelShape,
+    estimate: MemoryEstimate,
+    *,
+    gpu_bytes: float,
+    engine_sequences: int,
+    tokens_per_sequence: int,
+    engine_share: float,
+    engine_tp: int = 1,
+) -> tuple[bool, str]:
+    """Colocated: may the trainer's weights, gradients and optimizer state stay on the GPU while
+    the engine generates? Yes when the engine, sizing its KV cache as ``engine_share`` of the
+    memory left beside them (the HF engine's ``kv_cache_fraction`` of free memory), still holds
+    ``engine_sequences`` sequences of ``tokens_per_sequence`` tokens: then the onload and
+    offload copies of every step are waste. Returns the answer and its numbers (for the log)."""
+    resident = estimate.weights + estimate.gradients + estimate.optimizer
+    engine_weights = 2 * (shape.language_params + shape.vision_params) / engine_tp
+    kv_need = engine_sequences * tokens_per_sequence * shape.kv_bytes_per_token / engine_tp
+    left = gpu_bytes - resident - engine_weights - 2 * RESERVE_BYTES  # both processes' contexts
+    kv_got = max(0.0, engine_share * left)
+    keep = shape.kv_bytes_per_token > 0 and kv_got >= kv_need
+    why = (
+        f"trainer state {resident / GiB:.1f} GiB, engine weights {engine_weights / GiB:.1f}, "
+        f"its KV cache {kv_got / GiB:.1f} GiB beside them for {kv_need / GiB:.1f} needed "
+        f"({engine_sequences} x {tokens_per_sequence} tokens), of {gpu_bytes / GiB:.1f} GiB"
+    )
+    return keep, why

@@ -244,6 +244,22 @@ def plan_layout(
     return settled, estimate
 
 
+def state_estimate(
+    parallel: ParallelConfig,
+    cluster: ClusterConfig,
+    *,
+    backend: str,
+    trainer: Any,
+    shape: Mapping[str, int] | None,
+) -> MemoryEstimate | None:
+    """The memory estimate of a settled layout (``plan_layout``'s result), without checking or
+    logging it; None on CPUs or when the shape is not known."""
+    if cluster.num_gpus <= 0 or shape is None:
+        return None
+    requested = _requested(parallel, cluster, backend, trainer, with_engines=True)
+    return estimate_memory(ModelShape(**shape), requested)
+
+
 def layout_report(
     parallel: ParallelConfig,
     cluster: ClusterConfig,

@@ -131,7 +131,20 @@ def model_shape(config: Any) -> dict[str, int]:
         "vision_intermediate_size": vc.intermediate_size if vc else 0,
         "vision_depth": vc.depth if vc else 0,
         "expert_params": experts,
+        "kv_bytes_per_token": kv_bytes_per_token(tc),
     }
+
+
+def kv_bytes_per_token(text_config: Any) -> int:
+    """bf16 keys and values one token leaves in a rollout engine's cache: every full-attention
+    layer's (Qwen3.5's gated-delta-net layers keep a per-sequence state instead)."""
+    types = getattr(text_config, "layer_types", None)
+    layers = sum(t == "full_attention" for t in types) if types else text_config.num_hidden_layers
+    heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or (
+        text_config.hidden_size // text_config.num_attention_heads
+    )
+    return 2 * layers * heads * head_dim * 2
 
 
 def shape_of(model: ModelConfig, *, load: str | None = None) -> dict[str, int] | None:
