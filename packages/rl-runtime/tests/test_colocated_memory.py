@@ -133,18 +133,22 @@ def _parts(tmp_path, gpu: Gpu) -> GrpoParts:
     )
 
 
-def test_colocated_steps_fit_one_gpu(tmp_path):
-    gpu = Gpu(CAPACITY)
-    parts = _parts(tmp_path, gpu)
-    cfg = GrpoLoopConfig(
+def _small_run(**kw) -> GrpoLoopConfig:
+    return GrpoLoopConfig(
         num_rollout=3,
         rollout_batch_size=2,
         n_samples_per_prompt=2,
         global_batch_size=4,
         eval_interval=0,
         save_interval=2,
+        **kw,
     )
-    rows = run_grpo(cfg, parts)
+
+
+def test_colocated_steps_fit_one_gpu(tmp_path):
+    gpu = Gpu(CAPACITY)
+    parts = _parts(tmp_path, gpu)
+    rows = run_grpo(_small_run(), parts)
     assert len(rows) == 3
     assert parts.rollout.weights_version == 4  # the first push, then one per step
     # every sync found the trainer's cache released before the engine came back
@@ -162,18 +166,6 @@ def test_the_gpu_double_refuses_what_does_not_fit(tmp_path):
     trainer.train_step(None)
     with pytest.raises(MemoryError, match="resume_memory"):
         engine.resume_memory()
-
-
-def _small_run(**kw) -> GrpoLoopConfig:
-    return GrpoLoopConfig(
-        num_rollout=3,
-        rollout_batch_size=2,
-        n_samples_per_prompt=2,
-        global_batch_size=4,
-        eval_interval=0,
-        save_interval=2,
-        **kw,
-    )
 
 
 def test_no_offload_train_keeps_the_state_on_the_gpu(tmp_path):
