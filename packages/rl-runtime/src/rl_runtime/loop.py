@@ -138,7 +138,9 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
     sampling = dict(temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p)
     sampling["max_new_tokens"] = cfg.rollout_max_response_len
     p.train.push_weights(p.rollout, cfg.weight_bucket_mb << 20)  # engines start from the trainer
-    _offload(p, cfg)  # colocated: the first rollout needs the GPU memory
+    if p.offload_between_phases:  # colocated: the first rollout needs the GPU memory
+        p.train.release_cache()  # what the first push cached, the state kept or not
+        _offload(p, cfg)
     engines = RestartingRollout(p.rollout, lambda: _resync(p, cfg), cfg.max_rollout_retries)
     # the next step's prompts are built while this step computes log-probs, trains and syncs
     prompts_ahead = PromptPrefetch(sampler, cfg.rollout_batch_size)
