@@ -178,4 +178,3 @@ def test_no_offload_train_keeps_the_state_on_the_gpu(tmp_path):
     assert len(rows) == 3 and parts.train.on
     assert not [e for e in gpu.events if e.startswith(("offload", "onload"))]
     assert len([e for e in gpu.events if e.startswith("release_memory")]) == 3
-    assert all(row["time_sync_offload_s"] < 0.05 for row in rows)

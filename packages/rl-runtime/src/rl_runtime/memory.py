@@ -288,7 +288,6 @@ def keep_train_state_on_gpu(
     engine_sequences: int,
     tokens_per_sequence: int,
     engine_share: float,
-    engine_tp: int = 1,
 ) -> tuple[bool, str]:
     """Colocated: may the trainer's weights, gradients and optimizer state stay on the GPU while
     the engine generates? Yes when the engine, sizing its KV cache as ``engine_share`` of the
@@ -296,8 +295,8 @@ def keep_train_state_on_gpu(
     ``engine_sequences`` sequences of ``tokens_per_sequence`` tokens: then the onload and
     offload copies of every step are waste. Returns the answer and its numbers (for the log)."""
     resident = estimate.weights + estimate.gradients + estimate.optimizer
-    engine_weights = 2 * (shape.language_params + shape.vision_params) / engine_tp
-    kv_need = engine_sequences * tokens_per_sequence * shape.kv_bytes_per_token / engine_tp
+    engine_weights = 2 * (shape.language_params + shape.vision_params)
+    kv_need = engine_sequences * tokens_per_sequence * shape.kv_bytes_per_token
     left = gpu_bytes - resident - engine_weights - 2 * RESERVE_BYTES  # both processes' contexts
     kv_got = max(0.0, engine_share * left)
     keep = shape.kv_bytes_per_token > 0 and kv_got >= kv_need
