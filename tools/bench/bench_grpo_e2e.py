@@ -208,6 +208,10 @@ def run_backend(args: argparse.Namespace, backend: str, model: Path) -> dict[str
         if values:
             result[key] = round(statistics.median(values), 2)
     result["first_step_s"] = round(rows[0]["time_step_s"], 2) if rows else None
+    # each step's phases too: a recompile or an allocator stall in one step moves the median of
+    # the step but of no phase, so the medians alone need not add up
+    step_keys = [f"time_{p}_s" for p in (*PHASES, "step")]
+    result["steps"] = [{k: round(r[k], 3) for k in step_keys if k in r} for r in rows]
     return result
 
 
@@ -264,6 +268,9 @@ def main(argv: list[str] | None = None) -> None:
         engine = ", ".join(f"{k} {v}" for k, v in r.items() if k.startswith(ENGINE_KEYS))
         if engine:
             print(f"    {r['backend']} rollout, the engine's account: {engine}")
+        for i, row in enumerate(r.get("steps", []), 1):
+            parts = " ".join(f"{k[5:-2]} {v:.2f}" for k, v in row.items())
+            print(f"    {r['backend']} step {i}: {parts}")
 
 
 def write_json(path: Path, args: argparse.Namespace, results: list[dict[str, Any]]) -> None:

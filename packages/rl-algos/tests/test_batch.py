@@ -57,6 +57,18 @@ def test_pack_by_token_budget_hand_case():
         pack_by_token_budget([1], 0)
 
 
+def test_pack_by_token_budget_spreads_instead_of_leaving_a_remainder():
+    # first fit alone gives 9, 9, 3 tokens; dealt to the emptiest, the same three hold 9, 6, 6
+    assert pack_by_token_budget([3] * 7, 9) == [[0, 3, 6], [1, 4], [2, 5]]
+    # a GRPO step's 128 responses at a 16k budget: as many micro-batches as first fit needs,
+    # none of them a small remainder
+    lengths = [600 + (i * 37) % 400 for i in range(128)]
+    bins = pack_by_token_budget(lengths, 16384)
+    loads = [sum(lengths[i] for i in b) for b in bins]
+    assert len(bins) == -(-sum(lengths) // 16384) and max(loads) <= 16384
+    assert max(loads) - min(loads) <= max(lengths)
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.integers(min_value=1, max_value=50), max_size=30), st.integers(1, 60))
 def test_pack_by_token_budget_properties(lengths, budget):
@@ -67,3 +79,12 @@ def test_pack_by_token_budget_properties(lengths, budget):
         assert b == sorted(b)
         total = sum(lengths[i] for i in b)
         assert total <= budget or len(b) == 1
+    # never more micro-batches than first fit decreasing would use
+    first_fit: list[int] = []
+    for length in sorted((x for x in lengths if x <= budget), reverse=True):
+        free = next((j for j, load in enumerate(first_fit) if load + length <= budget), None)
+        if free is None:
+            first_fit.append(length)
+        else:
+            first_fit[free] += length
+    assert len(bins) <= len(first_fit) + sum(x > budget for x in lengths)

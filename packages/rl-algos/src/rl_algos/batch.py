@@ -107,40 +107,52 @@ def unpack_sequences(packed: Tensor, cu_seqlens: Tensor | Sequence[int]) -> list
 
 
 def pack_by_token_budget(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Group sample indices into micro-batches of at most ``max_tokens`` tokens each.
+    """Group sample indices into micro-batches of at most ``max_tokens`` tokens each, as few as
+    first-fit decreasing needs and as even in size as a greedy spread makes them.
 
-    First-fit decreasing: samples are placed longest first into the first micro-batch with room,
-    which keeps the number of micro-batches low and their sizes even. A sample longer than the
-    budget gets a micro-batch of its own (logged once). Indices inside each micro-batch are in
-    ascending order; micro-batches are ordered by their first index. Deterministic.
+    First-fit decreasing fixes the count; the samples are then dealt again, longest first, each
+    to the least-filled micro-batch with room. Even sizes matter beyond balance: first-fit
+    leaves one small remainder micro-batch, and a compiled layer guards on a lower size bound
+    (inductor's indexing and fusion choices, seen at 5,120 tokens on the H200), so a remainder
+    below it recompiles the layer at some later step. A sample longer than the budget gets a
+    micro-batch of its own (logged once). Indices inside each micro-batch are in ascending
+    order; micro-batches are ordered by their first index. Deterministic.
     """
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
     order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
-    bins: list[list[int]] = []
-    room: list[int] = []
-    too_long = 0
-    for i in order:
-        length = int(lengths[i])
-        if length > max_tokens:
-            too_long += 1
-            bins.append([i])
-            room.append(0)
-            continue
-        for b, free in enumerate(room):
-            if free >= length:
-                bins[b].append(i)
-                room[b] -= length
-                break
-        else:
-            bins.append([i])
-            room.append(max_tokens - length)
+    too_long = [i for i in order if int(lengths[i]) > max_tokens]
+    fitting = [i for i in order if int(lengths[i]) <= max_tokens]
+    first_fit = _deal(fitting, lengths, max_tokens, count=0, least_filled=False)
+    even = _deal(fitting, lengths, max_tokens, count=len(first_fit), least_filled=True)
+    bins = even if len(even) <= len(first_fit) else first_fit
     if too_long:
         logger.warning(
             "%d sample(s) are longer than max_tokens=%d; each gets its own micro-batch",
-            too_long,
+            len(too_long),
             max_tokens,
         )
-    packed = [sorted(b) for b in bins]
+    packed = [sorted(b) for b in bins] + [[i] for i in too_long]
     packed.sort(key=lambda b: b[0])
     return packed
+
+
+def _deal(
+    order: list[int], lengths: Sequence[int], max_tokens: int, *, count: int, least_filled: bool
+) -> list[list[int]]:
+    """Place ``order`` into ``count`` bins (more where none has room): into the first bin with
+    room, or with ``least_filled`` the emptiest one that has room."""
+    bins: list[list[int]] = [[] for _ in range(count)]
+    load = [0] * count
+    for i in order:
+        length = int(lengths[i])
+        fits = [b for b in range(len(bins)) if load[b] + length <= max_tokens]
+        if fits:
+            b = min(fits, key=lambda b: (load[b], b)) if least_filled else fits[0]
+        else:
+            bins.append([])
+            load.append(0)
+            b = len(bins) - 1
+        bins[b].append(i)
+        load[b] += length
+    return [b for b in bins if b]
