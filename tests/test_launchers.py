@@ -129,6 +129,9 @@ def test_megatron_options_reach_the_actor_config():
     assert default.etp is None  # megatron-core's default: experts split like the rest (TP)
     assert actor(["--expert-parallel", "2", "--expert-tensor-parallel", "1"]).etp == 1
     assert actor(["--recompute", "full", "--gradient-checkpointing"]).recompute == "full"
+    # compile: the actor decides (on CUDA for dense Qwen3-VL) unless the flag says
+    assert default.compile is None
+    assert (actor(["--compile"]).compile, actor(["--no-compile"]).compile) == (True, False)
 
 
 def test_the_fsdp_config_refuses_megatron_only_layouts():

@@ -709,8 +709,8 @@ def _device_busy_ms(prof) -> float:
 def run_megatron(args, device: torch.device, compile: bool = False) -> tuple[dict, int, int]:
     """The Megatron backend's ``MegatronActor.train_step`` (TP=1, its defaults) on the same
     batch and token budget: the default backend against the FSDP actor, same process kind.
-    ``compile``: ``MegatronConfig.compile`` (decoder layers, vision blocks, log-prob kernels;
-    opt-in, since its first step on the H200 once ran past 3.5 min)."""
+    ``compile``: ``MegatronConfig.compile`` (decoder layers, vision blocks, log-prob kernels),
+    set either way here so that the two variants are eager and compiled on any device."""
     from trainers_megatron import MegatronActor, MegatronConfig
 
     name = "megatron-compiled" if compile else "megatron"

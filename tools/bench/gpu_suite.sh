@@ -64,7 +64,7 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
         done ;;
       megatron_compiled)  # MegatronConfig.compile (layers, vision blocks, log-prob kernels): its
         # first step once ran past 3.5 min on the H200, so alone and bounded
-        run megatron_compiled 420 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline \
+        run megatron_compiled "${MEGATRON_COMPILED_TIMEOUT:-420}" python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline \
           --variants megatron-compiled --out "$OUT/megatron_compiled.json" ;;
       megatron_profile)  # one Megatron train step under torch.profiler, and its timeline
         run megatron_profile 300 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline \
