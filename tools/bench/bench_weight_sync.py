@@ -93,7 +93,7 @@ def make_trainer(backend: str, folder: str, device: str) -> Any:
     if backend == "megatron":
         from trainers_megatron import MegatronActor, MegatronConfig
 
-        return MegatronActor(MegatronConfig(model=folder))
+        return MegatronActor(MegatronConfig(model=folder, compile=False))  # no forward runs here
     from trainers_fsdp import FsdpActor, FsdpConfig
 
     return FsdpActor(

@@ -62,13 +62,14 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
             tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --variants "${SCALING_VARIANTS:-replicate}" \
             --out "$OUT/fsdp_train_${n}gpu.json"
         done ;;
-      megatron_compiled)  # MegatronConfig.compile (layers, vision blocks, log-prob kernels): its
-        # first step once ran past 3.5 min on the H200, so alone and bounded
+      megatron_compiled)  # MegatronConfig.compile (layers, vision blocks, log-prob kernels, the
+        # default on CUDA): alone and bounded, as its first step once ran past 3.5 min (2026-12-01;
+        # 102 s for build, compile and all steps on 2026-12-02)
         run megatron_compiled "${MEGATRON_COMPILED_TIMEOUT:-420}" python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline \
           --variants megatron-compiled --out "$OUT/megatron_compiled.json" ;;
-      megatron_profile)  # one Megatron train step under torch.profiler, and its timeline
+      megatron_profile)  # one Megatron train step as users run it (compiled) under torch.profiler
         run megatron_profile 300 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline \
-          --variants megatron --steps 2 --profile "$OUT/profile" ;;
+          --variants megatron-compiled --steps 2 --profile "$OUT/profile" ;;
       hf_geo3k)  # the engine on the loop's own rollout: Geometry3K prompts, 16 x 8, 384 tokens
         run hf_geo3k 300 python3 tools/bench/bench_hf_engine.py --device cuda --geo3k "$GLIMPSE_SHARED/data/geo3k" \
           --batch-sizes 128 --new-tokens 384 --variants graph --out "$OUT/hf_geo3k.json"
