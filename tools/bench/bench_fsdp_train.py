@@ -117,8 +117,9 @@ def parse_args() -> argparse.Namespace:
         "--variants",
         default="",
         help="extra configurations of ours, each measured after it, comma separated: "
-        f"{', '.join(VARIANTS)}; or megatron / megatron-compiled (the Megatron actor's "
-        "train_step, TP=1, eager or with MegatronConfig.compile)",
+        f"{', '.join(VARIANTS)}; or {', '.join(MEGATRON)} (the Megatron actor's "
+        "train_step, TP=1: eager, compiled, compiled with megatron-core's per-parameter "
+        "optimizer bookkeeping)",
     )
     p.add_argument(
         "--count-ops", action="store_true", help="count the aten ops one step of ours dispatches"
@@ -331,9 +332,7 @@ def run_ours(args, device: torch.device, name: str = "ours", **changes) -> tuple
     times = time_steps(step, args, device)
     result = summarize(name, times, tokens_per_step(args), params, device)
     if phases is not None:
-        result["host_phases_ms"] = phases[-args.steps :]
-        for i, row in enumerate(result["host_phases_ms"]):
-            log.info("step %d host ms: %s", i, "  ".join(f"{k} {v:.1f}" for k, v in row.items()))
+        result["host_phases_ms"] = log_host_phases(phases[-args.steps :])
     result["last_metrics"] = metrics
     if changes:
         result["config_changes"] = changes
@@ -353,6 +352,12 @@ def run_ours(args, device: torch.device, name: str = "ours", **changes) -> tuple
     return result, params, world
 
 
+def log_host_phases(rows: list[dict[str, float]]) -> list[dict[str, float]]:
+    for i, row in enumerate(rows):
+        log.info("step %d host ms: %s", i, "  ".join(f"{k} {v:.1f}" for k, v in row.items()))
+    return rows
+
+
 def watch_host_phases(actor) -> list[dict[str, float]]:
     """Wrap the actor's step phases to record their host time, one dict per train_step: from
     the step's start to its first packed micro-batch (``pack``), to the metrics read
@@ -362,7 +367,6 @@ def watch_host_phases(actor) -> list[dict[str, float]]:
     ``build`` (token ids, M-RoPE positions, loss fields), ``vision`` (the tower's inputs) and
     ``copy`` (pixels into pinned memory and every host-to-device copy); the pinned-memory
     stalls of the sixth round (docs/performance.md) showed in ``copy``."""
-    import trainers_fsdp.actor as actor_module
     from rl_algos import MicroBatches, StepMetrics
     from vlm_models import MicroBatch
 
@@ -382,9 +386,14 @@ def watch_host_phases(actor) -> list[dict[str, float]]:
 
         return run
 
+    actor_module = sys.modules[type(actor).__module__]  # the FSDP or the Megatron actor's
     actor_module.build_micro_batch = timed(actor_module.build_micro_batch, "build")
     MicroBatch.to = timed(MicroBatch.to, "copy")
-    for vision in actor._vision_inputs.values():
+    if hasattr(actor, "_vision_inputs"):  # FSDP: one per model
+        visions = list(actor._vision_inputs.values())
+    else:  # Megatron: the first stage's
+        visions = [actor.module.vision_inputs]
+    for vision in visions:
         if vision is not None:
             vision.compute = timed(vision.compute, "vision")
 
@@ -510,7 +519,7 @@ def profile_step(step_fn, path: Path, device: torch.device, model: torch.nn.Modu
     for h in hooks:
         h.remove()
     busy_ms = _device_busy_ms(prof)
-    ranges = [e for e in prof.key_averages() if e.key.startswith(("fsdp_actor.", "model."))]
+    ranges = [e for e in prof.key_averages() if e.key.startswith(RANGE_PREFIXES)]
     lines = [
         f"wall {wall_ms:.1f} ms, device busy {busy_ms:.1f} ms ({100 * busy_ms / wall_ms:.0f}%)",
         "",
@@ -537,6 +546,9 @@ def profile_step(step_fn, path: Path, device: torch.device, model: torch.nn.Modu
     log.info("profile: %s", lines[0])
 
 
+# Profiler ranges the profile reports: the actors' phases and the model parts below.
+RANGE_PREFIXES = ("fsdp_actor.", "megatron_actor.", "model.")
+
 # Model parts timed in --profile (forward only). Compiled units (decoder layers, vision blocks)
 # are left out: a hook there would be traced into their graphs.
 PROFILED_PARTS = [
@@ -550,6 +562,13 @@ PROFILED_PARTS = [
     ("model.text.embed", "model.language_model.embed_tokens"),
     ("model.text.rotary", "model.language_model.rotary_emb"),
     ("model.lm_head", "lm_head"),
+    # the Megatron actor's model: megatron-core's DDP around Qwen3VLMegatronModel
+    ("model.vision", "module.visual"),
+    ("model.vision.patch_embed", "module.visual.patch_embed"),
+    ("model.vision.merger", "module.visual.merger"),
+    ("model.text", "module.language_model"),
+    ("model.text.embed", "module.language_model.embedding"),
+    ("model.lm_head", "module.language_model.output_layer"),
 ]
 
 
@@ -640,7 +659,7 @@ def idle_by_launch_range(prof) -> dict[str, float]:
     ranges = sorted(
         (e.end_ns() - e.start_ns(), e.start_ns(), e.end_ns(), e.name())
         for e in events
-        if e.device_type() == cpu and e.name().startswith(("fsdp_actor.", "model."))
+        if e.device_type() == cpu and e.name().startswith(RANGE_PREFIXES)
     )
     out: dict[str, float] = {}
     end = None
@@ -706,14 +725,12 @@ def _device_busy_ms(prof) -> float:
     return busy / 1e6
 
 
-def run_megatron(args, device: torch.device, compile: bool = False) -> tuple[dict, int, int]:
-    """The Megatron backend's ``MegatronActor.train_step`` (TP=1, its defaults) on the same
-    batch and token budget: the default backend against the FSDP actor, same process kind.
-    ``compile``: ``MegatronConfig.compile`` (decoder layers, vision blocks, log-prob kernels),
-    set either way here so that the two variants are eager and compiled on any device."""
+def run_megatron(args, device: torch.device, name: str) -> tuple[dict, int, int]:
+    """The Megatron backend's ``MegatronActor.train_step`` (TP=1, its defaults but for the
+    variant's :data:`MEGATRON` changes) on the same batch and token budget: the default backend
+    against the FSDP actor, same process kind. ``compile`` is set either way, so that the
+    variants are eager or compiled on any device."""
     from trainers_megatron import MegatronActor, MegatronConfig
-
-    name = "megatron-compiled" if compile else "megatron"
 
     actor = MegatronActor(
         MegatronConfig(
@@ -723,7 +740,7 @@ def run_megatron(args, device: torch.device, compile: bool = False) -> tuple[dic
             lr=1e-6,
             weight_decay=0.01,
             max_grad_norm=1.0,
-            compile=compile,
+            **MEGATRON[name],
         )
     )
     params = sum(p.numel() for p in actor.model.parameters())
@@ -733,8 +750,11 @@ def run_megatron(args, device: torch.device, compile: bool = False) -> tuple[dic
     def step():
         metrics.update(actor.train_step(batch, loss=args.loss))
 
+    phases = watch_host_phases(actor) if args.host_phases else None
     times = time_steps(step, args, device)
     result = summarize(name, times, tokens_per_step(args), params, device)
+    if phases is not None:
+        result["host_phases_ms"] = log_host_phases(phases[-args.steps :])
     result["last_metrics"] = metrics
     if args.profile and actor.rank == 0:
         profile_step(step, args.profile / f"profile_{name}.txt", device, actor.model)
@@ -743,7 +763,13 @@ def run_megatron(args, device: torch.device, compile: bool = False) -> tuple[dic
     return result, params, 1
 
 
-MEGATRON = ("megatron", "megatron-compiled")  # the Megatron actor, eager (its default) or compiled
+# The Megatron actor's variants: MegatronConfig changes.
+MEGATRON = {
+    "megatron": {"compile": False},
+    "megatron-compiled": {"compile": True},  # the default on CUDA
+    # megatron-core's own per-parameter masters, gradients and copies (before 2026-12-02)
+    "megatron-per-param": {"compile": True, "flat_masters": False},
+}
 
 
 def run_config(name: str, args, device: torch.device) -> tuple[dict, int, int]:
@@ -752,7 +778,7 @@ def run_config(name: str, args, device: torch.device) -> tuple[dict, int, int]:
         result, params = run_baseline(args, device)
         return result, params, 1
     if name in MEGATRON:
-        return run_megatron(args, device, compile=name == "megatron-compiled")
+        return run_megatron(args, device, name)
     return run_ours(args, device, name, **({} if name == "ours" else VARIANTS[name]))
 
 

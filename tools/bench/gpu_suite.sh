@@ -4,7 +4,7 @@
 # (fill it with ../shared/tools/device-wheels). Each benchmark's JSON and one log go to $OUT.
 #
 #   bash tools/bench/gpu_suite.sh [logprobs] [patch_embed] [hf_engine] [fsdp_train] [fsdp_accum] [megatron_parity] [weight_sync] [qwen35]
-#     [megatron_train] [megatron_compiled] [megatron_profile] [hf_geo3k] [ipc_probe] [e2e] ...
+#     [megatron_train] [megatron_compiled] [megatron_profile] [megatron_accum] [megatron_flat] [hf_geo3k] [ipc_probe] [e2e] ...
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -67,9 +67,18 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
         # 102 s for build, compile and all steps on 2026-12-02)
         run megatron_compiled "${MEGATRON_COMPILED_TIMEOUT:-420}" python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline \
           --variants megatron-compiled --out "$OUT/megatron_compiled.json" ;;
-      megatron_profile)  # one Megatron train step as users run it (compiled) under torch.profiler
-        run megatron_profile 300 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline \
-          --variants megatron-compiled --steps 2 --profile "$OUT/profile" ;;
+      megatron_profile)  # one Megatron train step as users run it (compiled) under torch.profiler,
+        # beside the FSDP actor's
+        run megatron_profile "${MEGATRON_PROFILE_TIMEOUT:-300}" python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline \
+          --variants megatron-compiled --steps 3 --host-phases --profile "$OUT/profile" ;;
+      megatron_flat)  # one micro-batch per step: the Megatron actor (flat masters, the default)
+        # against megatron-core's per-parameter optimizer bookkeeping, beside the FSDP actor
+        run megatron_flat "${MEGATRON_FLAT_TIMEOUT:-300}" python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline \
+          --host-phases --variants megatron-compiled,megatron-per-param --out "$OUT/megatron_flat.json" ;;
+      megatron_accum)  # both actors and the plain loop at four micro-batches per optimizer step,
+        # as the launcher's GRPO step runs (16 x 8 samples: 5-7 micro-batches of 16,384 tokens)
+        run megatron_accum "${MEGATRON_ACCUM_TIMEOUT:-420}" python3 tools/bench/bench_fsdp_train.py --device cuda --accum 4 \
+          --steps "${ACCUM_STEPS:-10}" --host-phases --variants megatron-compiled --out "$OUT/megatron_accum.json" ;;
       hf_geo3k)  # the engine on the loop's own rollout: Geometry3K prompts, 16 x 8, 384 tokens
         run hf_geo3k 300 python3 tools/bench/bench_hf_engine.py --device cuda --geo3k "$GLIMPSE_SHARED/data/geo3k" \
           --batch-sizes 128 --new-tokens 384 --variants graph --out "$OUT/hf_geo3k.json"

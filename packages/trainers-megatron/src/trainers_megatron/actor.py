@@ -33,6 +33,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.packed_seq_params import PackedSeqParams
 from safetensors.torch import save_file
 from torch import Tensor
+from torch.profiler import record_function
 
 from rl_algos import (
     EntropyMode,
@@ -50,9 +51,8 @@ from rl_algos import train_step as core
 from trainers_megatron.config import MegatronConfig
 from trainers_megatron.offload import StorageOffload
 from trainers_megatron.optim import (
+    OptimizerStep,
     build_optimizer,
-    clip_,
-    grad_norm,
     load_optimizer_state,
     optimizer_state,
     optimizers,
@@ -226,6 +226,7 @@ class MegatronActor:
             weight_decay=config.weight_decay,
             distributed_optimizer=config.distributed_optimizer,
         )
+        self._step = OptimizerStep(self.optimizer, flat=config.flat_masters)
         self.scheduler = _lr_scheduler(self.optimizer, config)
         self.step = 0
         self._offload = StorageOffload()
@@ -276,13 +277,14 @@ class MegatronActor:
         vision = self.module.vision_inputs
 
         def build(indices: Sequence[int]) -> MicroBatch:
-            mb = build_micro_batch(
-                batch, indices, self.hf_config, fields=fields, pad_to_multiple=pad
-            )
-            if vision is not None and mb.image_grid_thw is not None:
-                # computed here; the grid then stays on the host, read there as a list
-                mb.vision_inputs = vision.compute(mb.image_grid_thw)
-            return mb.to(self.device, self._staging)
+            with record_function("megatron_actor.micro_batch"):  # host work the GPU may wait on
+                mb = build_micro_batch(
+                    batch, indices, self.hf_config, fields=fields, pad_to_multiple=pad
+                )
+                if vision is not None and mb.image_grid_thw is not None:
+                    # computed here; the grid then stays on the host, read there as a list
+                    mb.vision_inputs = vision.compute(mb.image_grid_thw)
+                return mb.to(self.device, self._staging)
 
         return MicroBatches(self._plan(batch.lengths), build)
 
@@ -305,16 +307,17 @@ class MegatronActor:
         if positions is not None and positions.numel() == 0:
             positions = None  # nothing to score: the plain path keeps the graph whole
         rows = None if positions is None or not self.last_stage else positions - 1
-        out = model(
-            mb.input_ids[None],
-            mb.position_ids[1:, None, :],  # the M-RoPE rows (t, h, w)
-            pixel_values=mb.pixel_values if self.first_stage else None,
-            image_grid_thw=mb.image_grid_thw if self.first_stage else None,
-            packed_seq_params=packed,
-            image_positions=mb.image_positions,
-            vision_inputs=mb.vision_inputs,
-            logit_rows=rows,
-        )
+        with record_function("megatron_actor.forward"):
+            out = model(
+                mb.input_ids[None],
+                mb.position_ids[1:, None, :],  # the M-RoPE rows (t, h, w)
+                pixel_values=mb.pixel_values if self.first_stage else None,
+                image_grid_thw=mb.image_grid_thw if self.first_stage else None,
+                packed_seq_params=packed,
+                image_positions=mb.image_positions,
+                vision_inputs=mb.vision_inputs,
+                logit_rows=rows,
+            )
         if not self.last_stage:
             return out  # [T(/tp), 1, H]: the next stage's input
         logits = out[0]  # [T or R, V / tp]: this rank's slice of the vocabulary
@@ -412,34 +415,33 @@ class MegatronActor:
         if entropy == "grad":
             raise ValueError("the Megatron actor has no entropy bonus (grpo.entropy_coef)")
         self.model.train()
-        run_schedule(
-            self.model,
-            micro_batches,
-            self._stage_forward,
-            lambda mb, logprobs: loss_fn(mb, logprobs, None),
-        )
+        with record_function("megatron_actor.micro_batches"):
+            run_schedule(
+                self.model,
+                micro_batches,
+                self._stage_forward,
+                lambda mb, logprobs: loss_fn(mb, logprobs, None),
+            )
 
     def finish_grads(self) -> Tensor:
         """Finish the gradients with megatron-core's ``finalize_model_grads`` (DP
         reduce-scatter or all-reduce, SP norms and QK-norms over TP, tied embeddings over the
         first and last stages), hand them to the optimizer's main gradients; their global
         norm, on the device."""
-        finalize_model_grads([self.model])
-        self.optimizer.prepare_grads()
-        return grad_norm(self.optimizer)
+        with record_function("megatron_actor.finish_grads"):
+            finalize_model_grads([self.model])
+            return self._step.prepare_grads()
 
     def apply_update(self, grad_norm: float | None) -> float:
         """Clip to ``max_grad_norm`` and step (``None``: no update, the schedule stays);
         the gradients are dropped either way. Returns this step's LR."""
-        if grad_norm is not None:
-            self.scheduler.step(1)  # this step's LR (the scheduler counts steps from 1)
-            if self.config.max_grad_norm > 0:
-                clip_(self.optimizer, self.config.max_grad_norm, grad_norm)
-            # AdamW on the float32 masters, then the weights (all-gathered under the
-            # distributed optimizer)
-            self.optimizer.step_with_ready_grads()
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        with record_function("megatron_actor.optimizer"):
+            if grad_norm is not None:
+                self.scheduler.step(1)  # this step's LR (the scheduler counts steps from 1)
+                # AdamW on the float32 masters, then the weights (all-gathered under the
+                # distributed optimizer)
+                self._step.step(grad_norm, self.config.max_grad_norm)
+            self._step.zero_grad(self.model)
         return self.optimizer.param_groups[0]["lr"]
 
     # ----------------------------------------------------------------------------- weights

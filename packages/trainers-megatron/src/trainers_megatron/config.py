@@ -40,6 +40,10 @@ class MegatronConfig:
             "sharded over data-parallel ranks); --no-distributed-optimizer keeps them whole"
         },
     )
+    # the distributed optimizer's float32 masters as one tensor per gradient-bucket shard
+    # (trainers_megatron.flat_masters): gradients attached once, one copy per bucket back to
+    # the weights, clipping inside the fused AdamW; False: megatron-core's per-parameter path
+    flat_masters: bool = True
     param_dtype: str | None = field(  # compute dtype; None: bfloat16 on CUDA, float32 on CPU
         default=None, metadata={"help": "compute dtype (default: bfloat16 on GPU, fp32 on CPU)"}
     )

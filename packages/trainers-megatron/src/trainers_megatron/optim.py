@@ -8,16 +8,13 @@ reduce-scattered, the updated weights all-gathered), else its float32 / mixed-pr
 optimizer on every rank (gradients all-reduced). Experts get their own optimizer over the
 expert-data-parallel group (megatron-core chains the two).
 
-Two pieces are ours, on megatron-core's selections: the gradient norm (the squares of
-``get_main_grads_for_grad_norm()`` summed over each optimizer's gradient-statistics group,
-kept on the device: megatron-core's ``get_grad_norm_fp32`` reads the norm to the host, and
-without Apex or Transformer Engine its local multi-tensor L2 norm reads every tensor's norm),
-and clipping by that norm (a device-side multiply, no host read).
+The step's calls on it are :class:`OptimizerStep`'s: the gradient norm and clipping without
+host reads, and (:mod:`trainers_megatron.flat_masters`) the distributed optimizer's
+per-parameter bookkeeping done on whole bucket shards.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,6 +23,8 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
 from torch import Tensor
+
+from trainers_megatron.flat_masters import FlatMasters
 
 
 def wrap_ddp(model: torch.nn.Module, *, distributed_optimizer: bool) -> DistributedDataParallel:
@@ -51,7 +50,7 @@ def build_optimizer(
     distributed_optimizer: bool,
 ) -> MegatronOptimizer:
     """AdamW through ``get_megatron_optimizer``; weight decay on matrices only (megatron-core's
-    default: none on 1-D tensors and biases). Clipping is :func:`clip_`'s (``clip_grad=0``)."""
+    default: none on 1-D tensors and biases). Clipping is :class:`OptimizerStep`'s (``clip_grad=0``)."""
     config = model.config
     opt_config = OptimizerConfig(
         optimizer="adam",
@@ -107,41 +106,72 @@ def optimizers(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
     return [optimizer]
 
 
-def grad_norm(optimizer: MegatronOptimizer) -> Tensor:
-    """The global L2 norm of the main gradients (float32, on the device; no host read).
+class OptimizerStep:
+    """The step's calls on a megatron-core optimizer: hand the gradients to the masters, their
+    norm, the clipped AdamW step and the weights back, zeroing. Each (chained) optimizer goes
+    through :class:`~trainers_megatron.flat_masters.FlatMasters` where its layout allows and
+    ``flat`` is set, else through megatron-core's own per-parameter path.
 
-    Each optimizer's gradients are the ones megatron-core counts for its norm (no
-    tensor-parallel duplicates, no shared copies; under the distributed optimizer this rank's
-    shard), summed over its own gradient-statistics group (model-parallel ranks, or every rank
-    of the distributed optimizer's instance).
+    Two pieces are ours either way, on megatron-core's selections: the gradient norm (the
+    squares of ``get_main_grads_for_grad_norm()`` summed over each optimizer's
+    gradient-statistics group, kept on the device: megatron-core's ``get_grad_norm_fp32`` reads
+    the norm to the host, and without Apex or Transformer Engine its local multi-tensor L2 norm
+    reads every tensor's norm), and clipping by that norm without a host read.
     """
-    total = None
-    for opt in optimizers(optimizer):
-        grads = [g.float() for g in opt.get_main_grads_for_grad_norm()]
-        if grads:  # one fused pass over the tensors
-            square = torch.stack(torch._foreach_norm(grads)).square().sum()
-        else:
-            square = torch.zeros((), dtype=torch.float32, device=_device())
-        dist.all_reduce(square, group=opt.get_grad_stats_parallel_group())
-        total = square if total is None else total + square
-    assert total is not None
-    return total.sqrt()
 
+    def __init__(self, optimizer: MegatronOptimizer, *, flat: bool = True) -> None:
+        self.optimizer = optimizer
+        self.parts = [(opt, FlatMasters.of(opt) if flat else None) for opt in optimizers(optimizer)]
 
-def clip_(optimizer: MegatronOptimizer, max_norm: float, norm: float) -> None:
-    """Scale the main gradients by ``max_norm / norm`` when that is below 1 (as
-    ``clip_grad_by_total_norm_fp32``, without its host-side checks)."""
-    coeff = max_norm / (norm + 1e-6)
-    if coeff >= 1.0:
-        return
-    grads = [p.grad for p in _main_params(optimizer) if p.grad is not None]
-    if grads:
-        torch._foreach_mul_(grads, coeff)
+    @property
+    def flat(self) -> bool:
+        """Whether every optimizer runs through flat masters."""
+        return all(f is not None for _, f in self.parts)
 
+    def prepare_grads(self) -> Tensor:
+        """The reduced gradients handed to the masters; their global L2 norm (float32, on the
+        device; no host read). Under the distributed optimizer each rank norms its shard and
+        the squares are summed over every rank of the optimizer's instance."""
+        total = None
+        for opt, flat in self.parts:
+            if flat is None:
+                opt.prepare_grads()
+                grads = [g.float() for g in opt.get_main_grads_for_grad_norm()]
+            else:
+                flat.attach_grads()
+                grads = flat.grads_for_norm
+            if grads:  # one fused pass over the tensors
+                square = torch.stack(torch._foreach_norm(grads)).square().sum()
+            else:
+                square = torch.zeros((), dtype=torch.float32, device=_device())
+            dist.all_reduce(square, group=opt.get_grad_stats_parallel_group())
+            total = square if total is None else total + square
+        assert total is not None
+        return total.sqrt()
 
-def _main_params(optimizer: MegatronOptimizer) -> Iterator[Tensor]:
-    for opt in optimizers(optimizer):
-        yield from opt.get_parameters()
+    def step(self, norm: float, max_norm: float) -> None:
+        """Clip to ``max_norm`` (0: no clipping) by the global ``norm``, as
+        ``clip_grad_by_total_norm_fp32`` does without its host-side checks; AdamW on the float32
+        masters; the weights from them (all-gathered under the distributed optimizer)."""
+        coeff = max_norm / (norm + 1e-6) if max_norm > 0 else 1.0
+        clip = coeff if coeff < 1.0 else None
+        for opt, flat in self.parts:
+            if flat is not None:
+                flat.step(clip)
+                continue
+            if clip is not None:
+                grads = [p.grad for p in opt.get_parameters() if p.grad is not None]
+                if grads:
+                    torch._foreach_mul_(grads, clip)
+            opt.step_with_ready_grads()
+
+    def zero_grad(self, model: DistributedDataParallel) -> None:
+        """Zero the gradient buffers (the flat masters' gradients are views of them); the
+        per-parameter path also drops its masters' gradients."""
+        model.zero_grad_buffer()
+        for opt, flat in self.parts:
+            if flat is None:
+                opt.zero_grad()
 
 
 def _device() -> str:

@@ -1,0 +1,96 @@
+"""Flat masters (``MegatronConfig.flat_masters``) step exactly as megatron-core's own
+per-parameter path of the distributed optimizer: same masters, weights and norms, in bfloat16
+(masters copied back to the weights) and float32 (the masters are the weights' views)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+
+import torch
+
+from rl_algos import TrainBatch
+from trainers_megatron import MegatronActor, MegatronConfig
+from trainers_megatron.flat_masters import FlatMasters
+from trainers_megatron.optim import optimizers
+
+
+def _batch(vocab: int) -> TrainBatch:
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, vocab, (n,), generator=gen) for n in (12, 9)]
+    masks = [torch.cat([torch.zeros(len(t) - 4), torch.ones(4)]) for t in ids]
+    return TrainBatch(
+        input_ids=ids,
+        loss_mask=masks,
+        advantages=[m * s for m, s in zip(masks, (1.0, -0.5), strict=True)],
+    )
+
+
+def _steps(flat: bool, dtype: str, max_grad_norm: float, steps: int = 3):
+    """(the actor, the steps' metrics, weights and masters after them, weights before)."""
+    actor = MegatronActor(
+        MegatronConfig(
+            model="qwen3-vl-tiny",
+            lr=1e-2,
+            weight_decay=0.1,
+            seed=0,
+            max_grad_norm=max_grad_norm,
+            param_dtype=dtype,
+            flat_masters=flat,
+        )
+    )
+    assert actor._step.flat == flat
+
+    def weights() -> dict[str, torch.Tensor]:
+        return {n: p.detach().float().clone() for n, p in actor.module.named_parameters()}
+
+    before = weights()
+    batch = _batch(actor.hf_config.text_config.vocab_size)
+    batch.old_logprobs = actor.compute_logprobs(batch)
+    metrics = [actor.train_step(batch, loss="grpo") for _ in range(steps)]
+    masters = [p.detach().clone() for o in optimizers(actor.optimizer) for p in o.get_parameters()]
+    return actor, metrics, weights(), masters, before
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_flat_masters_step_exactly_as_the_per_parameter_path(dtype):
+    _, flat_metrics, flat_weights, flat_masters, before = _steps(True, dtype, max_grad_norm=0.0)
+    _, metrics, weights, masters, _ = _steps(False, dtype, max_grad_norm=0.0)
+    assert [m["grad_norm"] for m in flat_metrics] == [m["grad_norm"] for m in metrics]
+    changed = [n for n, w in weights.items() if not torch.equal(w, before[n])]
+    assert len(changed) > len(weights) // 2  # the steps moved the weights
+    differ = [n for n, w in weights.items() if not torch.equal(w, flat_weights[n])]
+    assert not differ, differ
+    for got, expected in zip(flat_masters, masters, strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_clipping_inside_fused_adamw_matches_a_separate_multiply():
+    _, flat_metrics, _, flat_masters, _ = _steps(True, "float32", max_grad_norm=0.05)
+    _, metrics, _, masters, _ = _steps(False, "float32", max_grad_norm=0.05)
+    norms = [m["grad_norm"] for m in metrics]
+    assert all(n > 0.05 for n in norms)  # every step was clipped
+    assert flat_metrics[0]["grad_norm"] == norms[0]
+    for got, expected in zip(flat_masters, masters, strict=True):
+        # g / (norm / max) against g * (max / norm): one rounding apart before AdamW
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_bf16_weights_are_the_flat_masters_rounded():
+    actor = _steps(True, "bfloat16", max_grad_norm=1.0, steps=1)[0]
+    [(_, flat)] = actor._step.parts
+    assert isinstance(flat, FlatMasters)
+    flats = list(flat.tensors())
+    storages = {t.untyped_storage().data_ptr() for t in flats}
+    opt = optimizers(actor.optimizer)[0]
+    for main in opt.get_parameters():  # every master is a view of a bucket's flat tensor
+        assert main.untyped_storage().data_ptr() in storages
+    for model_group, main_group in zip(
+        opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True
+    ):
+        for param, main in zip(model_group, main_group, strict=True):
+            torch.testing.assert_close(
+                param.detach().view(-1), main.to(torch.bfloat16), rtol=0, atol=0
+            )
+    assert sum(t.numel() for t in flats) >= sum(p.numel() for p in actor.module.parameters())
