@@ -3,9 +3,10 @@
 megatron-core's ``DistributedOptimizer`` keeps one float32 master tensor per parameter shard
 and, every step, walks all of them in Python: it hands each its gradient (a view of the DDP
 gradient buffer, looked up through the parameter's range map), and after AdamW copies each
-master back into the bf16 parameter buffer, one kernel per parameter. For Qwen3-VL-2B's ~650
-tensors that host work took 13-15 ms a step on the H200 (2026-12-02, ``gpu_suite.sh
-megatron_profile``) and its ~650 small copies left the GPU waiting for the host.
+master back into the bf16 parameter buffer, one kernel per parameter. For Qwen3-VL-2B's 541
+tensors the update's launch alone took 13-20 ms of host time a step on the H200, against
+4-7 ms without that walk (2026-12-02, docs/benchmarks/2026-12-02-megatron-trainer.md), and
+the GPU, done with the small copies, waited for the host.
 
 :class:`FlatMasters` keeps megatron-core's optimizer, its range maps, groups, state dicts and
 checkpoints as they are, and moves each bucket's masters into one float32 tensor laid out as
