@@ -1,5 +1,11 @@
-"""The Megatron actor's AdamW (megatron-core's torch fallback, no Apex / Transformer Engine)
-steps in torch's fused kernel, with the arithmetic of torch's default ``foreach`` AdamW."""
+"""The Megatron actor's optimizer step.
+
+AdamW (megatron-core's torch fallback, no Apex / Transformer Engine) steps in torch's fused
+kernel with the arithmetic of torch's default ``foreach`` AdamW; flat masters
+(``MegatronConfig.flat_masters``) step exactly as megatron-core's own per-parameter path of the
+distributed optimizer: the same masters, weights and norms, in bfloat16 (masters copied back to
+the weights) and float32 (the masters are the weights' views).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import torch
 
 from rl_algos import TrainBatch
 from trainers_megatron import MegatronActor, MegatronConfig
+from trainers_megatron.flat_masters import FlatMasters
 from trainers_megatron.optim import optimizers
 
 
@@ -25,14 +32,17 @@ def _batch(vocab: int) -> TrainBatch:
     )
 
 
-def _weights_after_a_step(fused: bool) -> tuple[dict, dict, list[bool]]:
-    """(weights before, weights after one GRPO step, each group's fused flag)."""
-    actor = MegatronActor(MegatronConfig(model="qwen3-vl-tiny", lr=1e-2, weight_decay=0.1, seed=0))
+def _steps(steps: int = 1, *, fused: bool = True, **config):
+    """GRPO steps of a tiny actor: (the actor, the steps' metrics, weights before, weights and
+    masters after). ``fused=False`` puts torch's default (foreach) AdamW back, as
+    megatron-core builds it."""
+    settings = dict(model="qwen3-vl-tiny", lr=1e-2, weight_decay=0.1, seed=0) | config
+    actor = MegatronActor(MegatronConfig(**settings))
     groups = [g for opt in optimizers(actor.optimizer) for g in opt.optimizer.param_groups]
-    if not fused:  # back to torch's default, as megatron-core builds it
+    assert groups and all(g["fused"] for g in groups)
+    if not fused:
         for g in groups:
             g["fused"], g["foreach"] = False, True
-    flags = [bool(g["fused"]) for g in groups]
 
     def weights() -> dict[str, torch.Tensor]:
         return {n: p.detach().float().clone() for n, p in actor.module.named_parameters()}
@@ -40,15 +50,57 @@ def _weights_after_a_step(fused: bool) -> tuple[dict, dict, list[bool]]:
     before = weights()
     batch = _batch(actor.hf_config.text_config.vocab_size)
     batch.old_logprobs = actor.compute_logprobs(batch)
-    actor.train_step(batch, loss="grpo")
-    return before, weights(), flags
+    metrics = [actor.train_step(batch, loss="grpo") for _ in range(steps)]
+    masters = [p.detach().clone() for o in optimizers(actor.optimizer) for p in o.get_parameters()]
+    return actor, metrics, before, weights(), masters
 
 
 def test_adamw_runs_fused_and_updates_as_the_foreach_default():
-    before, fused, flags = _weights_after_a_step(fused=True)
-    _, reference, _ = _weights_after_a_step(fused=False)
-    assert flags and all(flags)
+    _, _, before, fused, _ = _steps(fused=True)
+    _, _, _, reference, _ = _steps(fused=False)
     changed = [n for n, w in fused.items() if not torch.equal(w, before[n])]
     assert len(changed) > len(fused) // 2  # the step moved the weights
     for name, w in fused.items():
         torch.testing.assert_close(w, reference[name], rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_flat_masters_step_exactly_as_the_per_parameter_path(dtype):
+    common = dict(steps=3, param_dtype=dtype, max_grad_norm=0.0)
+    flat, flat_metrics, before, flat_weights, flat_masters = _steps(flat_masters=True, **common)
+    plain, metrics, _, weights, masters = _steps(flat_masters=False, **common)
+    assert flat._step.flat and not plain._step.flat
+    assert [m["grad_norm"] for m in flat_metrics] == [m["grad_norm"] for m in metrics]
+    changed = [n for n, w in weights.items() if not torch.equal(w, before[n])]
+    assert len(changed) > len(weights) // 2  # the steps moved the weights
+    differ = [n for n, w in weights.items() if not torch.equal(w, flat_weights[n])]
+    assert not differ, differ
+    for got, expected in zip(flat_masters, masters, strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_clipping_inside_fused_adamw_matches_a_separate_multiply():
+    common = dict(steps=3, param_dtype="float32", max_grad_norm=0.05)
+    _, flat_metrics, _, _, flat_masters = _steps(flat_masters=True, **common)
+    _, metrics, _, _, masters = _steps(flat_masters=False, **common)
+    norms = [m["grad_norm"] for m in metrics]
+    assert all(n > 0.05 for n in norms)  # every step was clipped
+    assert flat_metrics[0]["grad_norm"] == norms[0]
+    for got, expected in zip(flat_masters, masters, strict=True):
+        # g / (norm / max) against g * (max / norm): one rounding apart before AdamW
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_bf16_weights_are_the_flat_masters_rounded():
+    actor = _steps(param_dtype="bfloat16", max_grad_norm=1.0)[0]
+    [(opt, flat)] = actor._step.parts
+    assert isinstance(flat, FlatMasters)
+    flats = list(flat.tensors())
+    storages = {t.untyped_storage().data_ptr() for t in flats}
+    for main in opt.get_parameters():  # every master is a view of a bucket's flat tensor
+        assert main.untyped_storage().data_ptr() in storages
+    groups = zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True)
+    for model_group, main_group in groups:
+        for param, main in zip(model_group, main_group, strict=True):
+            assert torch.equal(param.detach().view(-1), main.to(torch.bfloat16))
+    assert sum(t.numel() for t in flats) >= sum(p.numel() for p in actor.module.parameters())
