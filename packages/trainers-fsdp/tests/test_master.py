@@ -50,9 +50,7 @@ def test_masters_equal_fsdp_on_one_rank(make_config, batch):
     for key in ("loss", "entropy", "clip_frac"):
         assert first[key] == steps_ref[0][key], key
     assert first["grad_norm"] == pytest.approx(steps_ref[0]["grad_norm"], rel=1e-6, abs=0)
-    differ = sum(
-        int((mid[n].bfloat16() != p.bfloat16()).sum()) for n, p in mid_ref.items()
-    )
+    differ = sum(int((mid[n].bfloat16() != p.bfloat16()).sum()) for n, p in mid_ref.items())
     assert differ <= 0.01 * sum(p.numel() for p in mid_ref.values())
     for key in ("loss", "grad_norm", "entropy"):
         assert second[key] == pytest.approx(steps_ref[1][key], rel=1e-3, abs=0), key

@@ -11,8 +11,13 @@ Models whose text layers the decode step does not cover (Qwen3.5's linear attent
 fall back to the transformers loop of :mod:`~rollout_sglang.hf_legacy`.
 
 Each request samples with its own seed (``GenerateRequest.seed``, else ``SamplingParams.seed``
-plus its position) through a counter-based draw, so its output does not depend on which other
-requests share the call, nor on the slot or step it ran in.
+plus its position) through a counter-based draw: its uniforms depend on its seed and token index
+only, not on which other requests share the call, nor on the slot or step it ran in. Its logits
+are not batch-invariant bit for bit: a batch of another size may run other kernel blockings, so
+they agree with the request's logits alone to float32 rounding. Greedy tokens and top-k draws
+therefore match one-at-a-time generation unless a near-tie or a draw within rounding of a
+cumulative-probability boundary tips them (over a near-flat full vocabulary, one does now and
+then); log-probs match to ~1e-6.
 """
 
 from __future__ import annotations
