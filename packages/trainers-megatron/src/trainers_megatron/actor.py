@@ -265,13 +265,15 @@ class MegatronActor:
         return batch
 
     def _plan(self, lengths: Sequence[int]) -> list[list[int]]:
-        """Packs of at most ``max_tokens_per_gpu`` tokens. With expert parallelism every
+        """Packs of at most ``max_tokens_per_gpu`` tokens per GPU (a row of ``cp`` times that
+        under context parallelism, each CP rank holding its share). With expert parallelism every
         data-parallel rank runs as many micro-batches as the busiest (empty ones run a dummy
         sample): the experts' token exchange is collective in every MoE layer."""
         if self.one_sample_per_micro_batch:
             plan = [[i] for i in range(len(lengths))]
         else:
-            plan = pack_by_token_budget(lengths, self.config.max_tokens_per_gpu) if lengths else []
+            budget = self.config.max_tokens_per_gpu * self.cp_size
+            plan = pack_by_token_budget(lengths, budget) if lengths else []
         if self.config.ep > 1:
             count = torch.tensor([len(plan)], device=self.device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)

@@ -82,7 +82,9 @@ class MegatronConfig:
         },
     )
     reference_model: bool = False  # keep a frozen copy of the initial weights (KL penalty)
-    max_tokens_per_gpu: int = field(  # micro-batch token budget (packed THD sequences)
+    # micro-batch token budget per GPU (packed THD rows; a row of cp x this under context
+    # parallelism, each CP rank holding about this many)
+    max_tokens_per_gpu: int = field(
         default=16384, metadata={"help": "micro-batch token budget per GPU", "ge": 1}
     )
     temperature: float = 1.0  # the rollout's sampling temperature, for log-probs
