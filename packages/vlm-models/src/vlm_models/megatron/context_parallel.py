@@ -134,14 +134,6 @@ class ZigzagLayout:
 
     # ------------------------------------------------------------------ sizes and boundaries
     @property
-    def padded_total(self) -> int:
-        return sum(self.padded_lengths)
-
-    @property
-    def local_tokens(self) -> int:
-        return self.padded_total // self.cp
-
-    @property
     def padded_cu(self) -> list[int]:
         """Sample boundaries in the padded whole row."""
         return [0, *itertools.accumulate(self.padded_lengths)]
