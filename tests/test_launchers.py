@@ -129,6 +129,7 @@ def test_megatron_options_reach_the_actor_config():
     assert default.etp is None  # megatron-core's default: experts split like the rest (TP)
     assert actor(["--expert-parallel", "2", "--expert-tensor-parallel", "1"]).etp == 1
     assert actor(["--recompute", "full", "--gradient-checkpointing"]).recompute == "full"
+    assert (default.cp, actor(["--context-parallel", "2", "--tensor-parallel", "2"]).cp) == (1, 2)
     # compile: the actor decides (on CUDA for dense Qwen3-VL) unless the flag says
     assert default.compile is None
     assert (actor(["--compile"]).compile, actor(["--no-compile"]).compile) == (True, False)
@@ -312,6 +313,7 @@ GRPO_BAD = [
     (["--tensor-parallel", "2"], "--tensor-parallel / --sequence-parallel are for --backend"),
     (["--pipeline-parallel", "2"], "--pipeline-parallel / --expert-parallel are for --backend"),
     (["--expert-tensor-parallel", "1"], "--expert-tensor-parallel is for --backend megatron"),
+    (["--context-parallel", "2"], "--context-parallel is for --backend megatron"),
     (["--recompute", "selective"], "--recompute selective is for --backend megatron"),
     (["--gradient-checkpointing", "--recompute", "none"], "--recompute none contradicts"),
     (["--recompute", "some"], "--recompute some: expected one of"),

@@ -3,6 +3,8 @@ cross-package tests check these numbers against the real configs)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from rl_runtime import PreflightError, TrainLayout, check_layout, choose_layout, estimate_memory
@@ -163,3 +165,34 @@ def test_train_state_stays_where_the_engine_keeps_its_rollout():
     assert not keep_train_state_on_gpu(shape, estimate, engine_sequences=512, **kw)[0]
     unknown = _shape(0)
     assert not keep_train_state_on_gpu(unknown, estimate, engine_sequences=1, **kw)[0]
+
+
+def test_context_parallel_splits_a_long_samples_activations():
+    """A sample longer than the token budget is one micro-batch: CP divides its tokens per GPU
+    (not the budget's), and adds the whole row's gathered keys and values."""
+    shape = QWEN3_VL_8B.__class__(**{**QWEN3_VL_8B.__dict__, "kv_bytes_per_token": 147456})
+    long = dict(max_tokens_per_gpu=8192, longest_sample=65536)
+    one = estimate_memory(shape, TrainLayout("megatron", 8, **long))
+    four = estimate_memory(shape, TrainLayout("megatron", 8, cp=4, **long))
+    assert TrainLayout("megatron", 8, 8192, cp=4).dp == 2
+    assert TrainLayout("megatron", 8, cp=4, **long).tokens_per_gpu == 16384
+    assert four.logits == pytest.approx(one.logits / 4)
+    assert one.activations / 4 < four.activations < one.activations / 3
+    short = TrainLayout("megatron", 8, 8192, longest_sample=4096)
+    assert estimate_memory(shape, dataclasses.replace(short, cp=2)).activations > (
+        estimate_memory(shape, short).activations
+    )  # a sample within the budget gains nothing from CP
+
+
+def test_context_parallel_is_chosen_for_long_samples_when_nothing_else_fits():
+    """8B, 256K-token samples on 16 H200s: TP 8 with recomputation holds no whole sample,
+    TP 8 x CP 2 does."""
+    long = TrainLayout("megatron", 16, 8192, longest_sample=262144)
+    without = estimate_memory(QWEN3_VL_8B, dataclasses.replace(long, tp=8, sp=True, recompute=True))
+    assert without.total > H200
+    chosen, estimate = choose_layout(QWEN3_VL_8B, long, H200)
+    assert chosen.cp > 1 and estimate.total <= H200
+    assert chosen.world_size % (chosen.tp * chosen.cp) == 0
+    assert "--context-parallel" in chosen.flags() and f"CP{chosen.cp}" in chosen.describe()
+    short = TrainLayout("megatron", 8, 8192, longest_sample=4096)
+    assert choose_layout(QWEN3_VL_8B, short, H200)[0].cp == 1

@@ -168,6 +168,7 @@ def print_layout(cfg: Geo3kGrpoConfig) -> dict[str, Any]:
         trainer=cfg.trainer,
         shape=vlm_models.shape_of(cfg.model, load=cfg.run.load) if cfg.cluster.use_gpu else None,
         model_name=cfg.model.model_name,
+        longest_sample=longest_sample(cfg),
     )
     offload, why = offload_train(cfg)
     return {"layout": report, "offload_train": {"on": offload, "why": why}}
@@ -176,6 +177,12 @@ def print_layout(cfg: Geo3kGrpoConfig) -> dict[str, Any]:
 #: Prompt tokens assumed per sequence when ``--max-prompt-length`` is unset (Geometry3K's
 #: prompts with their image: 109-436 tokens in the validation split).
 ASSUMED_PROMPT_TOKENS = 1024
+
+
+def longest_sample(cfg: Geo3kGrpoConfig) -> int:
+    """Tokens of the longest sequence a step trains on (prompt and response), which one
+    micro-batch holds whole: what the layout's memory estimate sizes context parallelism by."""
+    return (cfg.data.max_prompt_length or ASSUMED_PROMPT_TOKENS) + cfg.loop.rollout_max_response_len
 
 
 def offload_train(cfg: Geo3kGrpoConfig) -> tuple[bool, str]:
@@ -202,8 +209,7 @@ def offload_train(cfg: Geo3kGrpoConfig) -> tuple[bool, str]:
         estimate,
         gpu_bytes=gpu,
         engine_sequences=min(cfg.rollout.max_batch_size, -(-samples // lay.num_engines)),
-        tokens_per_sequence=(cfg.data.max_prompt_length or ASSUMED_PROMPT_TOKENS)
-        + cfg.loop.rollout_max_response_len,
+        tokens_per_sequence=longest_sample(cfg),
         engine_share=cfg.rollout.kv_cache_fraction,
     )
     return not keep, why

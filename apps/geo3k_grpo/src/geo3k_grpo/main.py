@@ -19,7 +19,14 @@ from typing import Any
 import rollout_sglang
 import vlm_data
 import vlm_models
-from geo3k_grpo.config import ENV_ALIASES, PRESETS, Geo3kGrpoConfig, offload_train, parse
+from geo3k_grpo.config import (
+    ENV_ALIASES,
+    PRESETS,
+    Geo3kGrpoConfig,
+    longest_sample,
+    offload_train,
+    parse,
+)
 from rl_runtime import (
     CheckpointManager,
     Cluster,
@@ -72,7 +79,7 @@ def warm_up(cfg: Geo3kGrpoConfig) -> Path:
         cluster=cfg.cluster,
         trainer=trainer,
         samples=samples,
-        tp_size=cfg.parallel.tensor_parallel,
+        tp_size=cfg.parallel.tp_cp_size,
         config=to_dict(cfg),
         on_export=processor.save_pretrained,
     )
@@ -90,6 +97,7 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
         trainer=cfg.trainer,
         shape_of=vlm_models.shape_of,
         resolve=vlm_models.resolve_model,
+        longest_sample=longest_sample(cfg),
     )
     cfg = dataclasses.replace(cfg, model=model, parallel=parallel)
     run_dir = Path(cfg.run.output_dir)
@@ -148,7 +156,7 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
     )
     with cfg.reward.build() as scorer, Cluster(cfg.cluster, lay) as cluster:
         # the trainer ranks and the engines load their models side by side
-        train = cluster.train_group(trainer, tp_size=cfg.parallel.tensor_parallel, wait=False)
+        train = cluster.train_group(trainer, tp_size=cfg.parallel.tp_cp_size, wait=False)
         rollout = cluster.rollout_group(
             engines,
             request_fn=rollout_sglang.GenerateRequest.from_prompt,

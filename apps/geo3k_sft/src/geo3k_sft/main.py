@@ -75,7 +75,7 @@ def run(cfg: Geo3kSftConfig) -> Path:
         cluster=cfg.cluster,
         trainer=trainer,
         samples=samples,
-        tp_size=cfg.parallel.tensor_parallel,
+        tp_size=cfg.parallel.tp_cp_size,
         config=to_dict(cfg),
         start_step=start_step,
         on_export=processor.save_pretrained,

@@ -12,7 +12,8 @@ The parts, per GPU, in bytes:
   rank), routed experts by EP x expert TP (TP unless set), and its distributed optimizer (the
   default) shards the masters, moments and reduced float32 gradients over the data-parallel
   ranks (experts over the expert-data-parallel ranks); without it every rank holds them whole.
-- activations of one micro-batch of ``max_tokens_per_gpu`` tokens, bf16: per decoder layer and
+- activations of one micro-batch of ``max_tokens_per_gpu`` tokens (or of the longest sample,
+  which a micro-batch holds whole, when that is longer), bf16: per decoder layer and
   token ``2 * (8 h + 4 I)`` bytes (norm, attention and gated-MLP inputs and outputs), split by
   TP under sequence parallelism; with recomputation only each layer's input (``2 h``) is kept,
   plus one layer being recomputed. Pipeline parallelism does not cut them: under 1F1B the first
@@ -20,6 +21,12 @@ The parts, per GPU, in bytes:
   ``vision_patches_per_token`` patches per token (Megatron does not recompute them).
 - logits of the micro-batch: bf16 and their gradient (FSDP, which chunks its float32 work);
   Megatron's are bf16 plus a float32 copy in its vocab-parallel cross entropy.
+- Megatron context parallelism (CP) splits each packed row over ``cp`` ranks, which pack rows
+  of ``cp x max_tokens_per_gpu`` tokens: decoder activations and logits are of the tokens per
+  GPU, ``max(max_tokens_per_gpu, longest sample / cp)``; each attention layer also keeps the
+  whole row's keys and values (``kv_bytes_per_token`` per token, split by TP), and the vision
+  tower runs on every CP rank over the whole row's images. Qwen3.5's gated-delta-net layers,
+  which gather the whole row, are not counted beyond that.
 - a fixed reserve for the CUDA context, NCCL buffers and allocator fragmentation.
 
 Against the H200 runs of issue 19 and docs/performance.md (2B shape, 8 x 1,024 tokens with one
@@ -74,11 +81,19 @@ class TrainLayout:
     ep: int = 1  # megatron: expert-parallel ranks (MoE)
     etp: int | None = None  # megatron: each expert's tensor-parallel split (None: tp)
     distributed_optimizer: bool = True  # megatron: masters and moments sharded over DP
+    cp: int = 1  # megatron: context-parallel ranks, each holding 1 / cp of a packed row
+    longest_sample: int = 0  # tokens of the longest sequence (0: not known)
 
     @property
     def dp(self) -> int:
-        """Data-parallel replicas (megatron: ranks per replica are TP x PP)."""
-        return max(1, self.world_size // (self.tp * self.pp))
+        """Data-parallel replicas (megatron: ranks per replica are TP x CP x PP)."""
+        return max(1, self.world_size // (self.tp * self.cp * self.pp))
+
+    @property
+    def tokens_per_gpu(self) -> int:
+        """Tokens of one micro-batch on one GPU: the budget, or the longest sample's share
+        when it is longer (a sample is never split over micro-batches; CP splits it)."""
+        return max(self.max_tokens_per_gpu, -(-self.longest_sample // self.cp))
 
     @property
     def expert_tp(self) -> int:
@@ -86,7 +101,8 @@ class TrainLayout:
 
     def describe(self) -> str:
         if self.backend == "megatron":
-            parts = [f"megatron TP{self.tp}"] + [f"PP{self.pp}"] * (self.pp > 1)
+            parts = [f"megatron TP{self.tp}"] + [f"CP{self.cp}"] * (self.cp > 1)
+            parts += [f"PP{self.pp}"] * (self.pp > 1)
             parts += [f"EP{self.ep}"] * (self.ep > 1) + [f"ETP{self.etp}"] * (self.etp is not None)
             parts += [f"DP{self.dp}"]
             parts += ["SP"] * self.sp + ["distributed optimizer"] * self.distributed_optimizer
@@ -94,7 +110,10 @@ class TrainLayout:
             how = "replicated" if self.replicate or self.world_size == 1 else "sharded"
             parts = [f"fsdp {how} over {self.world_size} GPU(s)"]
         parts.append("recompute" if self.recompute else "no recompute")
-        return ", ".join(parts) + f", {self.max_tokens_per_gpu} tokens per micro-batch"
+        tokens = f", {self.max_tokens_per_gpu} tokens per micro-batch"
+        if self.tokens_per_gpu > self.max_tokens_per_gpu:  # a longer sample: its own micro-batch
+            tokens += f" ({self.tokens_per_gpu} per GPU for the longest sample)"
+        return ", ".join(parts) + tokens
 
     def flags(self) -> str:
         """The launcher flags that select this layout."""
@@ -102,6 +121,7 @@ class TrainLayout:
         if self.backend == "megatron":
             out.append(f"--tensor-parallel {self.tp}")
             out += ["--sequence-parallel"] * self.sp
+            out += [f"--context-parallel {self.cp}"] * (self.cp > 1)
             out += [f"--pipeline-parallel {self.pp}"] * (self.pp > 1)
             out += [f"--expert-parallel {self.ep}"] * (self.ep > 1)
             out += [f"--expert-tensor-parallel {self.etp}"] * (self.etp is not None)
@@ -156,7 +176,7 @@ def estimate_memory(
     shape: ModelShape, layout: TrainLayout, *, vision_patches_per_token: float = 0.25
 ) -> MemoryEstimate:
     """Peak memory per GPU of a training step (see the module docstring for the model)."""
-    tokens = layout.max_tokens_per_gpu
+    tokens = layout.tokens_per_gpu
     h, inter, layers = shape.hidden_size, shape.intermediate_size, shape.num_layers
     total_params = shape.language_params + shape.vision_params
     per_layer_token = 2 * (8 * h + 4 * inter)  # bf16 activations of a decoder layer, per token
@@ -179,6 +199,7 @@ def estimate_memory(
         saved_token = 2 * h / (tp if layout.sp else 1)
         logits = tokens * shape.vocab_size / tp * (2 + 4)
         vision_recompute = False
+        gathered_kv = tokens * layout.cp * shape.kv_bytes_per_token / tp if layout.cp > 1 else 0
     else:
         shards = 1 if layout.replicate else max(1, layout.world_size)
         weights = 2 * total_params / shards
@@ -190,12 +211,14 @@ def estimate_memory(
         saved_token = 2 * h
         logits = tokens * shape.vocab_size * (2 + 2)
         vision_recompute = layout.recompute
+        gathered_kv = 0
     if layout.recompute:
         activations = tokens * (layers * saved_token + per_layer_token)
     else:
         activations = tokens * layers * per_layer_token
+    activations += gathered_kv
     d, vi = shape.vision_hidden_size, shape.vision_intermediate_size
-    patches = tokens * vision_patches_per_token
+    patches = tokens * layout.cp * vision_patches_per_token  # every CP rank: the whole row
     per_block_patch = 2 * (8 * d + 4 * vi)
     if vision_recompute:
         activations += patches * (shape.vision_depth * 2 * d + per_block_patch)
@@ -206,7 +229,8 @@ def estimate_memory(
 
 def candidate_layouts(layout: TrainLayout) -> list[TrainLayout]:
     """Layouts to suggest instead of ``layout``, cheapest first: the same backend with more
-    tensor parallelism and recomputation, then the other backend, then fewer tokens."""
+    tensor parallelism and recomputation, then (megatron, for a longest sample beyond the
+    token budget) context parallelism, then the other backend, then fewer tokens."""
     world, same = layout.world_size, layout.backend
     # megatron: the requested pipeline / expert split and optimizer kept, TP and recompute varied
     base = layout if layout.backend == "megatron" else TrainLayout("megatron", world, 1)
@@ -218,13 +242,23 @@ def candidate_layouts(layout: TrainLayout) -> list[TrainLayout]:
             sp=tp > 1,
             recompute=recompute,
             replicate=False,
+            cp=cp,
+            longest_sample=layout.longest_sample,
         )
+        for cp in (1, 2, 4, 8)
+        if cp == 1 or layout.longest_sample > layout.max_tokens_per_gpu
         for tp in (1, 2, 4, 8)
-        if tp * base.pp <= world and world % (tp * base.pp) == 0
+        if world % (tp * cp * base.pp) == 0
         for recompute in (False, True)
     ]
     fsdp = [
-        TrainLayout("fsdp", world, layout.max_tokens_per_gpu, recompute=recompute)
+        TrainLayout(
+            "fsdp",
+            world,
+            layout.max_tokens_per_gpu,
+            recompute=recompute,
+            longest_sample=layout.longest_sample,
+        )
         for recompute in (False, True)
     ]
     ordered = megatron + fsdp if same == "megatron" else fsdp + megatron

@@ -53,6 +53,13 @@ class ParallelConfig:
     pipeline_parallel: int = option(
         1, "megatron backend: pipeline stages (megatron-core's 1F1B schedule)", ge=1
     )
+    context_parallel: int | None = option(
+        None,
+        "megatron backend: context-parallel size, each packed sequence split zigzag over this "
+        "many ranks (long responses; default: 1, or the smallest that fits by the memory "
+        "estimate when the layout is unset)",
+        ge=1,
+    )
     expert_parallel: int = option(
         1,
         "megatron backend, MoE models: split the experts over this many data-parallel ranks",
@@ -90,8 +97,13 @@ class ParallelConfig:
     @property
     def unset(self) -> bool:
         """No layout setting given: the first layout that fits is chosen."""
-        given = (self.tensor_parallel, self.sequence_parallel, self.gradient_checkpointing)
-        return given == (None, None, None) and self.recompute == "auto"
+        given = (
+            self.tensor_parallel,
+            self.sequence_parallel,
+            self.gradient_checkpointing,
+            self.context_parallel,
+        )
+        return given == (None, None, None, None) and self.recompute == "auto"
 
     @property
     def recompute_mode(self) -> str:
@@ -100,11 +112,18 @@ class ParallelConfig:
             return self.recompute
         return "full" if self.gradient_checkpointing else "none"
 
+    @property
+    def tp_cp_size(self) -> int:
+        """Ranks of one replica's pipeline stage (TP fastest, then CP: Megatron's order), the
+        ranks that share a data shard: `TrainGroup`'s ``tp_size``."""
+        return (self.tensor_parallel or 1) * (self.context_parallel or 1)
+
     def trainer_layout(self) -> dict[str, Any]:
         """The settled layout as `TrainerConfig.for_run` takes it."""
         return {
             "tp": self.tensor_parallel or 1,
             "sp": bool(self.sequence_parallel),
+            "cp": self.context_parallel or 1,
             "pp": self.pipeline_parallel,
             "ep": self.expert_parallel,
             "etp": self.expert_tensor_parallel,
@@ -129,6 +148,8 @@ def check_parallel(
         )
     if backend == "fsdp" and max(parallel.pipeline_parallel, parallel.expert_parallel) > 1:
         raise ConfigError("--pipeline-parallel / --expert-parallel are for --backend megatron")
+    if backend == "fsdp" and (parallel.context_parallel or 1) > 1:
+        raise ConfigError("--context-parallel is for --backend megatron (fsdp: no CP)")
     if backend == "fsdp" and parallel.expert_tensor_parallel is not None:
         raise ConfigError("--expert-tensor-parallel is for --backend megatron")
     if backend == "fsdp" and parallel.recompute == "selective":
@@ -149,8 +170,13 @@ def _check_megatron_split(
         where = f"--num-gpus {cluster.num_gpus} --no-colocate leaves {ranks} trainer rank(s)"
     tp, pp, ep = parallel.tensor_parallel or 1, parallel.pipeline_parallel, parallel.expert_parallel
     etp = parallel.expert_tensor_parallel or tp
+    cp = parallel.context_parallel or 1
     splits = (
-        ("--tensor-parallel x --pipeline-parallel", f"{tp} x {pp}", tp * pp),
+        (
+            "--tensor-parallel x --context-parallel x --pipeline-parallel",
+            f"{tp} x {cp} x {pp}",
+            tp * cp * pp,
+        ),
         (
             "--expert-parallel x expert tensor parallel x --pipeline-parallel",
             f"{ep} x {etp} x {pp}",
@@ -181,7 +207,12 @@ def gpu_memory_bytes(parallel: ParallelConfig) -> float | None:
 
 
 def _requested(
-    parallel: ParallelConfig, cluster: ClusterConfig, backend: str, trainer: Any, with_engines: bool
+    parallel: ParallelConfig,
+    cluster: ClusterConfig,
+    backend: str,
+    trainer: Any,
+    with_engines: bool,
+    longest_sample: int = 0,
 ) -> TrainLayout:
     megatron = backend == "megatron"
     return TrainLayout(
@@ -196,6 +227,8 @@ def _requested(
         ep=parallel.expert_parallel if megatron else 1,
         etp=parallel.expert_tensor_parallel if megatron else None,
         distributed_optimizer=bool(getattr(trainer, "distributed_optimizer", False)),
+        cp=(parallel.context_parallel or 1) if megatron else 1,
+        longest_sample=longest_sample,
     )
 
 
@@ -208,16 +241,20 @@ def plan_layout(
     shape: Mapping[str, int] | None,
     model_name: str = "the model",
     with_engines: bool = True,
+    longest_sample: int = 0,
 ) -> tuple[ParallelConfig, MemoryEstimate | None]:
     """`parallel` with the layout settled, and its memory estimate (None: a CPU run, or the
     model's shape or the GPU's memory is not known). Unset settings get the first layout that
     fits; set ones are kept, and a layout that cannot fit stops the run (`PreflightError`)
-    with the numbers and a suggestion."""
+    with the numbers and a suggestion. ``longest_sample``: tokens of the longest sequence
+    (prompt and response), which one micro-batch holds whole (0: not known)."""
     estimate = None
     if cluster.num_gpus > 0:
         gpu = gpu_memory_bytes(parallel)
         if shape is not None and gpu is not None:
-            requested = _requested(parallel, cluster, backend, trainer, with_engines)
+            requested = _requested(
+                parallel, cluster, backend, trainer, with_engines, longest_sample
+            )
             if parallel.unset:
                 requested, _ = choose_layout(ModelShape(**shape), requested, gpu)
             estimate = check_layout(ModelShape(**shape), requested, gpu, model=model_name)
@@ -234,10 +271,12 @@ def plan_layout(
                     tensor_parallel=requested.tp,
                     sequence_parallel=requested.sp,
                     gradient_checkpointing=requested.recompute,
+                    context_parallel=requested.cp,
                 )
     settled = dataclasses.replace(
         parallel,
         tensor_parallel=parallel.tensor_parallel or 1,
+        context_parallel=parallel.context_parallel or 1,
         sequence_parallel=bool(parallel.sequence_parallel),
         gradient_checkpointing=parallel.recompute_mode == "full",
     )
@@ -269,6 +308,7 @@ def layout_report(
     shape: Mapping[str, int] | None,
     model_name: str = "the model",
     with_engines: bool = True,
+    longest_sample: int = 0,
 ) -> dict[str, Any]:
     """For `--print-config`: the layout the run would use and its memory estimate, or why there
     is none; a layout that cannot fit is reported, not raised."""
@@ -280,9 +320,11 @@ def layout_report(
         return {"description": f"not estimated: {missing} is not known before the run"}
     kw = {"backend": backend, "trainer": trainer, "shape": shape, "with_engines": with_engines}
     try:
-        _, estimate = plan_layout(parallel, cluster, model_name=model_name, **kw)
+        _, estimate = plan_layout(
+            parallel, cluster, model_name=model_name, longest_sample=longest_sample, **kw
+        )
     except PreflightError as err:
-        requested = _requested(parallel, cluster, backend, trainer, with_engines)
+        requested = _requested(parallel, cluster, backend, trainer, with_engines, longest_sample)
         report = estimate_memory(ModelShape(**shape), requested).to_dict(gpu)
         return {**report, "refused": err.message}
     assert estimate is not None
@@ -299,6 +341,7 @@ def settle(
     shape_of: Callable[..., Mapping[str, int] | None],
     resolve: Callable[..., M],
     with_engines: bool = True,
+    longest_sample: int = 0,
 ) -> tuple[M, ParallelConfig]:
     """Everything about the model a launcher settles before Ray, in order: the layout where the
     model's shape is known without a download (so a layout that cannot fit stops before it),
@@ -306,7 +349,12 @@ def settle(
     downloaded. `shape_of(model, load=)` and `resolve(model, load=)` are the model package's
     (`vlm_models.shape_of`, `vlm_models.resolve_model`); `model` names itself in messages by
     its `model_name`."""
-    kw = {"backend": run.backend, "trainer": trainer, "with_engines": with_engines}
+    kw = {
+        "backend": run.backend,
+        "trainer": trainer,
+        "with_engines": with_engines,
+        "longest_sample": longest_sample,
+    }
 
     def plan(m: M) -> tuple[ParallelConfig, MemoryEstimate | None]:
         name = str(getattr(m, "model_name", m))

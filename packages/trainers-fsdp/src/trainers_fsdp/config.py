@@ -166,6 +166,7 @@ class FsdpConfig:
         pp: int = 1,
         ep: int = 1,
         etp: int | None = None,
+        cp: int = 1,
         recompute: str | bool = False,
         temperature: float = 1.0,
         grpo: GrpoLossConfig | None = None,
@@ -176,10 +177,10 @@ class FsdpConfig:
         """This config completed for one run (the same keywords as the Megatron config's):
         what a launcher settles (the model, the layout: FSDP shards, so no tensor or sequence
         parallel) and what the loop sets (sampling temperature, loss, schedule length)."""
-        if tp > 1 or sp or pp > 1 or ep > 1 or etp is not None:
+        if tp > 1 or sp or pp > 1 or ep > 1 or etp is not None or cp > 1:
             raise ValueError(
-                "the fsdp backend shards instead of tensor / sequence / pipeline / expert "
-                "(tensor) parallel"
+                "the fsdp backend shards instead of tensor / sequence / context / pipeline / "
+                "expert (tensor) parallel"
             )
         if recompute == "selective":
             raise ValueError("the fsdp backend recomputes whole layers (full) or nothing")

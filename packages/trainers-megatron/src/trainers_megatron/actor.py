@@ -49,6 +49,7 @@ from rl_algos import (
 )
 from rl_algos import train_step as core
 from trainers_megatron.config import MegatronConfig
+from trainers_megatron.context_parallel import RowSplit, split_row
 from trainers_megatron.offload import StorageOffload
 from trainers_megatron.optim import (
     OptimizerStep,
@@ -82,6 +83,7 @@ from vlm_models.megatron import (
     load_hf_weights,
     text_arch,
 )
+from vlm_models.megatron.context_parallel import reduce_over_cp
 
 logger = logging.getLogger(__name__)
 
@@ -174,14 +176,19 @@ class MegatronActor:
             # need the compatibility layer, which refuses to run where CUDA exists.
             apply_cpu_compat()
         parallel = Parallelism(
-            tp=config.tp, pp=config.pp, ep=config.ep, sp=config.sp, etp=config.etp
+            tp=config.tp, pp=config.pp, ep=config.ep, sp=config.sp, etp=config.etp, cp=config.cp
         )
         initialize_model_parallel(parallel, seed=config.seed)
         self.rank = dist.get_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        # the ranks that split the samples; context-parallel ranks share theirs (gradients
+        # are reduced over both, by megatron-core's DDP)
         self.dp_group = parallel_state.get_data_parallel_group()
+        self.cp_group = parallel_state.get_context_parallel_group()
+        self.cp_size = parallel_state.get_context_parallel_world_size()
+        self.cp_rank = parallel_state.get_context_parallel_rank()
         self.first_stage = parallel_state.is_pipeline_first_stage()
         self.last_stage = parallel_state.is_pipeline_last_stage()
         overrides = dict(schedule_config(config.pp), **recompute_settings(config))
@@ -246,23 +253,27 @@ class MegatronActor:
 
     # ----------------------------------------------------------------------------- batches
     def _group_batch(self, batch: TrainBatch) -> TrainBatch:
-        """The model replica's batch (its tensor- and pipeline-parallel ranks): the replica's
-        first rank's, on every rank of it."""
-        group = parallel_state.get_model_parallel_group()
-        if dist.get_world_size(group) == 1:
-            return batch
-        holder = [batch]
-        dist.broadcast_object_list(holder, src=dist.get_process_group_ranks(group)[0], group=group)
-        return holder[0]
+        """The model replica's batch (its tensor-, pipeline- and context-parallel ranks): the
+        replica's first rank's, on every rank of it (over TP x PP, then over CP)."""
+        for group in (parallel_state.get_model_parallel_group(), self.cp_group):
+            if dist.get_world_size(group) == 1:
+                continue
+            holder = [batch]
+            src = dist.get_process_group_ranks(group)[0]
+            dist.broadcast_object_list(holder, src=src, group=group)
+            batch = holder[0]
+        return batch
 
     def _plan(self, lengths: Sequence[int]) -> list[list[int]]:
-        """Packs of at most ``max_tokens_per_gpu`` tokens. With expert parallelism every
+        """Packs of at most ``max_tokens_per_gpu`` tokens per GPU (a row of ``cp`` times that
+        under context parallelism, each CP rank holding its share). With expert parallelism every
         data-parallel rank runs as many micro-batches as the busiest (empty ones run a dummy
         sample): the experts' token exchange is collective in every MoE layer."""
         if self.one_sample_per_micro_batch:
             plan = [[i] for i in range(len(lengths))]
         else:
-            plan = pack_by_token_budget(lengths, self.config.max_tokens_per_gpu) if lengths else []
+            budget = self.config.max_tokens_per_gpu * self.cp_size
+            plan = pack_by_token_budget(lengths, budget) if lengths else []
         if self.config.ep > 1:
             count = torch.tensor([len(plan)], device=self.device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
@@ -272,15 +283,30 @@ class MegatronActor:
     def micro_batches(self, batch: TrainBatch, fields: Sequence[str] = ()) -> MicroBatches:
         """The micro-batches of this rank's samples (``max_tokens_per_gpu`` each), built and
         copied to the device as iterated. Under sequence parallelism each row is padded (one
-        extra sample) to a multiple of TP so every rank gets an equal slice."""
+        extra sample) to a multiple of TP so every rank gets an equal slice. Under context
+        parallelism each sample is padded instead, and cut zigzag (:func:`split_row`)."""
         pad = self.tp_size if self.config.sp else 1
         vision = self.module.vision_inputs
+        cp = self.cp_size
 
         def build(indices: Sequence[int]) -> MicroBatch:
             with record_function("megatron_actor.micro_batch"):  # host work the GPU may wait on
                 mb = build_micro_batch(
-                    batch, indices, self.hf_config, fields=fields, pad_to_multiple=pad
+                    batch,
+                    indices,
+                    self.hf_config,
+                    fields=fields,
+                    pad_to_multiple=1 if cp > 1 else pad,
                 )
+                if cp > 1:
+                    mb.context_parallel = split_row(
+                        mb,
+                        cp=cp,
+                        rank=self.cp_rank,
+                        group=self.cp_group,
+                        multiple=pad,
+                        device=self.device,
+                    )
                 if vision is not None and mb.image_grid_thw is not None:
                     # computed here; the grid then stays on the host, read there as a list
                     mb.vision_inputs = vision.compute(mb.image_grid_thw)
@@ -295,6 +321,8 @@ class MegatronActor:
         Only the rows that predict loss tokens go through the output layer; other positions
         hold 0, which the token alignment convention allows (as in the FSDP actor).
         """
+        if mb.context_parallel is not None:
+            return self._stage_forward_cp(mb, model, mb.context_parallel)
         longest = mb.max_seqlen
         packed = PackedSeqParams(
             qkv_format="thd",
@@ -332,15 +360,40 @@ class MegatronActor:
                     logits, mb.input_ids, mb.cu_seqlens, temperature
                 )
             return lp[: mb.num_real_tokens]
-        targets = mb.input_ids[positions]
-        if self.tp_size == 1:
-            scored = logprobs_from_logits(logits, targets, temperature, compiled=self.compiled)
-        else:  # vocabulary-parallel: the full-vocabulary logits are never gathered
-            scaled = logits.float() / temperature
-            scored = -tensor_parallel.vocab_parallel_cross_entropy(
-                scaled[:, None], targets[:, None]
-            )[:, 0]
+        scored = self._score(logits, mb.input_ids[positions])
         return scatter_rows(scored, positions, mb.input_ids.shape[0])[: mb.num_real_tokens]
+
+    def _score(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """Log-probs of ``targets`` under ``logits`` ``[R, V / tp]`` (float32)."""
+        temperature = self.config.temperature
+        if self.tp_size == 1:
+            return logprobs_from_logits(logits, targets, temperature, compiled=self.compiled)
+        # vocabulary-parallel: the full-vocabulary logits are never gathered
+        scaled = logits.float() / temperature
+        return -tensor_parallel.vocab_parallel_cross_entropy(scaled[:, None], targets[:, None])[
+            :, 0
+        ]
+
+    def _stage_forward_cp(self, mb: MicroBatch, model: torch.nn.Module, split: RowSplit) -> Tensor:
+        """:meth:`_stage_forward` of a zigzag-split row: this rank's part through the decoder;
+        on the last stage the log-probs of the scored tokens whose predecessor row is here,
+        summed over CP ranks into the whole row's (the same on every CP rank)."""
+        with record_function("megatron_actor.forward"):
+            out = model(
+                mb.input_ids[None],
+                mb.position_ids[1:, None, :],
+                pixel_values=mb.pixel_values if self.first_stage else None,
+                image_grid_thw=mb.image_grid_thw if self.first_stage else None,
+                packed_seq_params=split.params,
+                image_positions=mb.image_positions,
+                vision_inputs=mb.vision_inputs,
+                logit_rows=split.local_rows if self.last_stage else None,
+            )
+        if not self.last_stage:
+            return out  # [T_local(/tp), 1, H]
+        scored = self._score(out[0], mb.input_ids[split.positions])
+        whole = scatter_rows(scored, split.positions, mb.input_ids.shape[0])
+        return reduce_over_cp(whole, self.cp_group)[: mb.num_real_tokens]
 
     def _from_last_stage(self, value: Any) -> Any:
         """``value`` as the last pipeline stage has it, on every stage."""
@@ -479,6 +532,7 @@ class MegatronActor:
         return {
             "world_size": dist.get_world_size(),
             "tp": cfg.tp,
+            "cp": cfg.cp,
             "pp": cfg.pp,
             "ep": cfg.ep,
             "distributed_optimizer": cfg.distributed_optimizer,
@@ -521,7 +575,14 @@ class MegatronActor:
     @staticmethod
     def _default_layout() -> dict[str, Any]:
         """What a checkpoint folder that does not record a field was saved with."""
-        return {"world_size": 1, "tp": 1, "pp": 1, "ep": 1, "distributed_optimizer": False}
+        return {
+            "world_size": 1,
+            "tp": 1,
+            "cp": 1,
+            "pp": 1,
+            "ep": 1,
+            "distributed_optimizer": False,
+        }
 
     # ----------------------------------------------------------------------------- offload
     def _device_tensors(self) -> Iterator[Tensor]:

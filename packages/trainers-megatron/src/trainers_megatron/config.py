@@ -25,6 +25,9 @@ class MegatronConfig:
     model_overrides: dict[str, Any] = field(default_factory=dict)
     tp: int = 1  # tensor parallel
     sp: bool = False  # sequence parallel (needs tp > 1)
+    # context parallel: each packed row's tokens split zigzag over this many ranks, which share
+    # their samples (vlm_models.megatron.context_parallel)
+    cp: int = 1
     pp: int = 1  # pipeline parallel: stages, run by megatron-core's 1F1B schedule
     # decoder layers on the first pipeline stage (None: an even split, or the fewest that hold
     # every deepstack layer when the even split does not)
@@ -79,7 +82,9 @@ class MegatronConfig:
         },
     )
     reference_model: bool = False  # keep a frozen copy of the initial weights (KL penalty)
-    max_tokens_per_gpu: int = field(  # micro-batch token budget (packed THD sequences)
+    # micro-batch token budget per GPU (packed THD rows; a row of cp x this under context
+    # parallelism, each CP rank holding about this many)
+    max_tokens_per_gpu: int = field(
         default=16384, metadata={"help": "micro-batch token budget per GPU", "ge": 1}
     )
     temperature: float = 1.0  # the rollout's sampling temperature, for log-probs
@@ -124,8 +129,10 @@ class MegatronConfig:
             raise ValueError(f"temperature must be positive, got {self.temperature}")
         if self.sp and self.tp < 2:
             raise ValueError("sp=True (sequence parallel) needs tp > 1")
-        if min(self.tp, self.pp, self.ep) < 1:
-            raise ValueError(f"tp, pp and ep must be >= 1, got {self.tp}, {self.pp}, {self.ep}")
+        if min(self.tp, self.pp, self.ep, self.cp) < 1:
+            raise ValueError(
+                f"tp, pp, ep and cp must be >= 1, got {self.tp}, {self.pp}, {self.ep}, {self.cp}"
+            )
         if isinstance(self.recompute, bool):
             self.recompute = "full" if self.recompute else "none"
         if self.recompute not in ("none", "selective", "full"):
@@ -165,6 +172,7 @@ class MegatronConfig:
         pp: int = 1,
         ep: int = 1,
         etp: int | None = None,
+        cp: int = 1,
         recompute: str | bool = "none",
         temperature: float = 1.0,
         grpo: GrpoLossConfig | None = None,
@@ -184,6 +192,7 @@ class MegatronConfig:
             pp=pp,
             ep=ep,
             etp=etp,
+            cp=cp,
             recompute=recompute,
             temperature=temperature,
             grpo=self.grpo if grpo is None else grpo,

@@ -49,6 +49,9 @@ class MicroBatch:
     vision_inputs: dict[str, Any] | None = None
     # int32 [n + 1]: sample boundaries (packed attention), set when moved to the device by .to
     cu_seqlens: Tensor | None = None
+    # a backend's split of the row over context-parallel ranks (the Megatron actor's), already
+    # on the device; carried unchanged by .to
+    context_parallel: Any = None
 
     @property
     def num_real_tokens(self) -> int:
@@ -114,6 +117,7 @@ class MicroBatch:
             if self.vision_inputs is None
             else {k: out.get(f"vision_inputs.{k}", v) for k, v in self.vision_inputs.items()},
             cu_seqlens=out["cu_seqlens"],
+            context_parallel=self.context_parallel,
         )
 
 

@@ -15,8 +15,11 @@ packed samples, with the GPU idle for a third of the step. Our M-RoPE gives ever
 its own frequencies (``freqs`` has one row per token), and without context parallelism the
 per-sample slices it cuts then concatenate back to ``freqs`` itself; so
 :func:`use_packed_rope_without_host_reads` rotates the whole packed tensor at once through the
-same ``_apply_rotary_pos_emb_bshd`` arithmetic. Any other call (fused RoPE, context
-parallelism, per-sample frequency tables) goes to megatron-core's function unchanged.
+same ``_apply_rotary_pos_emb_bshd`` arithmetic. Under context parallelism ``freqs`` already has
+one row per token of this rank (the model splits the positions with the row), where
+megatron-core's function would cut a CP share out of it a second time, so it goes the same
+way. Any other call (fused RoPE, per-sample frequency tables) goes to megatron-core's
+function unchanged.
 """
 
 from __future__ import annotations
@@ -46,8 +49,7 @@ def use_packed_rope_without_host_reads() -> None:
 
     def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None):
         one_row_per_token = freqs.dim() == 4 and freqs.size(0) == t.size(0)
-        no_cp = cp_group is None or cp_group.size() == 1
-        if cu_seqlens is not None and one_row_per_token and no_cp and not config.apply_rope_fusion:
+        if cu_seqlens is not None and one_row_per_token and not config.apply_rope_fusion:
             return rope_utils._apply_rotary_pos_emb_bshd(
                 t.unsqueeze(1),
                 freqs,

@@ -25,16 +25,19 @@ logger = logging.getLogger(__name__)
 class Parallelism:
     """How the language model is split. ``sp`` (sequence parallel) needs ``tp > 1``; ``etp``
     (expert tensor parallel: the TP split of each expert) defaults to ``tp``, megatron-core's
-    default; the slime recipe's 35B-A3B layout is ``tp=2, ep=8, etp=1``."""
+    default; the slime recipe's 35B-A3B layout is ``tp=2, ep=8, etp=1``. ``cp`` (context
+    parallel) splits each packed row's tokens zigzag over ``cp`` ranks
+    (:mod:`vlm_models.megatron.context_parallel`)."""
 
     tp: int = 1
     pp: int = 1
     ep: int = 1
     sp: bool = False
     etp: int | None = None
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        if min(self.tp, self.pp, self.ep, self.etp or 1) < 1:
+        if min(self.tp, self.pp, self.ep, self.etp or 1, self.cp) < 1:
             raise ValueError(f"parallel sizes must be >= 1, got {self}")
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism (sp=True) needs tp > 1")
@@ -230,6 +233,7 @@ def transformer_config(
         pipeline_model_parallel_size=parallel.pp,
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.etp,
+        context_parallel_size=1 if arch.hybrid else parallel.cp,  # hybrid: set below
         sequence_parallel=parallel.sp,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
@@ -286,5 +290,9 @@ def transformer_config(
         kwargs["num_layers_in_first_pipeline_stage"] = first
     kwargs.update(overrides)
     config = TransformerConfig(**kwargs)
+    if arch.hybrid and parallel.cp > 1:
+        # megatron-core 0.16.1 refuses CP with its gated delta net, whose forward has none;
+        # PackedGatedDeltaNet's gathers the row over CP (vlm_models.megatron.context_parallel)
+        config.context_parallel_size = parallel.cp
     logger.debug("TransformerConfig for %s: %s", type(hf_config).__name__, config)
     return config

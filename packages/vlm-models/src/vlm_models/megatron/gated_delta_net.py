@@ -185,10 +185,18 @@ class PackedGatedDeltaNet(GatedDeltaNet):
         **_: Any,
     ) -> tuple[Tensor, Tensor | None]:
         """``[s(/tp), b, h]`` -> (output ``[s(/tp), b, h]``, bias). Padded ``sbhd`` batches
-        are right-padded (padding comes after a sample's tokens and never reaches them)."""
+        are right-padded (padding comes after a sample's tokens and never reaches them).
+
+        Under context parallelism (``packed_seq_params.zigzag``) the layer all-gathers its
+        projected inputs over CP, runs the recurrence on the whole padded row and keeps this
+        rank's tokens: every CP rank holds the layer's full-row activations (the recurrence
+        is sequential; passing the state between ranks would serialise them)."""
         if inference_context is not None:
             raise NotImplementedError("the gated delta net has no inference cache here")
         qkvzba, _ = self.in_proj(hidden_states)  # [S, b, d / tp] (gathered under SP)
+        zigzag = getattr(packed_seq_params, "zigzag", None)
+        if zigzag is not None:  # context parallel: the whole padded row on every CP rank
+            qkvzba = zigzag.gather(qkvzba)
         qkvzba = qkvzba.transpose(0, 1)  # [b, S, d / tp]
         batch, seq_len, _ = qkvzba.shape
         tp = self.tp_size
@@ -214,6 +222,8 @@ class PackedGatedDeltaNet(GatedDeltaNet):
             core = self._torch_rule(q, k, v, g, beta, bounds)
         out = self._gated_norm(core, z.reshape(batch, seq_len, nv, self.value_head_dim))
         out = out.reshape(batch, seq_len, -1).transpose(0, 1).contiguous()  # [S, b, v / tp]
+        if zigzag is not None:
+            out = zigzag.local_of_padded(out)  # this rank's tokens again
         return self.out_proj(out)
 
     @staticmethod

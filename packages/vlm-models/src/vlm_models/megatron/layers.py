@@ -114,8 +114,7 @@ class SDPACoreAttention(MegatronModule):
         pg_collection: object | None = None,
     ) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise NotImplementedError("SDPACoreAttention has no context parallelism; use TE")
+        self.context_parallel = config.context_parallel_size > 1
         self.attn_mask_type = attn_mask_type
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
@@ -145,6 +144,11 @@ class SDPACoreAttention(MegatronModule):
     ) -> Tensor:
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by SDPACoreAttention")
+        zigzag = getattr(packed_seq_params, "zigzag", None)
+        if zigzag is not None:
+            return self._forward_zigzag(query, key, value, zigzag)
+        if self.context_parallel:
+            raise ValueError("context parallelism needs packed rows split by ZigzagLayout")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return self._forward_thd(query, key, value, packed_seq_params)
         # Megatron's mask is True where attention is NOT allowed; SDPA's is True where it is.
@@ -181,6 +185,31 @@ class SDPACoreAttention(MegatronModule):
         ]
         out = torch.cat([p[0].transpose(0, 1) for p in parts])  # [t, np, hn]
         return out.reshape(query.shape[0], -1)
+
+    def _forward_zigzag(self, query: Tensor, key: Tensor, value: Tensor, zigzag) -> Tensor:
+        """Context parallel: this rank's queries (two chunks of each sample) against the
+        sample's keys and values all-gathered over CP, causal by position in the sample.
+
+        One all-gather of K and V together per layer (backward: reduce-scatter of their
+        gradients); K/V of the whole row are held during the layer. Per sample, one SDPA call
+        under an explicit mask (no varlen kernel for queries and keys of different spans here).
+        """
+        heads = key.shape[1]
+        kv = zigzag.gather(torch.cat([key, value], dim=1))  # [P, 2 ng, hn], padded row order
+        k_all, v_all = kv[:, :heads], kv[:, heads:]
+        starts = zigzag.padded_cu
+        parts = []
+        for sample in range(len(zigzag.padded_lengths)):
+            offset, pos = zigzag.local_span(sample)
+            end = int(pos[-1]) + 1  # the later chunk ends last: keys beyond it are never read
+            pos = pos.to(query.device)
+            mask = torch.arange(end, device=query.device)[None, :] <= pos[:, None]
+            q = query[offset : offset + len(pos)]
+            k = k_all[starts[sample] : starts[sample] + end]
+            v = v_all[starts[sample] : starts[sample] + end]
+            out = self._attend(*(x.transpose(0, 1)[None] for x in (q, k, v)), mask)
+            parts.append(out[0].transpose(0, 1))
+        return torch.cat(parts).reshape(query.shape[0], -1)
 
     def _forward_thd_masked(self, query: Tensor, key: Tensor, value: Tensor, cu: Tensor) -> Tensor:
         """All samples in one SDPA call under a block-causal ``[T, T]`` mask built on the

@@ -273,9 +273,24 @@ class Qwen3VLMegatronModel(MegatronModule):
         for causal attention. With sequence parallelism ``S`` must divide by ``tp``.
         ``image_positions`` and ``vision_inputs`` (see :meth:`_merge_vision`) keep the image
         merge free of host syncs.
+
+        Context parallel (``packed_seq_params`` a
+        :class:`~vlm_models.megatron.context_parallel.ContextParallelSeqParams`): ``input_ids``
+        and ``position_ids`` are the whole row on every CP rank; the embeddings, the image
+        merge (the vision tower runs on every CP rank: it is small, and its features land
+        anywhere in the row) and the positions are computed whole, then split zigzag, and the
+        decoder runs on this rank's part. ``logit_rows`` then index this rank's part and the
+        outputs are this rank's tokens'.
         """
         if position_ids.dim() != 3 or position_ids.shape[0] != 3:
             raise ValueError(f"position_ids must be [3, B, S], got {tuple(position_ids.shape)}")
+        zigzag = getattr(packed_seq_params, "zigzag", None)
+        if zigzag is None and self.config.context_parallel_size > 1:
+            raise ValueError(
+                "context parallelism needs ContextParallelSeqParams with the row's ZigzagLayout"
+            )
+        if zigzag is not None:  # this CP rank's tokens from here on (pad slots: position 0)
+            position_ids = zigzag.split(position_ids, dim=2)
         decoder_input, context = None, None
         if self.pre_process:
             embeddings = self.language_model.embedding(input_ids=input_ids, position_ids=None)
@@ -290,6 +305,9 @@ class Qwen3VLMegatronModel(MegatronModule):
                     image_positions=image_positions,
                     vision_inputs=vision_inputs,
                 )
+            if zigzag is not None:  # the image merge needed the whole row; now split it
+                embeddings = zigzag.split(embeddings)
+                context = None if context is None else zigzag.split(context)
             if self.config.sequence_parallel:
                 tp = self.config.tensor_model_parallel_size
                 if embeddings.shape[0] % tp:
@@ -343,6 +361,7 @@ def build_megatron_model(
                 pp=parallel_state.get_pipeline_model_parallel_world_size(),
                 ep=parallel_state.get_expert_model_parallel_world_size(),
                 etp=parallel_state.get_expert_tensor_parallel_world_size(),
+                cp=parallel_state.get_context_parallel_world_size(),
             )
         config = transformer_config(
             hf_config, parallel, params_dtype=params_dtype, **config_overrides

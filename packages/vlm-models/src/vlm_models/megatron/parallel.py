@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 
 
 def initialize_model_parallel(parallel: Parallelism | None = None, *, seed: int = 0) -> None:
-    """Initialise the process group (if needed) and Megatron's TP/PP/EP groups.
+    """Initialise the process group (if needed) and Megatron's TP/CP/PP/EP groups.
 
     The process group comes from the usual ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/
     ``MASTER_PORT`` variables (NCCL with CUDA, gloo without); without ``RANK``/``WORLD_SIZE``
@@ -42,14 +42,16 @@ def initialize_model_parallel(parallel: Parallelism | None = None, *, seed: int 
         pipeline_model_parallel_size=parallel.pp,
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.etp,
+        context_parallel_size=parallel.cp,
     )
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     logger.info(
-        "model parallel ready: world %d, tp %d, pp %d, ep %d",
+        "model parallel ready: world %d, tp %d, cp %d, pp %d, ep %d",
         dist.get_world_size(),
         parallel.tp,
+        parallel.cp,
         parallel.pp,
         parallel.ep,
     )

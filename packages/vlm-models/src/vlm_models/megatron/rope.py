@@ -31,7 +31,8 @@ def interleaved_mrope_angles(
 class InterleavedMRoPE(nn.Module):
     """Drop-in for ``GPTModel.rotary_pos_emb`` when ``position_embedding_type == "mrope"``.
 
-    Called as ``rope(position_ids[3, B, S], mrope_section, cp_group=None)``, as GPTModel does.
+    Called as ``rope(position_ids[3, B, S], mrope_section, cp_group=None)``, as GPTModel does;
+    one angle row per token given, so a context-parallel rank passes its own tokens' positions.
     The inverse frequencies are computed exactly as transformers computes them, on the CPU in
     float32, so both models rotate by identical angles.
     """
@@ -50,7 +51,7 @@ class InterleavedMRoPE(nn.Module):
         mrope_section: list[int],
         cp_group: torch.distributed.ProcessGroup | None = None,
     ) -> torch.Tensor:
-        if cp_group is not None and cp_group.size() > 1:
-            raise NotImplementedError("context parallelism is not supported with M-RoPE here")
+        # under context parallelism position_ids are already this rank's tokens' (the model
+        # splits them with the row), so cp_group changes nothing here
         angles = interleaved_mrope_angles(position_ids, self.inv_freq, mrope_section)
         return angles.transpose(0, 1)[:, :, None, :].contiguous()  # [S, B, 1, head_dim]
