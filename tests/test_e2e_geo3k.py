@@ -109,6 +109,10 @@ def test_grpo_from_sft_raises_the_reward(sft_run: Path, tmp_path: Path) -> None:
         log=tmp_path / "log.txt",
     )
     rows = _rows(run)
+    evals = [r for r in rows if "eval_accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 10, 20]  # step 0: before the first update
+    assert rows[0] == evals[0] and "reward_mean" not in rows[0]
+    rows = rows[1:]
     assert [r["step"] for r in rows] == list(range(1, 21))
     for r in rows:
         assert {"reward_mean", "response_length_mean", "time_step_s"} <= r.keys()
@@ -117,8 +121,6 @@ def test_grpo_from_sft_raises_the_reward(sft_run: Path, tmp_path: Path) -> None:
     # The warm-up taught the format (a random model scores exactly 0), GRPO then improves it.
     assert rewards[0] > 0.05, rewards
     assert last > first + 0.15, (first, last, rewards)
-    evals = [r for r in rows if "eval_accuracy" in r]
-    assert [r["step"] for r in evals] == [10, 20]
     assert (run / "reward.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -185,10 +187,10 @@ def test_killed_run_resumes_to_the_same_state(sft_run: Path, tmp_path: Path) -> 
     assert "resumed from" in (tmp_path / "resumed.txt").read_text()
 
     a, b = _rows(whole), _rows(broken)
-    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in b] == [0, 1, 2, 3, 4, 5, 6]  # step 0: the eval before training
     assert [_stable(r) for r in a] == [_stable(r) for r in b]
     # the engine's own split of each rollout reaches the row (its counts replay exactly too)
-    assert all(r["rollout_decode_steps"] >= 1 and r["time_rollout_engine_s"] > 0 for r in a)
+    assert all(r["rollout_decode_steps"] >= 1 and r["time_rollout_engine_s"] > 0 for r in a[1:])
     wa, wb = _load_weights(whole / "hf"), _load_weights(broken / "hf")
     assert wa.keys() == wb.keys()
     for name in wa:
@@ -239,7 +241,7 @@ def test_readme_quick_start(tmp_path: Path) -> None:
     assert "SFT warm-up" in text
     assert (run / "sft_warmup" / "hf" / "config.json").is_file()
     rows = _rows(run)
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [0, 1, 2]  # step 0: the evaluation before training
     assert rows[-1]["eval_accuracy"] is not None and (run / "reward.png").is_file()
 
 

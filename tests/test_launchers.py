@@ -49,6 +49,38 @@ def test_recipe_defaults():
     )
     assert cfg.model.model_name == "Qwen3-VL-8B-Instruct"
     assert cfg.data.dataset == "chenhegu/geo3k_imgurl"
+    # miles' run_geo3k_vlm.sh: --num-rollout 3000, the problem as is (--input-key problem
+    # --apply-chat-template), no --calculate-per-token-loss, evaluation at step 0
+    assert (loop.num_rollout, cfg.data.template, loss.loss_agg_mode) == (
+        3000,
+        "none",
+        "seq-mean-token-mean",
+    )
+    assert loop.eval_before_train
+    # --wandb-group ${MODEL_NAME_LOWER}-${TRAIN_BACKEND} --disable-wandb-random-suffix
+    assert cfg.run.wandb_group == cfg.run.wandb_run_name == "qwen3-vl-8b-instruct-megatron"
+    fsdp = parse_grpo(["--backend", "fsdp", "--model-name", "Qwen3-VL-2B-Instruct"], env={})
+    assert fsdp.run.wandb_group == "qwen3-vl-2b-instruct-fsdp"
+
+
+@pytest.mark.parametrize("backend", ["megatron", "fsdp"])
+def test_sft_recipe_defaults(backend):
+    """miles' run_geo3k_vlm_sft.sh: lr 1e-5, cosine to --min-lr 1e-6 after a 10 % warm-up
+    (--lr-warmup-fraction 0.1), betas 0.9 / 0.95, 128 conversations a step; the warm-up's steps
+    settle from the run's length."""
+    cfg = parse_sft(["--backend", backend], env={})
+    optim = cfg.trainer if backend == "megatron" else cfg.trainer.optim
+    assert (optim.lr, optim.lr_schedule, optim.min_lr, optim.warmup_fraction) == (
+        1e-5,
+        "cosine",
+        1e-6,
+        0.1,
+    )
+    assert tuple(optim.betas) == (0.9, 0.95) and optim.weight_decay == 0.1
+    assert cfg.sft.sft_batch_size == 128 and cfg.data.template == "none"
+    assert cfg.run.wandb_group == f"qwen3-vl-8b-instruct-{backend}"
+    run = cfg.trainer.for_run(model=None, seed=0, use_gpu=False, total_steps=500)
+    assert (run if backend == "megatron" else run.optim).warmup_steps == 50
 
 
 @pytest.mark.parametrize("prefix", ["GEO3K", "MILES_SCRIPT", "SLIME_SCRIPT"])

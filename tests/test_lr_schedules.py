@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
-from trainers_fsdp import OptimConfig
+from trainers_fsdp import FsdpConfig, OptimConfig
 from trainers_fsdp.optim import lr_lambda
 from trainers_megatron import MegatronConfig
 from trainers_megatron.actor import _lr_scheduler
@@ -43,7 +43,7 @@ def _fsdp_lrs(steps: int, **schedule) -> list[float]:
         dict(lr_schedule="constant"),
         dict(lr_schedule="constant", warmup_steps=3),
         dict(lr_schedule="cosine", total_steps=6),
-        dict(lr_schedule="cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.1),
+        dict(lr_schedule="cosine", warmup_steps=2, total_steps=6, min_lr=0.1 * LR),
     ],
     ids=["constant", "warmup", "cosine", "warmup-cosine-floor"],
 )
@@ -55,7 +55,7 @@ def test_backends_share_the_schedule(schedule):
     if schedule.get("warmup_steps"):
         assert megatron[0] == pytest.approx(LR / schedule["warmup_steps"])  # never a 0-LR step
     if schedule["lr_schedule"] == "cosine":
-        floor = LR * schedule.get("min_lr_ratio", 0.0)
+        floor = schedule.get("min_lr", 0.0)
         assert megatron[schedule["total_steps"] - 1] == pytest.approx(floor, abs=1e-15)
         assert megatron[-1] == pytest.approx(floor, abs=1e-15)
 
@@ -63,3 +63,14 @@ def test_backends_share_the_schedule(schedule):
 def test_megatron_config_refuses_a_cosine_without_length():
     with pytest.raises(ValueError, match="total_steps"):
         MegatronConfig(lr_schedule="cosine")
+
+
+def test_warmup_fraction_settles_the_same_steps_on_both_backends():
+    """The recipes' --lr-warmup-fraction: a fraction of the run's optimizer steps, settled when
+    the loop gives the run's length; --lr-warmup-steps wins where set."""
+    run = dict(model=None, seed=0, use_gpu=False, total_steps=35)
+    fsdp = FsdpConfig(optim=OptimConfig(lr=LR, warmup_fraction=0.1)).for_run(**run)
+    megatron = MegatronConfig(lr=LR, warmup_fraction=0.1).for_run(**run)
+    assert fsdp.optim.warmup_steps == megatron.warmup_steps == 3
+    steps = MegatronConfig(lr=LR, warmup_fraction=0.1, warmup_steps=5).for_run(**run)
+    assert steps.warmup_steps == 5

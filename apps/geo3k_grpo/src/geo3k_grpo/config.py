@@ -44,9 +44,10 @@ from vlm_data import DataConfig
 from vlm_models import ModelConfig
 
 DESCRIPTION = """GRPO on Geometry3K (the miles / slime geo3k VLM recipe), `uv run apps/geo3k_grpo`.
-Defaults are the recipe's: 64 prompts x 8 samples per rollout, global batch 512, temperature
-0.8, responses up to 4096 tokens, eps_clip 0.2 / 0.28, no KL, lr 1e-6 constant, Adam betas
-0.9 / 0.98, weight decay 0.1, the math reward, evaluation every 20 steps on the test split.
+Defaults are the recipe's: 3000 rollouts of 64 prompts x 8 samples, global batch 512, the
+problem as is in the chat template, temperature 0.8, responses up to 4096 tokens, eps_clip
+0.2 / 0.28, no KL, seq-mean-token-mean, lr 1e-6 constant, Adam betas 0.9 / 0.98, weight decay
+0.1, the math reward, evaluation at step 0 and every 20 steps on the test split.
 --preset tiny runs the whole thing on a CPU in minutes (with a short SFT warm-up first)."""
 
 TRAINERS = {"megatron": MegatronConfig, "fsdp": FsdpConfig}
@@ -68,6 +69,7 @@ class Geo3kGrpoConfig:
     warmup: WarmupConfig = section(WarmupConfig)
 
     def check(self) -> None:
+        self.run = self.run.with_wandb_names(self.model.model_name)  # shown by --print-config
         try:
             check_parallel(self.run.backend, self.parallel, self.cluster)
             if self.rollout.backend != "hf":  # SGLang engines of N GPUs take N rollout GPUs
@@ -85,6 +87,12 @@ RECIPE: dict[str, Any] = {
     "backend": "megatron",
     "output_dir": "runs/geo3k_grpo",
     "wandb_project": "glimpse-geo3k",
+    # the problem as the row has it, in the chat template (--input-key problem
+    # --apply-chat-template); --template boxed adds an instruction to answer in \boxed{}
+    "template": "none",
+    # no --calculate-per-token-loss: each sample's tokens averaged, then the samples
+    "loss_agg_mode": "seq-mean-token-mean",
+    "num_rollout": 3000,
 }
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -98,8 +106,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tokenizer": "tiny",
         "dataset": "synthetic:color",
         "attn_implementation": "sdpa",
-        "template": "none",
         "output_dir": "runs/geo3k_grpo_tiny",
+        # 16-token replies: the tests' learning figures (2026-12-01/02) were measured with it
+        "loss_agg_mode": "token-mean",
         "rollout_engine": "hf",
         "num_rollout": 30,
         "rollout_batch_size": 16,

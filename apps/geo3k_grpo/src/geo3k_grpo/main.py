@@ -168,6 +168,8 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
             run_dir,
             wandb=cfg.run.use_wandb(os.environ),
             wandb_project=cfg.run.wandb_project,
+            run_name=cfg.run.wandb_run_name,
+            group=cfg.run.wandb_group,
             config=to_dict(cfg),
             resume_step=start_step,
         )

@@ -52,6 +52,7 @@ class Geo3kSftConfig:
     sft: SftLoopConfig = section(SftLoopConfig)
 
     def check(self) -> None:
+        self.run = self.run.with_wandb_names(self.model.model_name)  # shown by --print-config
         check_parallel(self.run.backend, self.parallel, self.cluster, with_engines=False)
 
 
@@ -59,9 +60,16 @@ class Geo3kSftConfig:
 RECIPE: dict[str, Any] = {
     "backend": "megatron",
     "output_dir": "runs/geo3k_sft",
-    "wandb_project": "glimpse-geo3k",
+    "wandb_project": "glimpse-geo3k-sft",
     "template": "none",
+    # miles' run_geo3k_vlm_sft.sh: adam 1e-5, cosine to 1e-6 after a 10 % warm-up, betas
+    # 0.9 / 0.95, 128 conversations a step
     "lr": 1e-5,
+    "lr_schedule": "cosine",
+    "min_lr": 1e-6,
+    "lr_warmup_fraction": 0.1,
+    "adam_beta2": 0.95,
+    "sft_batch_size": 128,
 }
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -76,6 +84,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "attn_implementation": "sdpa",
         "output_dir": "runs/geo3k_sft_tiny",
         "lr": 3e-3,
+        "lr_schedule": "constant",  # 36 steps learn the format at a constant rate
+        "lr_warmup_fraction": 0.0,
         "weight_decay": 0.0,
         "sft_num_steps": 36,
         "sft_batch_size": 32,

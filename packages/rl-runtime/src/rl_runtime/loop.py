@@ -51,6 +51,9 @@ class GrpoLoopConfig:
     dynamic_sampling: bool = option(False, "drop groups whose rewards are all equal (DAPO)")
     use_ref_logprobs: bool = option(False, "compute reference log-probs (needed for KL)")
     eval_interval: int = option(20, "evaluate every N steps (0: never)", ge=0)
+    eval_before_train: bool = option(
+        True, "with --eval-interval: evaluate once before the first step too (step 0)"
+    )
     eval_max_prompts: int | None = option(None, "evaluate on at most this many prompts", ge=1)
     n_samples_per_eval_prompt: int = option(1, "samples per eval prompt (pass@1 over them)", ge=1)
     eval_temperature: float | None = option(
@@ -142,6 +145,11 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
         p.train.release_cache()  # what the first push cached, the state kept or not
         _offload(p, cfg)
     engines = RestartingRollout(p.rollout, lambda: _resync(p, cfg), cfg.max_rollout_retries)
+    if evals and cfg.eval_interval and cfg.eval_before_train and start == 0:
+        # the curve's start, as miles evaluates at step 0: a row of its own, step 0
+        t = time.perf_counter()
+        row = {"step": 0, **_evaluate(p, engines, evals, cfg, 0)}
+        p.logger.log(row | {"time_eval_s": time.perf_counter() - t})
     # the next step's prompts are built while this step computes log-probs, trains and syncs
     prompts_ahead = PromptPrefetch(sampler, cfg.rollout_batch_size)
     nonfinite_in_row = 0

@@ -62,6 +62,7 @@ class RunLogger:
         wandb: bool = False,
         wandb_project: str = "glimpse",
         run_name: str | None = None,
+        group: str | None = None,
         config: Mapping[str, Any] | None = None,
         resume_step: int | None = None,
     ) -> None:
@@ -73,7 +74,7 @@ class RunLogger:
         else:
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
             self._rewrite(kept)
-        self._wandb = self._init_wandb(wandb_project, run_name, config) if wandb else None
+        self._wandb = self._init_wandb(wandb_project, run_name, group, config) if wandb else None
 
     def _rewrite(self, rows: list[dict[str, Any]]) -> None:
         tmp = self.path.with_suffix(".jsonl.tmp")
@@ -82,7 +83,9 @@ class RunLogger:
                 f.write(json.dumps(r) + "\n")
         os.replace(tmp, self.path)
 
-    def _init_wandb(self, project: str, name: str | None, config: Mapping[str, Any] | None):
+    def _init_wandb(
+        self, project: str, name: str | None, group: str | None, config: Mapping[str, Any] | None
+    ):
         try:
             import wandb
         except ImportError:
@@ -94,6 +97,7 @@ class RunLogger:
         return wandb.init(
             project=project,
             name=name,
+            group=group,
             config=dict(config or {}),
             dir=str(self.run_dir),
             mode=mode,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +27,24 @@ class RunConfig:
     seed: int = option(1234, "global seed (model init, data order, sampling)", ge=0)
     wandb: bool = option(False, "log to W&B (also on when WANDB_API_KEY is set)")
     wandb_project: str = option("glimpse", "W&B project")
+    wandb_group: str | None = option(
+        None, "W&B group (default: <model>-<backend>, lower case, as the recipes group runs)"
+    )
+    wandb_run_name: str | None = option(
+        None, "W&B run name (default: the group, as the recipes' --disable-wandb-random-suffix)"
+    )
     log_level: str = option(
         "INFO", "logging level (DEBUG: tracebacks for errors)", choices=LOG_LEVELS
     )
 
     def use_wandb(self, env: Mapping[str, str]) -> bool:
         return bool(self.wandb or env.get("WANDB_API_KEY"))
+
+    def with_wandb_names(self, model_name: str) -> RunConfig:
+        """The W&B group and run name settled as the recipes set them: group
+        ``<model>-<backend>`` (``qwen3-vl-8b-instruct-megatron``), the run named as its group."""
+        group = self.wandb_group or f"{Path(model_name).name.lower()}-{self.backend}"
+        return replace(self, wandb_group=group, wandb_run_name=self.wandb_run_name or group)
 
 
 def recipe_env_aliases(prefix: str) -> dict[str, list[str]]:

@@ -139,6 +139,8 @@ def train_sft(
             run_dir,
             wandb=run.use_wandb(os.environ),
             wandb_project=run.wandb_project,
+            run_name=run.wandb_run_name,
+            group=run.wandb_group,
             config=dict(config or {}),
             resume_step=start_step,
         )

@@ -39,7 +39,19 @@ class OptimConfig:
         default=0, metadata={"help": "linear warm-up steps", "flag": "lr_warmup_steps", "ge": 0}
     )
     total_steps: int | None = None  # cosine: steps to decay over (warmup included)
-    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    min_lr: float = field(  # the recipes' --min-lr (miles' SFT script: 1e-6)
+        default=0.0, metadata={"help": "cosine schedule's floor (a learning rate)", "ge": 0}
+    )
+    warmup_fraction: float = field(  # the recipes' --lr-warmup-fraction; steps win when set
+        default=0.0,
+        metadata={
+            "help": "linear warm-up over this fraction of the run's optimizer steps "
+            "(when --lr-warmup-steps is 0)",
+            "flag": "lr_warmup_fraction",
+            "ge": 0,
+            "le": 1,
+        },
+    )
     fused: bool | None = None  # fused AdamW kernel; None: on CUDA
     # One rank with bf16 master weights: the whole update as one compiled pass per group over
     # the flat buffers (trainers_fsdp.flat_adamw); off: torch's AdamW per tensor, then a cast
@@ -184,7 +196,12 @@ class FsdpConfig:
             )
         if recompute == "selective":
             raise ValueError("the fsdp backend recomputes whole layers (full) or nothing")
-        optim = replace(self.optim, total_steps=total_steps, lr=self.optim.lr if lr is None else lr)
+        optim = replace(
+            self.optim,
+            total_steps=total_steps,
+            lr=self.optim.lr if lr is None else lr,
+            warmup_steps=warmup_steps(self.optim, total_steps),
+        )
         return replace(
             self,
             model=model,
@@ -196,3 +213,11 @@ class FsdpConfig:
             reference_model=reference_model,
             optim=optim,
         )
+
+
+def warmup_steps(optim: OptimConfig, total_steps: int | None) -> int:
+    """The warm-up's optimizer steps: ``warmup_steps`` if set, else ``warmup_fraction`` of the
+    run (megatron-core's ``lr_warmup_fraction`` rounds the same way)."""
+    if optim.warmup_steps or not optim.warmup_fraction or not total_steps:
+        return optim.warmup_steps
+    return int(optim.warmup_fraction * total_steps)

@@ -73,7 +73,8 @@ def lr_lambda(cfg: OptimConfig):
         span = max(1, cfg.total_steps - cfg.warmup_steps)
         progress = min(1.0, (n - cfg.warmup_steps) / span)
         cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
+        floor = cfg.min_lr / cfg.lr
+        return floor + (1.0 - floor) * cosine
 
     return factor
 

@@ -107,7 +107,7 @@ def _vocab_parallel_aligned_logprobs(
 
 def _lr_scheduler(optimizer: Any, config: MegatronConfig) -> Any:
     """megatron-core's scheduler over the optimizer's groups: linear warmup from 0, then
-    constant or cosine down to ``min_lr_ratio * lr`` at ``total_steps``; weight decay constant
+    constant or cosine down to ``min_lr`` at ``total_steps``; weight decay constant
     (times each group's ``wd_mult``: 0 for 1-D tensors and biases)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -116,7 +116,7 @@ def _lr_scheduler(optimizer: Any, config: MegatronConfig) -> Any:
         optimizer,
         init_lr=0.0,
         max_lr=config.lr,
-        min_lr=config.lr * config.min_lr_ratio,
+        min_lr=config.min_lr,
         lr_warmup_steps=warmup,
         lr_decay_steps=max(config.total_steps or 0, warmup + 1),
         lr_decay_style=config.lr_schedule,
@@ -227,7 +227,7 @@ class MegatronActor:
         self.optimizer = build_optimizer(
             self.model,
             lr=config.lr,
-            min_lr=config.lr * config.min_lr_ratio,
+            min_lr=config.min_lr,
             betas=config.betas,
             eps=config.eps,
             weight_decay=config.weight_decay,

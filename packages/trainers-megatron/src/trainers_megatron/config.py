@@ -118,7 +118,19 @@ class MegatronConfig:
         default=0, metadata={"help": "linear warm-up steps", "flag": "lr_warmup_steps", "ge": 0}
     )
     total_steps: int | None = None  # cosine: optimizer steps to decay over (warmup included)
-    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    min_lr: float = field(  # the recipes' --min-lr (miles' SFT script: 1e-6)
+        default=0.0, metadata={"help": "cosine schedule's floor (a learning rate)", "ge": 0}
+    )
+    warmup_fraction: float = field(  # the recipes' --lr-warmup-fraction; steps win when set
+        default=0.0,
+        metadata={
+            "help": "linear warm-up over this fraction of the run's optimizer steps "
+            "(when --lr-warmup-steps is 0)",
+            "flag": "lr_warmup_fraction",
+            "ge": 0,
+            "le": 1,
+        },
+    )
     export_dtype: str = "bfloat16"
     seed: int = 0
 
@@ -147,8 +159,8 @@ class MegatronConfig:
             )
         if self.lr_schedule == "cosine" and not self.total_steps:
             raise ValueError("lr_schedule='cosine' needs total_steps")
-        if self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError("warmup_steps must be >= 0 and min_lr_ratio within [0, 1]")
+        if self.warmup_steps < 0 or not 0.0 <= self.min_lr <= self.lr:
+            raise ValueError("warmup_steps must be >= 0 and min_lr within [0, lr]")
 
     def actor_class(self) -> type:
         """The actor this config builds (importing it loads megatron-core, so a launcher
@@ -199,4 +211,9 @@ class MegatronConfig:
             reference_model=reference_model,
             total_steps=total_steps,
             lr=self.lr if lr is None else lr,
+            warmup_steps=(
+                int(self.warmup_fraction * total_steps)
+                if not self.warmup_steps and self.warmup_fraction and total_steps
+                else self.warmup_steps
+            ),
         )
