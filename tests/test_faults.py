@@ -156,6 +156,8 @@ class DyingEngine:
 
     def update_weights(self, buckets):
         if self.die_in_sync and self.generated and self.trigger.exists():
+            if self.once:
+                self.trigger.unlink()
             os._exit(1)
         return self.engine.update_weights(buckets)
 
@@ -312,17 +314,26 @@ def test_dead_engine_is_restarted_or_the_run_stops_and_resumes_exactly(tiny, tmp
     assert _same(retried, uninterrupted)
 
 
-def test_engine_dying_during_the_weight_sync_stops_with_one_line(tiny, tmp_path):
-    """The trainer's push fails because the engine it sends to died: the line says so, and
-    does not blame the trainer rank as dead."""
+def test_engine_dying_during_the_weight_sync_is_restarted(tiny, tmp_path):
+    """The engine's process exits inside the weight update after step 1's rollout (the kill
+    lands in the sync by construction): it is restarted, given the trainer's weights, and the
+    run ends with the metrics of a run that was never interrupted. With no retry allowed the
+    run stops with one line that names the push and does not blame the trainer rank."""
+    uninterrupted = run(tiny, tmp_path / "plain", num_rollout=2)
     trigger = tmp_path / "die"
     trigger.touch()
-    engine = dict(trigger=str(trigger), die_in_sync=True)
+    engine = dict(trigger=str(trigger), die_in_sync=True, once=True)
+    retried = run(tiny, tmp_path / "retried", engine=engine, num_rollout=2)
+    assert not trigger.exists()  # it really died
+    assert [r["engine_restarts"] for r in retried] == [1, 1]
+    assert _same(retried, uninterrupted)
+
+    trigger.touch()
     with pytest.raises(RunStopped) as err:
-        run(tiny, tmp_path / "run", engine=engine, num_rollout=1)
+        run(tiny, tmp_path / "run", engine=engine, num_rollout=1, max_rollout_retries=0)
     message = str(err.value)
     assert message.startswith("trainer rank 0 failed during push_weights: an actor it called")
-    assert "no checkpoint was saved yet" in message and "\n" not in message
+    assert "gave up after 0 restart(s)" in message and "\n" not in message
     assert not isinstance(err.value, WorkerDied)
 
 

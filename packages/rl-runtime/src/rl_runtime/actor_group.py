@@ -108,12 +108,19 @@ class TrainWorker:
         broadcast group is set up once), and built again when the engines were replaced.
         Returns the number of tensors sent.
         """
-        buckets = self.actor.iter_hf_weights(bucket_bytes, device=None)
+        buckets = iter(self.actor.iter_hf_weights(bucket_bytes, device=None))
         if self.rank != 0:
             for _ in buckets:
                 pass  # take part in the gathering, send nothing
             return 0
-        return self._transport_for(transport, list(engines)).send(buckets)
+        try:
+            return self._transport_for(transport, list(engines)).send(buckets)
+        except Exception:
+            # an engine died mid-push: the other ranks still gather the remaining buckets
+            # (collectives); finish with them so that the loop can restart it and push again
+            for _ in buckets:
+                pass
+            raise
 
     def _transport_for(self, factory: TransportFactory, engines: list[Any]) -> WeightTransport:
         """The transport ``factory`` built for ``engines``; one per factory (factories compare
@@ -362,6 +369,17 @@ class RolloutGroup:
 
     def _names(self) -> list[str]:
         return [f"rollout engine {i}" for i in range(len(self.workers))]
+
+    def dead_engines(self, timeout_s: float = 60.0) -> list[int]:
+        """Which engines' actors are gone (their ``health`` call raises Ray's actor error)."""
+        futures = [w.health.remote() for w in self.workers]
+        dead = []
+        for i, ref in enumerate(futures):
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except ray.exceptions.RayActorError:
+                dead.append(i)
+        return dead
 
     def restart(self, indices: Sequence[int]) -> None:
         """Replace the engines at `indices` (dead ones) by fresh actors in the same place.

@@ -136,7 +136,9 @@ def stop_with_checkpoint_note(checkpoints: Any) -> Iterator[None]:
 class RestartingRollout:
     """The rollout group as the loop sees it: when an engine dies during `generate`, it is
     restarted, `resync()` gives it the current weights, and the same call (same prompts, same
-    seed) is repeated, at most `retries` times per call; then the run stops."""
+    seed) is repeated, at most `retries` times per call; then the run stops. An engine that
+    dies while the trainer pushes weights (:meth:`sync`) is restarted and pushed to again,
+    within the same bound."""
 
     def __init__(self, rollout: Any, resync: Callable[[], None], retries: int) -> None:
         self.rollout = rollout
@@ -169,3 +171,32 @@ class RestartingRollout:
                 )
                 self.rollout.restart(err.indices)
                 self.resync()
+
+    def sync(self, push: Callable[[], Any]) -> Any:
+        """``push()`` (the trainer's weight push to every engine); when it fails because an
+        engine died, the dead engines are restarted and the whole push repeated (a restarted
+        engine starts from the factory's weights), at most `retries` times."""
+        attempt = 0
+        while True:
+            try:
+                return push()
+            except RunStopped as err:
+                if isinstance(err, WorkerDied):  # a trainer rank died: nothing to restart
+                    raise
+                dead = getattr(self.rollout, "dead_engines", list)()
+                if not dead or not getattr(self.rollout, "engines_restartable", True):
+                    raise
+                if attempt >= self.retries:
+                    raise RunStopped(
+                        f"{err}; gave up after {attempt} restart(s) (--max-rollout-retries)"
+                    ) from err
+                attempt += 1
+                self.restarts += 1
+                log.warning(
+                    "rollout engine(s) %s died during the weight sync; restarting and pushing "
+                    "again (%d of %d)",
+                    dead,
+                    attempt,
+                    self.retries,
+                )
+                self.rollout.restart(dead)

@@ -224,8 +224,10 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
                         with timer("sync_resume"):
                             p.train.release_cache()
                             p.rollout.resume_memory()
-                    with timer("sync_push"):
-                        p.train.push_weights(p.rollout, cfg.weight_bucket_mb << 20)
+                    with timer("sync_push"):  # an engine that dies here is restarted
+                        engines.sync(
+                            lambda: p.train.push_weights(p.rollout, cfg.weight_bucket_mb << 20)
+                        )
                     if p.offload_between_phases:
                         with timer("sync_offload"):
                             _offload(p, cfg)
