@@ -47,12 +47,21 @@ def test_engines_on_the_nccl_transport_are_not_restarted():
 
 
 def test_stop_message_names_the_kept_checkpoint(tmp_path):
-    checkpoints = CheckpointManager(tmp_path)
+    checkpoints = CheckpointManager(tmp_path / "checkpoints")
     with (
-        pytest.raises(RunStopped, match="no checkpoint was saved yet"),
+        pytest.raises(RunStopped, match=r"no checkpoint was saved yet$"),
         stop_with_checkpoint_note(checkpoints),
     ):
         raise RunStopped("trainer rank 1 died")
+    # a finished SFT warm-up beside it is what the same command starts from again
+    (tmp_path / "sft_warmup" / "hf").mkdir(parents=True)
+    (tmp_path / "sft_warmup" / "hf" / "config.json").write_text("{}")
+    with (
+        pytest.raises(RunStopped, match=r"warm-up .*sft_warmup is kept and reused"),
+        stop_with_checkpoint_note(checkpoints),
+    ):
+        raise RunStopped("trainer rank 1 died")
+    tmp_path = tmp_path / "checkpoints"
     checkpoints.save(10, {}, lambda path: None)
     with pytest.raises(WorkerDied) as err, stop_with_checkpoint_note(checkpoints):
         raise WorkerDied("trainer rank 1 died during train_step", [1])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -117,6 +118,13 @@ def last_checkpoint_note(checkpoints: Any) -> str:
     """Which checkpoint a stopped run leaves behind, for the stop message."""
     latest = checkpoints.latest()
     if latest is None:
+        root = getattr(checkpoints, "root", None)
+        warmup = None if root is None else Path(root).parent / "sft_warmup" / "hf"
+        if warmup is not None and (warmup / "config.json").is_file():
+            # sft_warmup reuses a finished warm-up: the same command starts from it
+            return (
+                f"no checkpoint was saved yet (the SFT warm-up {warmup.parent} is kept and reused)"
+            )
         return "no checkpoint was saved yet"
     return f"the last checkpoint {latest[1]} is intact (--resume continues from it)"
 
