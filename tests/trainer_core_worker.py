@@ -41,6 +41,9 @@ from vlm_models import tiny_config
 LR = 1e-4
 MAX_TOKENS = 64  # several micro-batches per rank
 LOSS = GrpoLoss(GrpoLossConfig(eps_clip=0.1, eps_clip_high=0.1))
+# the KL runs: an LR at which three steps leave the reference measurably (kl_loss ~1e-3)
+KL_LR = 1e-3
+KL_LOSS = GrpoLoss(GrpoLossConfig(eps_clip=0.2, eps_clip_high=0.2, kl_coef=0.01))
 
 
 def the_batch() -> TrainBatch:
@@ -74,7 +77,7 @@ SCENARIOS: dict[str, tuple[str, str, dict, bool]] = {
 }
 
 
-def build(name: str):
+def build(name: str, *, lr: float = LR, reference_model: bool = False):
     backend, preset, settings, _ = SCENARIOS[name]
     if backend == "fsdp":
         return FsdpActor(
@@ -83,9 +86,10 @@ def build(name: str):
                 model_overrides=dict(TINY_OVERRIDES),
                 device="cpu",
                 max_tokens_per_gpu=MAX_TOKENS,
-                optim=OptimConfig(lr=LR, weight_decay=0.0, max_grad_norm=1.0),
+                optim=OptimConfig(lr=lr, weight_decay=0.0, max_grad_norm=1.0),
                 log_entropy=False,
                 export_dtype="float32",
+                reference_model=reference_model,
             )
         )
     return MegatronActor(
@@ -93,10 +97,11 @@ def build(name: str):
             model=preset,
             model_overrides=dict(TINY_OVERRIDES),
             max_tokens_per_gpu=MAX_TOKENS,
-            lr=LR,
+            lr=lr,
             weight_decay=0.0,
             max_grad_norm=1.0,
             export_dtype="float32",
+            reference_model=reference_model,
             **settings,
         )
     )
@@ -140,6 +145,23 @@ def weights(actor) -> dict[str, torch.Tensor]:
     out = {}
     for bucket in actor.iter_hf_weights(bucket_bytes=1 << 22):
         out.update({n: t.float().clone() for n, t in bucket})
+    return out
+
+
+def kl_steps(name: str, batch: TrainBatch, steps: int = 3) -> list[dict[str, float]]:
+    """``steps`` on-policy GRPO steps with a KL penalty to the frozen initial weights, the
+    reference log-probs taken as the loop takes them (``compute_logprobs(reference=True)``)."""
+    actor = build(name, lr=KL_LR, reference_model=True)
+    out = []
+    for _ in range(steps):
+        part = dataclasses.replace(
+            batch,
+            old_logprobs=actor.compute_logprobs(batch),
+            ref_logprobs=actor.compute_logprobs(batch, reference=True),
+        )
+        out.append(actor.train_step(part, loss=KL_LOSS))
+    del actor
+    dist.barrier()
     return out
 
 
@@ -189,6 +211,8 @@ def main(out_dir: str) -> None:
         )
         del actor
         dist.barrier()
+    half = batch.select([[0, 1], [2, 3]][rank])
+    results["kl"] = {name: kl_steps(name, half) for name in ("fsdp", "megatron_tp1")}
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()
 
