@@ -477,3 +477,26 @@ def test_wandb_offline(tmp_path, monkeypatch):
     logger.close()
     assert list((tmp_path / "wandb").glob("offline-run-*"))
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def test_malformed_jsonl_lines_count_in_skipped_rows(tmp_path, monkeypatch):
+    """Lines of a JSONL file that are not a JSON object never become rows; the sampler's
+    ``skipped_rows`` (metrics.jsonl's ``skipped_rows``) counts them once, beside bad rows."""
+    import tempfile
+
+    from rl_runtime import PromptSampler
+    from vlm_data import DataConfig, prompt_source, tiny_processor
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the cleaned copy goes
+    rows = [{"problem": f"{i} + 1?", "answer": str(i + 1), "images": []} for i in range(4)]
+    rows[2]["answer"] = ""  # a bad row: drawn, skipped, counted
+    lines = [json.dumps(rows[0]), '{"problem": "torn', json.dumps(rows[1]), "[1]"]
+    lines += [json.dumps(r) for r in rows[2:]]
+    (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
+    source = prompt_source(
+        DataConfig(dataset=str(tmp_path), template="none"), tiny_processor(), "train"
+    )
+    sampler = PromptSampler(source, seed=0, shuffle=False)
+    assert [p.answer for p in sampler.next_batch(3)] == ["1", "2", "4"]
+    assert source.malformed_lines == 2 and sampler.state.skipped == 1
+    assert sampler.skipped_rows == 3

@@ -117,6 +117,10 @@ class Prompts:
     def skipped(self) -> int:
         return 0
 
+    @property
+    def malformed_lines(self) -> int:
+        return 0
+
 
 def _parts(tmp_path, gpu: Gpu) -> GrpoParts:
     calls = iter(range(1_000_000))

@@ -33,7 +33,7 @@ class Source:
     """Rows 0..n-1; the rows in `bad` are unusable."""
 
     def __init__(self, n, bad=()):
-        self.n, self.bad, self.skipped = n, set(bad), 0
+        self.n, self.bad, self.skipped, self.malformed_lines = n, set(bad), 0, 0
 
     def __len__(self):
         return self.n

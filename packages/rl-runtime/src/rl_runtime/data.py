@@ -77,6 +77,12 @@ class PromptSampler:
             out.append(sample)
         return out
 
+    @property
+    def skipped_rows(self) -> int:
+        """Rows skipped so far: bad rows drawn (each time drawn) and malformed lines of the
+        data files (once; they never became rows)."""
+        return self.state.skipped + self.source.malformed_lines
+
     def state_dict(self) -> dict[str, int]:
         return asdict(self.state)
 

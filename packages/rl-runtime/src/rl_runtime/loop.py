@@ -191,7 +191,7 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
                 row["dynamic_sampling_kept_frac"] = len(keep) / max(1, len(flat))
             lengths = [len(c.token_ids) for _, _, c in flat]
             row.update(_rollout_stats(rewards, lengths, flat, bad, cfg))
-            row["skipped_rows"] = sampler.state.skipped
+            row["skipped_rows"] = sampler.skipped_rows
             if step < cfg.num_rollout:
                 prompts_ahead.start()
             # 4. Old (and reference) log-probs, then the policy update.

@@ -112,7 +112,8 @@ class TransportFactory(Protocol):
 class PromptSource(Protocol):
     """Indexable prompts. `get(i)` returns a prompt (a `vlm_data.PromptSample`-like object with
     `input_ids`, `pixel_values`, `image_grid_thw`, `mm_token_type_ids`, `answer`) or None when
-    row `i` is bad (the source logs why and counts it in `skipped`)."""
+    row `i` is bad (the source logs why and counts it in `skipped`). `malformed_lines` are the
+    rows lost before indexing (JSONL lines that are not a JSON object), counted once at load."""
 
     def __len__(self) -> int: ...
 
@@ -120,6 +121,9 @@ class PromptSource(Protocol):
 
     @property
     def skipped(self) -> int: ...
+
+    @property
+    def malformed_lines(self) -> int: ...
 
 
 class RewardFn(Protocol):

@@ -101,7 +101,7 @@ def run_sft(
             dt = time.perf_counter() - t0
             row = {f"trainer_{k}" if k == "step" else k: float(v) for k, v in metrics.items()}
             row = {"step": step, **row}
-            row |= {"num_tokens": batch.num_tokens, "skipped_rows": sampler.state.skipped}
+            row |= {"num_tokens": batch.num_tokens, "skipped_rows": sampler.skipped_rows}
             row |= {"time_step_s": dt, "train_tokens_per_s": batch.num_tokens / max(dt, 1e-9)}
             logger.log(row)
             if step == cfg.sft_num_steps or (

@@ -40,6 +40,11 @@ class RowSource:
     def skipped(self) -> int:
         return sum(n for reason, n in self.builder.stats.items() if reason != "built")
 
+    @property
+    def malformed_lines(self) -> int:
+        """Lines of the data files dropped at load (never rows, so never drawn)."""
+        return self.builder.stats["malformed_line"]
+
 
 def load_split(
     data: DataConfig, split: str, *, eval_split: bool = False, seed: int = 0, stats: Any = None
