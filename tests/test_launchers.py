@@ -316,6 +316,36 @@ def test_megatron_backend_is_checked_before_anything_starts(tmp_path, monkeypatc
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+MACHINE_REFUSALS = [
+    ("geo3k_grpo", ["--rollout-engine", "sglang"], "--rollout-engine sglang"),
+    ("geo3k_grpo", ["--weight-transport", "cuda-ipc"], "--weight-transport cuda-ipc"),
+    ("geo3k_grpo", ["--weight-transport", "nccl"], "--weight-transport nccl"),
+    ("geo3k_grpo", ["--attn-implementation", "flash_attention_2"], "flash_attention_2"),
+    (
+        "geo3k_sft",
+        ["--backend", "megatron", "--linear-attention-kernels", "fla"],
+        "--linear-attention-kernels fla",
+    ),
+]
+
+
+@pytest.mark.parametrize(("app", "argv", "message"), MACHINE_REFUSALS)
+def test_settings_this_machine_cannot_run_are_refused_before_any_work(tmp_path, app, argv, message):
+    """SGLang without SGLang or a GPU, a GPU-only transport or kernel on a CPU run: refused by
+    the preflight, before the SFT warm-up or Ray (they used to fail after the warm-up)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("these settings may run on a GPU machine")
+    from geo3k_sft.main import run as run_sft
+
+    parse, run = (parse_grpo, run_grpo) if app == "geo3k_grpo" else (parse_sft, run_sft)
+    cfg = parse(["--preset", "tiny", "--output-dir", str(tmp_path), *argv], env={})
+    with pytest.raises(PreflightError, match=re.escape(message)):
+        run(cfg)
+    assert list(tmp_path.iterdir()) == []  # no config, no warm-up, no metrics
+
+
 def test_reward_options_are_checked_before_anything_starts():
     """A tolerance on the strict math reward stops parsing, naming the flags."""
     with pytest.raises(ConfigError, match="--reward-tolerance"):

@@ -100,10 +100,15 @@ def test_preflight_messages():
         def actor_class(self) -> type:
             return object
 
+        def machine_refusal(self, *, use_gpu: bool) -> str | None:
+            return None if use_gpu else "--kernels x runs on CUDA only"
+
     class Missing:  # one whose package lacks its actor (rl-runtime imports no trainer itself)
         def actor_class(self) -> type:
             raise AttributeError("module 'trainers_x' has no attribute 'NoSuchActor'")
 
-    check_backend("fsdp", Present())
+    check_backend("fsdp", Present(), use_gpu=True)
+    with pytest.raises(PreflightError, match=r"--kernels x runs on CUDA only"):
+        check_backend("fsdp", Present(), use_gpu=False)
     with pytest.raises(PreflightError, match=r"NoSuchActor.*--backend fsdp"):
-        check_backend("megatron", Missing())
+        check_backend("megatron", Missing(), use_gpu=True)

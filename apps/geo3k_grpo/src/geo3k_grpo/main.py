@@ -87,7 +87,14 @@ def warm_up(cfg: Geo3kGrpoConfig) -> Path:
 
 def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
     """Settle the model and layout, build the data, trainer, engines and Ray, then train."""
-    check_backend(cfg.run.backend, cfg.trainer)
+    check_backend(cfg.run.backend, cfg.trainer, use_gpu=cfg.cluster.use_gpu)
+    lay = layout(cfg.cluster, gpus_per_engine=cfg.rollout.tp_size)
+    try:  # colocated on a GPU: CUDA IPC; SGLang on GPUs of its own: NCCL; else Ray's store
+        rollout_sglang.check_engines(cfg.rollout, use_gpu=lay.use_gpu)
+        kw = {"colocate": lay.colocate, "use_gpu": lay.use_gpu, "num_trainers": lay.num_trainers}
+        transport = rollout_sglang.weight_transport(cfg.rollout, **kw)
+    except ValueError as err:
+        raise PreflightError(str(err)) from None
     load = cfg.run.load
     model, parallel = settle(
         cfg.model,
@@ -120,7 +127,6 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
     source = vlm_models.model_source(
         cfg.model, load=load, token_ids=vlm_data.model_token_ids(processor)
     )
-    lay = layout(cfg.cluster, gpus_per_engine=cfg.rollout.tp_size)
     trainer = cfg.trainer.for_run(
         model=source,
         seed=seed,
@@ -132,7 +138,7 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
         total_steps=cfg.loop.optimizer_steps,
     )
     tok = processor.tokenizer
-    try:  # colocated on a GPU: CUDA IPC; SGLang on GPUs of its own: NCCL; else Ray's store
+    try:
         engines = rollout_sglang.engine_factory(
             cfg.rollout,
             source=source,
@@ -142,8 +148,6 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
             min_pixels=d.min_pixels,
             max_pixels=d.max_pixels,
         )
-        kw = {"colocate": lay.colocate, "use_gpu": lay.use_gpu, "num_trainers": lay.num_trainers}
-        transport = rollout_sglang.weight_transport(cfg.rollout, **kw)
     except ValueError as err:
         raise PreflightError(str(err)) from None
     offload, why = offload_train(cfg)

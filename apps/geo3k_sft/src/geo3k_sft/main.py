@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 def run(cfg: Geo3kSftConfig) -> Path:
     """Settle the model and layout, build the samples and the trainer, train; return the
     exported HF folder."""
-    check_backend(cfg.run.backend, cfg.trainer)
+    check_backend(cfg.run.backend, cfg.trainer, use_gpu=cfg.cluster.use_gpu)
     load = cfg.run.load
     model, parallel = settle(
         cfg.model,

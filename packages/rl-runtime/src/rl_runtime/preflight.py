@@ -40,9 +40,10 @@ def check_gpus(needed: int, *, preset: str | None = None, available: int | None 
     )
 
 
-def check_backend(backend: str, trainer: Any) -> None:
+def check_backend(backend: str, trainer: Any, *, use_gpu: bool) -> None:
     """The trainer package `backend` picked must import and provide its actor
-    (`TrainerConfig.actor_class`): a missing one stops the run before Ray starts."""
+    (`TrainerConfig.actor_class`), and its settings must suit the machine
+    (`TrainerConfig.machine_refusal`): either stops the run before any work starts."""
     try:
         trainer.actor_class()
     except (ImportError, AttributeError) as e:
@@ -50,3 +51,6 @@ def check_backend(backend: str, trainer: Any) -> None:
             f"backend {backend!r} is not available here ({type(e).__name__}: {e}); install the "
             "GPU extra (uv sync --extra gpu) or use the FSDP backend: --backend fsdp"
         ) from None
+    why = trainer.machine_refusal(use_gpu=use_gpu)
+    if why:
+        raise PreflightError(why)

@@ -69,6 +69,11 @@ class TrainerConfig(Protocol):
         """The actor's class, imported here (ImportError: the backend is not installed)."""
         ...
 
+    def machine_refusal(self, *, use_gpu: bool) -> str | None:
+        """Why a setting cannot work on this machine (a GPU-only kernel on a CPU run, a kernel
+        package not installed), naming the flag; None when all can."""
+        ...
+
     def build(self) -> TrainActor: ...
 
 

@@ -22,6 +22,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     "hf_engine": ("HFEngine",),
     "launch": (
+        "check_engines",
         "engine_factory",
         "build_hf_engine",
         "uses_sglang",

@@ -18,6 +18,23 @@ def uses_sglang(cfg: RolloutConfig, use_gpu: bool) -> bool:
     return cfg.backend == "sglang" or (cfg.backend == "auto" and use_gpu and sglang_available())
 
 
+def check_engines(cfg: RolloutConfig, *, use_gpu: bool) -> None:
+    """Refuse (ValueError naming the flag) an engine this machine cannot run: SGLang where it
+    is not installed, or where the run has no GPU. A launcher calls it before any work."""
+    if cfg.backend != "sglang":
+        return
+    if not sglang_available():
+        raise ValueError(
+            "--rollout-engine sglang: SGLang is not installed (uv sync --extra gpu); "
+            "--rollout-engine hf serves with transformers"
+        )
+    if not use_gpu:
+        raise ValueError(
+            "--rollout-engine sglang serves on GPUs and this run has none (--num-gpus 0); "
+            "use --rollout-engine hf"
+        )
+
+
 def engine_factory(
     cfg: RolloutConfig,
     *,
@@ -40,8 +57,7 @@ def engine_factory(
             cfg.max_batch_size,
             dtype=cfg.dtype,
         )
-    if not sglang_available():
-        raise ValueError("--rollout-engine sglang: SGLang is not installed (uv sync --extra gpu)")
+    check_engines(cfg, use_gpu=use_gpu)
     if not isinstance(source, str):
         raise ValueError("the SGLang engine needs a model folder or hub id (use --load or a name)")
     engine = RolloutConfig(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -162,6 +163,22 @@ class FsdpConfig:
         import trainers_fsdp
 
         return trainers_fsdp.FsdpActor
+
+    def machine_refusal(self, *, use_gpu: bool) -> str | None:
+        """Why a setting cannot work here (see ``rl_runtime.protocols.TrainerConfig``)."""
+        if self.attn_implementation != "flash_attention_2":
+            return None
+        if not use_gpu:
+            return (
+                "--attn-implementation flash_attention_2 runs on CUDA only and this run has no "
+                "GPU; use packed (the default) or sdpa"
+            )
+        if importlib.util.find_spec("flash_attn") is None:
+            return (
+                "--attn-implementation flash_attention_2: flash-attn is not installed "
+                "(pip install flash-attn); packed (the default) needs nothing more"
+            )
+        return None
 
     def build(self) -> Any:
         """The actor, built in each trainer rank's process."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -168,6 +169,22 @@ class MegatronConfig:
         import trainers_megatron
 
         return trainers_megatron.MegatronActor
+
+    def machine_refusal(self, *, use_gpu: bool) -> str | None:
+        """Why a setting cannot work here (see ``rl_runtime.protocols.TrainerConfig``)."""
+        if self.linear_attention_kernels != "fla":
+            return None
+        if not use_gpu:
+            return (
+                "--linear-attention-kernels fla runs on CUDA only and this run has no GPU; "
+                "use auto or torch"
+            )
+        if importlib.util.find_spec("fla") is None:
+            return (
+                "--linear-attention-kernels fla: flash-linear-attention is not installed "
+                "(uv sync --extra gpu, or pip install fla-core==0.6.0); auto picks torch"
+            )
+        return None
 
     def build(self) -> Any:
         """The actor, built in each trainer rank's process."""
