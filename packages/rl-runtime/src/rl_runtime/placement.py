@@ -24,6 +24,7 @@ from typing import Any
 
 from rl_runtime import ray_reaper
 from rl_runtime.preflight import PreflightError
+from rl_runtime.ray_join import check_cluster
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,7 @@ def init_ray(
     if address:
         log.info("connecting to the Ray cluster at %s", address)
         kwargs["address"] = address
-        _check_listening(address)
-        _use_cluster_token()
+        check_cluster(address)
         attempts = 1  # a refused token or an empty address stays so on retry
     else:
         kwargs |= {"num_cpus": num_cpus, "num_gpus": num_gpus}
@@ -70,11 +70,12 @@ def init_ray(
             ray_reaper.kill_all(ray_reaper.descendants(os.getpid()) - before)
             first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
             if address:
-                raise PreflightError(_connect_error(address, first_line)) from err
-            if attempt == attempts:
-                what = "start a local Ray"
                 raise PreflightError(
-                    f"could not {what} in {attempts} attempts ({first_line}); on a busy "
+                    f"could not join the Ray cluster at {address}: {first_line}"
+                ) from err
+            if attempt == attempts:
+                raise PreflightError(
+                    f"could not start a local Ray in {attempts} attempts ({first_line}); on a busy "
                     "machine retry later or with fewer --ray-num-cpus, or start Ray yourself "
                     "(ray start --head) and pass --external-ray"
                 ) from err
@@ -85,50 +86,6 @@ def init_ray(
     if not address:
         _start_reaper()
     log.info("Ray resources: %s", ray.cluster_resources())
-
-
-def _check_listening(address: str, timeout_s: float = 3.0) -> None:
-    """Fail in seconds on a host:port where nothing listens (Ray itself waits over a minute)."""
-    import socket
-
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or "://" in address:
-        return  # "auto" or a ray:// client address: left to Ray
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError as err:
-        raise PreflightError(
-            f"nothing answers at Ray address {address} ({err}); start the head there with "
-            f"`ray start --head --port={port}` or pass the right --ray-address"
-        ) from err
-
-
-def _use_cluster_token() -> bool:
-    """Turn Ray's token authentication on for this driver when a token exists.
-
-    `ray start --head` (Ray 2.60) enables token auth and keeps the token in ~/.ray/auth_token;
-    a driver without RAY_AUTH_MODE=token sends none and the GCS refuses it. Ray's own helper
-    (ray/_private/authentication/authentication_token_setup.py,
-    maybe_enable_token_auth_if_token_available) looks where Ray looks: RAY_AUTH_TOKEN,
-    RAY_AUTH_TOKEN_PATH, then ~/.ray/auth_token, and respects an explicit RAY_AUTH_MODE."""
-    try:
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available,
-        )
-    except ImportError:  # a Ray without token authentication
-        return False
-    return maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
-
-
-def _connect_error(address: str, first_line: str) -> str:
-    """One line naming why joining `address` failed and what fixes it."""
-    low = first_line.lower()
-    if "token" in low or "auth" in low or "unauthenticated" in low:
-        return (
-            f"Ray at {address} refused this driver's authentication token ({first_line}); "
-            "copy the head's ~/.ray/auth_token to this machine or set RAY_AUTH_TOKEN to it"
-        )
-    return f"could not connect to Ray at {address} ({first_line}); is `ray start --head` running there?"
 
 
 _reaper: subprocess.Popen | None = None
