@@ -33,6 +33,7 @@ from rl_runtime import (
     layout,
     layout_report,
     parse_config,
+    placement_preview,
     recipe_env_aliases,
     section,
     state_estimate,
@@ -180,7 +181,9 @@ def print_layout(cfg: Geo3kGrpoConfig) -> dict[str, Any]:
         longest_sample=longest_sample(cfg),
     )
     offload, why = offload_train(cfg)
-    return {"layout": report, "offload_train": {"on": offload, "why": why}}
+    out = {"layout": report, "offload_train": {"on": offload, "why": why}}
+    plan = placement_preview(cfg.cluster, layout(cfg.cluster, gpus_per_engine=cfg.rollout.tp_size))
+    return out if plan is None else out | {"placement": plan}
 
 
 #: Prompt tokens assumed per sequence when ``--max-prompt-length`` is unset (Geometry3K's

@@ -168,6 +168,7 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
             transport=transport,
         )
         train.ready()
+        cluster.record(run_dir)
         logger = RunLogger(
             run_dir,
             wandb=cfg.run.use_wandb(os.environ),

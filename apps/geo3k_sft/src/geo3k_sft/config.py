@@ -22,8 +22,10 @@ from rl_runtime import (
     SftLoopConfig,
     check_parallel,
     choice,
+    layout,
     layout_report,
     parse_config,
+    placement_preview,
     recipe_env_aliases,
     section,
 )
@@ -105,7 +107,8 @@ def print_layout(cfg: Geo3kSftConfig) -> dict[str, Any]:
         model_name=cfg.model.model_name,
         with_engines=False,
     )
-    return {"layout": report}
+    plan = placement_preview(cfg.cluster, layout(cfg.cluster, with_engines=False))
+    return {"layout": report} if plan is None else {"layout": report, "placement": plan}
 
 
 def parse(

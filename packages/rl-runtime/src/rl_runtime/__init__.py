@@ -5,7 +5,7 @@ engine protocols, never the concrete backends: the apps pick those."""
 from rl_runtime.actor_group import EngineWorker, RolloutGroup, TrainGroup, TrainWorker
 from rl_runtime.checkpoint import CheckpointManager, ResumeError, resume_step
 from rl_runtime.cli import as_config_error, user_errors
-from rl_runtime.cluster import Cluster, ClusterConfig, Layout, layout
+from rl_runtime.cluster import Cluster, ClusterConfig, Layout, layout, placement_preview
 from rl_runtime.config import (
     ConfigError,
     choice,
@@ -118,6 +118,7 @@ __all__ = [
     "object_store",
     "option",
     "parse_config",
+    "placement_preview",
     "plan_layout",
     "plot_metrics",
     "read_metrics",

@@ -5,14 +5,17 @@ placement group and builds the actor groups in it, and shuts down what it starte
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from rl_runtime.actor_group import RolloutGroup, TrainGroup
 from rl_runtime.config import ConfigError, option
 from rl_runtime.placement import Placement, create_placement, init_ray, shutdown_ray
+from rl_runtime.placement_plan import actor_nodes, format_plan, plan_rows
 from rl_runtime.preflight import PreflightError
 from rl_runtime.protocols import TrainerConfig, TransportFactory
 
@@ -33,6 +36,12 @@ class ClusterConfig:
     external_ray: bool = option(False, "connect to a running Ray cluster (address 'auto')")
     ray_address: str | None = option(None, "Ray cluster address (implies an external cluster)")
     ray_num_cpus: int | None = option(None, "CPUs of the local Ray (default: all)", ge=1)
+    trainer_resource: str | None = option(
+        None, "cluster: only nodes with this custom Ray resource hold trainer ranks"
+    )
+    rollout_resource: str | None = option(
+        None, "cluster: only nodes with this custom Ray resource hold rollout engines"
+    )
 
     def check(self) -> None:
         rollout = self.rollout_num_gpus or max(1, self.num_gpus // 2)
@@ -94,6 +103,16 @@ def layout(cfg: ClusterConfig, *, with_engines: bool = True, gpus_per_engine: in
     )
 
 
+def placement_preview(cfg: ClusterConfig, lay: Layout) -> list[dict[str, Any]] | None:
+    """For ``--print-config`` on a cluster (``--ray-address`` / ``--external-ray``): join it,
+    reserve the run's placement group, read which node holds each actor (`Cluster.plan`),
+    and give it all back; no actor starts and no model loads. None without a cluster."""
+    if not (cfg.ray_address or cfg.external_ray):
+        return None
+    with Cluster(cfg, lay) as cluster:
+        return cluster.plan()
+
+
 @dataclass
 class Cluster:
     """Ray (started here, or joined), one placement group for `layout`, and the groups built in
@@ -119,7 +138,29 @@ class Cluster:
             use_gpu=lay.use_gpu,
             cpus_per_bundle=lay.bundle_cpus,
             gpus_per_engine=lay.gpus_per_engine,
+            trainer_resource=self.cfg.trainer_resource,
+            engine_resource=self.cfg.rollout_resource,
         )
+        log.info("placement plan:\n%s", format_plan(self.plan()))
+
+    def plan(self) -> list[dict[str, Any]]:
+        """Which node each trainer rank and engine is placed on (`placement_plan.plan_rows`)."""
+        cpus = self.layout.actor_cpus
+        return plan_rows(self.placement, trainer_cpus=cpus, engine_cpus=cpus)
+
+    def record(self, run_dir: Path) -> None:
+        """Write ``placement.json`` into `run_dir`: the plan and where each actor runs."""
+        run_dir.mkdir(parents=True, exist_ok=True)
+        placed = {"plan": self.plan(), "actors": self.where()}
+        (run_dir / "placement.json").write_text(json.dumps(placed, indent=2) + "\n")
+
+    def where(self) -> dict[str, list[str]]:
+        """The node id each built actor runs on, as the actors report it, by group kind."""
+        out: dict[str, list[str]] = {}
+        for group in self.groups:
+            kind = "trainer" if isinstance(group, TrainGroup) else "engine"
+            out.setdefault(kind, []).extend(actor_nodes(group.workers))
+        return out
 
     def __enter__(self) -> Cluster:
         return self

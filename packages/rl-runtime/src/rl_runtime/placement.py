@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rl_runtime import ray_reaper
+from rl_runtime.placement_plan import check_fits, nodes
 from rl_runtime.preflight import PreflightError
 from rl_runtime.ray_join import check_cluster
 
@@ -149,6 +150,10 @@ def _no_uv_runtime_env() -> None:
     ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
 
 
+#: how much of a node's custom resource one bundle asks for (a node offering 1 holds 1000)
+NODE_RESOURCE_SLIVER = 0.001
+
+
 @dataclass
 class Placement:
     """A placement group and how its bundles are shared out."""
@@ -200,12 +205,17 @@ def create_placement(
     cpus_per_bundle: float = 0.5,
     timeout_s: float = 120.0,
     gpus_per_engine: int = 1,
+    trainer_resource: str | None = None,
+    engine_resource: str | None = None,
 ) -> Placement:
     """Reserve the bundles for `num_trainers` ranks and `num_engines` engines.
 
     Colocated: max(trainers, engines) bundles, shared. Separate: trainers + engines bundles.
     On a GPU cluster each bundle is {GPU: 1, CPU: cpus_per_bundle}; on CPU {CPU: cpus_per_bundle}
-    (keep it fractional so other work still finds a CPU).
+    (keep it fractional so other work still finds a CPU). `trainer_resource` /
+    `engine_resource` name a custom resource (`ray start --resources='{"NAME": 1}'`) that the
+    trainer's / the engines' bundles ask a sliver of, so they go only to the nodes that have it.
+    Bundles that the cluster cannot hold are refused at once (`check_fits`).
     """
     import ray
     from ray.util.placement_group import placement_group
@@ -216,19 +226,24 @@ def create_placement(
     bundle: dict[str, float] = {"CPU": cpus_per_bundle}
     if use_gpu:
         bundle["GPU"] = 1.0
+    trainer_tag = {trainer_resource: NODE_RESOURCE_SLIVER} if trainer_resource else {}
+    engine_tag = {engine_resource: NODE_RESOURCE_SLIVER} if engine_resource else {}
     if colocate:
         n = max(num_trainers, num_engines * per_engine)
         trainer_bundles = list(range(num_trainers))
         engine_bundles = [e * per_engine for e in range(num_engines)]
-        bundles = [dict(bundle) for _ in range(n)]
+        bundles = [
+            {**bundle, **(trainer_tag if b < num_trainers else {}), **engine_tag} for b in range(n)
+        ]
     else:
         n = num_trainers + num_engines
         trainer_bundles = list(range(num_trainers))
         engine_bundles = list(range(num_trainers, n))
         engine_bundle = {**bundle, "GPU": float(per_engine)} if use_gpu else bundle
-        bundles = [dict(bundle) for _ in trainer_bundles] + [
-            dict(engine_bundle) for _ in engine_bundles
+        bundles = [{**bundle, **trainer_tag} for _ in trainer_bundles] + [
+            {**engine_bundle, **engine_tag} for _ in engine_bundles
         ]
+    check_fits(bundles, nodes())
     pg = placement_group(bundles, strategy="PACK")
     ready = pg.wait(timeout_seconds=timeout_s)
     if not ready:

@@ -135,6 +135,7 @@ def train_sft(
     checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.sft_keep_checkpoints)
     with Cluster(cluster, layout(cluster, with_engines=False)) as ray_cluster:
         train = ray_cluster.train_group(trainer, tp_size=tp_size)
+        ray_cluster.record(run_dir)
         logger = RunLogger(
             run_dir,
             wandb=run.use_wandb(os.environ),

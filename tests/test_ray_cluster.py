@@ -1,0 +1,194 @@
+"""The launchers on a Ray cluster the user started, as a user starts it: a head and a second
+node, each a real raylet started by `ray start` (on this one machine), told apart by custom
+resources (`node_a` on the head, `node_b` on the other), with token authentication on (the
+token in the head user's ``~/.ray/auth_token``, here a temporary HOME).
+
+- joining: the right token from ``~/.ray/auth_token`` with nothing else set; a wrong token, no
+  token and an address where nothing listens each end in one line within seconds;
+- `--print-config` shows the placement plan on the cluster; an impossible plan is refused before
+  any model loads;
+- the tiny SFT run with its trainer on the second node, and the tiny GRPO run with the trainer
+  on the head and the engine on the second node (not colocated; the weights cross between the
+  nodes through Ray's object store), each actor's node read back from the actors themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+RAY = Path(sys.executable).with_name("ray")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """`ray start --block ...`: the node lives as long as this process (SIGTERM stops it)."""
+    proc = subprocess.Popen(
+        [str(RAY), "start", "--block", *args],
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 90
+    while "Ray runtime started" not in log.read_text():
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+    return proc
+
+
+def _stop(*procs: subprocess.Popen) -> None:
+    """SIGTERM to every node at once (each `ray start --block` then stops its processes)."""
+    live = [p for p in procs if p.poll() is None]
+    for proc in live:
+        os.killpg(proc.pid, signal.SIGTERM)
+    for proc in live:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """(address, env of a user on the head machine, the two node processes)."""
+    home = tmp_path_factory.mktemp("home")
+    (home / ".ray").mkdir()
+    (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "GEO3K_"))}
+    env |= {"HOME": str(home), "RAY_AUTH_MODE": "token"}  # for `ray start` only (see below)
+    port = _free_port()
+    logs = tmp_path_factory.mktemp("nodes")
+    head = _start(
+        [
+            "--head",
+            f"--port={port}",
+            "--num-cpus=2",
+            '--resources={"node_a": 1}',
+            "--include-dashboard=false",
+        ],
+        env,
+        logs / "head.log",
+    )
+    worker = None
+    try:
+        worker = _start(
+            [f"--address=127.0.0.1:{port}", "--num-cpus=2", '--resources={"node_b": 1}'],
+            env,
+            logs / "worker.log",
+        )
+        user = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}  # as a user's shell
+        yield f"127.0.0.1:{port}", user, (head, worker)
+    finally:
+        _stop(*(p for p in (worker, head) if p is not None))
+
+
+def _launch(app: str, argv: list[str], env: dict[str, str], timeout: float = 600):
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, f"apps/{app}", *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return proc, time.monotonic() - start
+
+
+def _error_line(proc: subprocess.CompletedProcess, app: str) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.startswith(f"{app}: error: ")]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("wrong token", "refused this driver's authentication token"),
+        ("no token", "requires an authentication token"),
+        ("nothing listening", "nothing answers at Ray address"),
+    ],
+)
+def test_joining_fails_in_one_line_within_seconds(cluster, tmp_path, case, message):
+    address, env, _ = cluster
+    if case == "wrong token":
+        env = env | {"RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    elif case == "no token":
+        env = env | {"HOME": str(tmp_path)}
+    else:
+        address = f"127.0.0.1:{_free_port()}"
+    argv = ["--preset", "tiny", "--ray-address", address, "--output-dir", str(tmp_path / "run")]
+    proc, took = _launch("geo3k_grpo", argv, env, timeout=60)
+    assert message in _error_line(proc, "geo3k_grpo")
+    assert took < 10, took  # the process, torch import included
+    assert not (tmp_path / "run" / "sft_warmup" / "hf").exists()
+
+
+def test_print_config_shows_the_placement_plan(cluster, tmp_path):
+    address, env, _ = cluster
+    argv = ["--preset", "tiny", "--ray-address", address, "--no-colocate"]
+    argv += ["--trainer-resource", "node_a", "--rollout-resource", "node_b", "--print-config"]
+    proc, _ = _launch("geo3k_grpo", argv, env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads(proc.stdout)["placement"]
+    assert [(r["role"], r["node_resources"]) for r in plan] == [
+        ("trainer", ["node_a"]),
+        ("engine", ["node_b"]),
+    ]
+
+
+def test_an_impossible_plan_is_refused_before_any_model_loads(cluster, tmp_path):
+    address, env, _ = cluster
+    argv = ["--preset", "tiny", "--ray-address", address, "--output-dir", str(tmp_path)]
+    argv += ["--cpu-trainers", "2", "--trainer-resource", "node_c"]
+    proc, _ = _launch("geo3k_sft", argv, env, timeout=120)
+    line = _error_line(proc, "geo3k_sft")
+    assert "node_c 0 of 0.002" in line and "2 bundle(s)" in line, line
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def _placed(run_dir: Path) -> dict:
+    placed = json.loads((run_dir / "placement.json").read_text())
+    labels = {r["node_id"]: r["node_resources"] for r in placed["plan"]}
+    return {kind: [labels[n] for n in ids] for kind, ids in placed["actors"].items()}
+
+
+def test_sft_and_grpo_run_across_two_nodes(cluster, tmp_path):
+    address, env, _ = cluster
+    sft = tmp_path / "sft"
+    argv = ["--preset", "tiny", "--ray-address", address, "--output-dir", str(sft)]
+    argv += ["--trainer-resource", "node_b"]
+    proc, _ = _launch("geo3k_sft", argv, env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert _placed(sft) == {"trainer": [["node_b"]]}  # the node the driver is not on
+    grpo = tmp_path / "grpo"
+    argv = ["--preset", "tiny", "--ray-address", address, "--output-dir", str(grpo)]
+    argv += ["--load", str(sft / "hf"), "--no-colocate", "--num-rollout", "2"]
+    argv += ["--trainer-resource", "node_a", "--rollout-resource", "node_b"]
+    argv += ["--eval-interval", "0"]
+    proc, _ = _launch("geo3k_grpo", argv, env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert _placed(grpo) == {"trainer": [["node_a"]], "engine": [["node_b"]]}
+    rows = [json.loads(line) for line in (grpo / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    # the engine on node_b generated step 2 with the weights the trainer on node_a sent
+    assert all(r["time_sync_push_s"] > 0 for r in rows), rows
