@@ -10,15 +10,18 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import ray
 
-from rl_runtime.faults import gather
+from rl_runtime.faults import RunStopped, gather
 from rl_runtime.gc_policy import PeriodicGC
 from rl_runtime.placement import Placement
+from rl_runtime.placement_plan import actor_nodes, bundle_node
+from rl_runtime.placement_plan import nodes as cluster_nodes
 from rl_runtime.protocols import TransportFactory, WeightTransport
 from rl_runtime.weight_push import RemoteEngine, object_store
 
@@ -187,6 +190,11 @@ class EngineWorker:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+#: How long a restarted engine's bundle may be on no live node before the run stops.
+UNPLACED_S = 60.0
+POLL_S = 5.0
 
 
 def data_rank(rank: int, tp: int, dp: int) -> int:
@@ -359,8 +367,10 @@ class RolloutGroup:
             )
 
         self._spawn = spawn
+        self._placement = placement
         self.workers = [spawn(i) for i in range(num_engines)]
         self._call("health")
+        self.nodes = actor_nodes(self.workers)  # where each engine runs (a lost node is named)
         log.info("rollout group: %d engine(s) ready", num_engines)
 
     def _call(self, method: str) -> list[Any]:
@@ -381,15 +391,51 @@ class RolloutGroup:
                 dead.append(i)
         return dead
 
-    def restart(self, indices: Sequence[int]) -> None:
+    def restart(self, indices: Sequence[int], unplaced_s: float = UNPLACED_S) -> None:
         """Replace the engines at `indices` (dead ones) by fresh actors in the same place.
-        They start from the model the factory builds: push the current weights next."""
+        They start from the model the factory builds: push the current weights next. An
+        engine whose bundle no live node holds for `unplaced_s` (its node was lost and no
+        other offers what the bundle asks) stops the run, naming the node; one that is placed
+        may take as long as its model takes to load."""
         for i in indices:
             ray.kill(self.workers[i], no_restart=True)
             self.workers[i] = self._spawn(i)
+        refs = [self.workers[i].health.remote() for i in indices]
+        since: float | None = None  # when a bundle was first seen on no live node
+        while len(ray.wait(refs, num_returns=len(refs), timeout=POLL_S)[0]) < len(refs):
+            alive = cluster_nodes()
+            bundles = [self._placement.engine_bundles[i] for i in indices]
+            if all(bundle_node(self._placement.pg, b) in alive for b in bundles):
+                since = None
+                continue
+            since = since if since is not None else time.monotonic()
+            if time.monotonic() - since > unplaced_s:
+                raise RunStopped(self._unplaced(indices, alive, unplaced_s))
         names = [self._names()[i] for i in indices]
-        gather([self.workers[i].health.remote() for i in indices], names, "restart")
+        try:
+            gather(refs, names, "restart")
+        except RunStopped as err:  # placed on its old node before Ray saw that node go
+            lost = self._lost(indices, cluster_nodes())
+            if not lost:
+                raise
+            raise RunStopped(f"{err}: {lost}") from err
+        for i in indices:
+            self.nodes[i] = actor_nodes([self.workers[i]])[0]
         log.info("rollout engine(s) %s restarted", list(indices))
+
+    def _lost(self, indices: Sequence[int], alive: dict[str, Any]) -> str:
+        """ "its node ... was lost" for the engines whose node is gone, else ""."""
+        lost = sorted({self.nodes[i] for i in indices} - set(alive))
+        return f"its node {', '.join(n[:8] for n in lost)} was lost" if lost else ""
+
+    def _unplaced(self, indices: Sequence[int], alive: dict[str, Any], waited_s: float) -> str:
+        what = ", ".join(self._names()[i] for i in indices)
+        spec = self._placement.pg.bundle_specs[self._placement.engine_bundles[indices[0]]]
+        cause = self._lost(indices, alive) or "Ray did not place it"
+        return (
+            f"{what} could not be restarted: {cause}, and for {waited_s:.0f} s no live node "
+            f"held its bundle {spec}"
+        )
 
     def generate(
         self,

@@ -124,6 +124,13 @@ def format_plan(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def bundle_node(pg: Any, bundle: int) -> str:
+    """The node id holding `bundle` of placement group `pg` now ("" when none does)."""
+    from ray.util import placement_group_table
+
+    return placement_group_table(pg)["bundles_to_node_id"].get(bundle, "")
+
+
 def actor_nodes(workers: Sequence[Any]) -> list[str]:
     """The node id each actor in `workers` runs on, as the actor itself reports it."""
     import ray
