@@ -173,6 +173,7 @@ def _placed(run_dir: Path) -> dict:
     return {kind: [labels[n] for n in ids] for kind, ids in placed["actors"].items()}
 
 
+@pytest.mark.timeout(900)
 def test_sft_and_grpo_run_across_two_nodes(cluster, tmp_path):
     address, env, _ = cluster
     sft = tmp_path / "sft"
@@ -195,6 +196,7 @@ def test_sft_and_grpo_run_across_two_nodes(cluster, tmp_path):
     assert all(r["time_sync_push_s"] > 0 for r in rows), rows
 
 
+@pytest.mark.timeout(900)
 def test_a_lost_node_ends_the_run_in_one_line_and_it_resumes(cluster, tmp_path):
     """A third node holds the engine; its raylet is killed once the first checkpoint is saved.
     The run ends (the engine cannot be placed again: no other node has `node_lost`) with one

@@ -392,39 +392,48 @@ class RolloutGroup:
         return dead
 
     def restart(self, indices: Sequence[int], unplaced_s: float = UNPLACED_S) -> None:
-        """Replace the engines at `indices` (dead ones) by fresh actors in the same place.
-        They start from the model the factory builds: push the current weights next. An
-        engine whose bundle no live node holds for `unplaced_s` (its node was lost and no
-        other offers what the bundle asks) stops the run, naming the node; one that is placed
-        may take as long as its model takes to load."""
+        """Replace the engines at `indices` (dead ones) by fresh actors in the same bundles.
+        They start from the model the factory builds: push the current weights next.
+
+        When an engine's node was lost, Ray moves its bundle to a node that can hold it, if
+        any: a replacement that Ray placed on the old node before it saw the node go (it dies
+        at once) is replaced once more, and one whose bundle no live node holds for
+        `unplaced_s` stops the run, naming the node. A placed engine may take as long as its
+        model takes to load."""
+        for attempt in range(2):
+            for i in indices:
+                ray.kill(self.workers[i], no_restart=True)
+                self.workers[i] = self._spawn(i)
+            refs = [self.workers[i].health.remote() for i in indices]
+            self._wait_placed(indices, refs, unplaced_s)
+            try:
+                gather(refs, [self._names()[i] for i in indices], "restart")
+                break
+            except RunStopped as err:
+                lost = self._lost(indices, cluster_nodes())
+                if not lost or attempt == 1:
+                    raise RunStopped(f"{err}: {lost}" if lost else str(err)) from err
+                log.warning("%s (%s); placing it again", err, lost)
         for i in indices:
-            ray.kill(self.workers[i], no_restart=True)
-            self.workers[i] = self._spawn(i)
-        refs = [self.workers[i].health.remote() for i in indices]
-        since: float | None = None  # when a bundle was first seen on no live node
+            self.nodes[i] = actor_nodes([self.workers[i]])[0]
+        log.info("rollout engine(s) %s restarted", list(indices))
+
+    def _wait_placed(self, indices: Sequence[int], refs: list[Any], unplaced_s: float) -> None:
+        """Until every call in `refs` has an answer; raise once a bundle of `indices` has
+        been on no live node for `unplaced_s`."""
+        bundles = [self._placement.engine_bundles[i] for i in indices]
+        since: float | None = None
         while len(ray.wait(refs, num_returns=len(refs), timeout=POLL_S)[0]) < len(refs):
             alive = cluster_nodes()
-            bundles = [self._placement.engine_bundles[i] for i in indices]
             if all(bundle_node(self._placement.pg, b) in alive for b in bundles):
                 since = None
                 continue
             since = since if since is not None else time.monotonic()
             if time.monotonic() - since > unplaced_s:
                 raise RunStopped(self._unplaced(indices, alive, unplaced_s))
-        names = [self._names()[i] for i in indices]
-        try:
-            gather(refs, names, "restart")
-        except RunStopped as err:  # placed on its old node before Ray saw that node go
-            lost = self._lost(indices, cluster_nodes())
-            if not lost:
-                raise
-            raise RunStopped(f"{err}: {lost}") from err
-        for i in indices:
-            self.nodes[i] = actor_nodes([self.workers[i]])[0]
-        log.info("rollout engine(s) %s restarted", list(indices))
 
     def _lost(self, indices: Sequence[int], alive: dict[str, Any]) -> str:
-        """ "its node ... was lost" for the engines whose node is gone, else ""."""
+        """Which of the engines' nodes are gone ("its node ... was lost"), or ""."""
         lost = sorted({self.nodes[i] for i in indices} - set(alive))
         return f"its node {', '.join(n[:8] for n in lost)} was lost" if lost else ""
 
