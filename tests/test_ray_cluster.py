@@ -197,11 +197,13 @@ def test_sft_and_grpo_run_across_two_nodes(cluster, tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_a_lost_node_ends_the_run_in_one_line_and_it_resumes(cluster, tmp_path):
-    """A third node holds the engine; its raylet is killed once the first checkpoint is saved.
-    The run ends (the engine cannot be placed again: no other node has `node_lost`) with one
-    line naming the lost node and the intact checkpoint; `--resume` with the engine on
-    another node continues from that checkpoint."""
+@pytest.mark.parametrize("role", ["engine", "trainer"])
+def test_a_lost_node_ends_the_run_in_one_line_and_it_resumes(cluster, tmp_path, role):
+    """A third node holds the engine (or the trainer); its raylet is killed once the first
+    checkpoint is saved. The run ends (an engine cannot be placed again: no other node has
+    `node_lost`; a trainer rank is not restarted) with one line naming the actor, the lost
+    node and the intact checkpoint; `--resume` with that actor on another node continues from
+    that checkpoint."""
     import psutil
 
     address, env, _ = cluster
@@ -213,10 +215,12 @@ def test_a_lost_node_ends_the_run_in_one_line_and_it_resumes(cluster, tmp_path):
     run = tmp_path / "run"
     argv = ["--preset", "tiny", "--ray-address", address, "--output-dir", str(run)]
     argv += ["--warmup-sft-steps", "0", "--no-colocate", "--eval-interval", "0"]
-    argv += ["--num-rollout", "40", "--save-interval", "1", "--trainer-resource", "node_a"]
+    argv += ["--num-rollout", "40", "--save-interval", "1"]
+    lost, kept = ("--rollout-resource", "--trainer-resource")[:: 1 if role == "engine" else -1]
+    argv += [kept, "node_a"]
     try:
         proc = subprocess.Popen(
-            [sys.executable, "apps/geo3k_grpo", *argv, "--rollout-resource", "node_lost"],
+            [sys.executable, "apps/geo3k_grpo", *argv, lost, "node_lost"],
             cwd=ROOT,
             env=env,
             stdout=subprocess.DEVNULL,
@@ -234,10 +238,11 @@ def test_a_lost_node_ends_the_run_in_one_line_and_it_resumes(cluster, tmp_path):
         _stop(third)
     text = " ".join(err.split())  # the stop line, as the log wraps it
     assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
-    assert "rollout engine 0" in text and "was lost" in text and "is intact" in text, text[-2000:]
+    actor = "rollout engine 0" if role == "engine" else "trainer rank 0"
+    assert actor in text and "was lost" in text and "is intact" in text, text[-2000:]
     done = int(json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"])
     argv[argv.index("40")] = str(done + 1)
-    resumed, _ = _launch("geo3k_grpo", [*argv, "--rollout-resource", "node_b", "--resume"], env)
+    resumed, _ = _launch("geo3k_grpo", [*argv, lost, "node_b", "--resume"], env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, done + 2)), steps

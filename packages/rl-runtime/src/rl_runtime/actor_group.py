@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from rl_runtime.faults import RunStopped, gather
+from rl_runtime.faults import RunStopped, WorkerDied, gather
 from rl_runtime.gc_policy import PeriodicGC
 from rl_runtime.placement import Placement
 from rl_runtime.placement_plan import actor_nodes, bundle_node
@@ -192,6 +192,23 @@ class EngineWorker:
         self.engine.shutdown()
 
 
+def _unreachable(err: BaseException) -> bool:
+    """An actor Ray could not reach (a lost node looks so until Ray marks the node dead)."""
+    return "ActorUnavailableError" in str(err)
+
+
+def _lost_nodes(nodes: Sequence[str], wait_s: float) -> list[str]:
+    """Which of `nodes` Ray reports dead, waiting up to `wait_s` for it to notice one."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        lost = sorted(set(nodes) - set(cluster_nodes()))
+        if lost or time.monotonic() >= deadline:
+            return lost
+        time.sleep(1.0)
+
+
+#: How long to wait, after an actor became unreachable, for Ray to tell whether its node died.
+NODE_LOSS_S = 30.0
 #: How long a restarted engine's bundle may be on no live node before the run stops.
 UNPLACED_S = 60.0
 POLL_S = 5.0
@@ -240,6 +257,7 @@ class TrainGroup:
         self.tp_size = tp_size
         self.pp_size = pp_size
         self.workers: list[Any] = []
+        self.nodes: list[str] = []  # each rank's node id, once ready
         master: tuple[str, int] | None = None
         for rank in range(world_size):
             opts = {
@@ -267,6 +285,7 @@ class TrainGroup:
             return
         futures, self._starting = self._starting, None
         gather(futures, [f"trainer rank {r}" for r in range(len(futures))], "start")
+        self.nodes = actor_nodes(self.workers)  # where each rank runs (a lost node is named)
         log.info("trainer group: %d rank(s) ready", self.world_size)
 
     def _call(self, method: str, *args_per_rank: Sequence[Any], **kwargs: Any) -> list[Any]:
@@ -277,7 +296,13 @@ class TrainGroup:
             for r, w in enumerate(self.workers)
         ]
         names = [f"trainer rank {r}" for r in range(len(self.workers))]
-        return gather(futures, names, method)
+        try:
+            return gather(futures, names, method)
+        except WorkerDied as err:
+            lost = _lost_nodes(self.nodes, wait_s=NODE_LOSS_S if _unreachable(err) else 0.0)
+            if lost:  # the line says why the rank died
+                err.args = (f"{err}: its node {', '.join(n[:8] for n in lost)} was lost",)
+            raise
 
     def _shard(self, batch: Any) -> list[Any]:
         """One shard per data-parallel rank, repeated over the ranks of its model replica."""
