@@ -99,6 +99,11 @@ def cluster(tmp_path_factory):
         yield f"127.0.0.1:{port}", user, (head, worker)
     finally:
         _stop(*(p for p in (worker, head) if p is not None))
+        # `ray stop` would remove the address `ray start` recorded; a later bare `ray.init()`
+        # on this machine would try to join it (init_ray starts its own: address "local")
+        current = Path("/tmp/ray/ray_current_cluster")
+        if current.is_file() and current.read_text().strip().endswith(f":{port}"):
+            current.unlink()
 
 
 def _launch(app: str, argv: list[str], env: dict[str, str], timeout: float = 600):

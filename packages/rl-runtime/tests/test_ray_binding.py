@@ -27,7 +27,14 @@ def listeners():
     """(process command line, address) of every listening socket of this process's tree."""
     if os.environ.get("RAY_AUTH_MODE") not in (None, "token"):
         pytest.skip("RAY_AUTH_MODE is set to something else here")
-    init_ray(num_cpus=1)
+    # A cluster `ray start` recorded (RAY_ADDRESS, or /tmp/ray/ray_current_cluster) is not
+    # joined: init_ray starts a Ray of its own (a bare ray.init() would try this address).
+    os.environ["RAY_ADDRESS"] = "127.0.0.1:9"
+    try:
+        init_ray(num_cpus=1)
+    finally:
+        del os.environ["RAY_ADDRESS"]
+    assert ray.get_runtime_context().gcs_address != "127.0.0.1:9"
     try:
         me = psutil.Process()
         procs = {p.pid: p.cmdline() for p in [me, *me.children(recursive=True)]}

@@ -58,7 +58,9 @@ def init_ray(
         check_cluster(address)
         attempts = 1  # a refused token or an empty address stays so on retry
     else:
-        kwargs |= {"num_cpus": num_cpus, "num_gpus": num_gpus}
+        # "local": a new Ray of our own, even where `ray start` ran on this machine before
+        # (a bare ray.init() would join the cluster named in /tmp/ray/ray_current_cluster)
+        kwargs |= {"address": "local", "num_cpus": num_cpus, "num_gpus": num_gpus}
     for attempt in range(1, attempts + 1):
         before = ray_reaper.descendants(os.getpid())
         try:
