@@ -185,7 +185,7 @@ class Prompts:
 
     def __init__(self, prompts) -> None:
         self.prompts = prompts
-        self.skipped = 0
+        self.skipped = self.malformed_lines = 0
 
     def __len__(self) -> int:
         return len(self.prompts)
