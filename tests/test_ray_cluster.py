@@ -220,7 +220,7 @@ def test_a_lost_node_ends_the_run_in_one_line_and_it_resumes(cluster, tmp_path, 
     run = tmp_path / "run"
     argv = ["--preset", "tiny", "--ray-address", address, "--output-dir", str(run)]
     argv += ["--warmup-sft-steps", "0", "--no-colocate", "--eval-interval", "0"]
-    argv += ["--num-rollout", "40", "--save-interval", "1"]
+    argv += ["--num-rollout", "40", "--save-interval", "1", "--node-wait-s", "10"]
     lost, kept = ("--rollout-resource", "--trainer-resource")[:: 1 if role == "engine" else -1]
     argv += [kept, "node_a"]
     try:
@@ -238,7 +238,7 @@ def test_a_lost_node_ends_the_run_in_one_line_and_it_resumes(cluster, tmp_path, 
             time.sleep(0.2)
         (raylet,) = [p for p in psutil.Process(third.pid).children(True) if p.name() == "raylet"]
         raylet.kill()
-        _, err = proc.communicate(timeout=300)  # never hangs: detection, then UNPLACED_S
+        _, err = proc.communicate(timeout=300)  # never hangs: detection, then --node-wait-s
     finally:
         _stop(third)
     text = " ".join(err.split())  # the stop line, as the log wraps it

@@ -209,8 +209,6 @@ def _lost_nodes(nodes: Sequence[str], wait_s: float) -> list[str]:
 
 #: How long to wait, after an actor became unreachable, for Ray to tell whether its node died.
 NODE_LOSS_S = 30.0
-#: How long a restarted engine's bundle may be on no live node before the run stops.
-UNPLACED_S = 60.0
 POLL_S = 5.0
 
 
@@ -371,9 +369,11 @@ class RolloutGroup:
         num_cpus: float = 0.25,
         transport: TransportFactory | None = None,
         log_level: str = "WARNING",
+        node_wait_s: float = 60.0,
     ) -> None:
         """``transport``: how trainer rank 0 sends weights to these engines (default: Ray's
-        object store)."""
+        object store). ``node_wait_s``: how long a restarted engine's bundle may be on no live
+        node before :meth:`restart` stops the run."""
         self.transport: TransportFactory = object_store if transport is None else transport
         remote_cls = ray.remote(EngineWorker)
         devices = placement.engine_devices
@@ -393,6 +393,7 @@ class RolloutGroup:
 
         self._spawn = spawn
         self._placement = placement
+        self._node_wait_s = node_wait_s
         self.workers = [spawn(i) for i in range(num_engines)]
         self._call("health")
         self.nodes = actor_nodes(self.workers)  # where each engine runs (a lost node is named)
@@ -416,21 +417,21 @@ class RolloutGroup:
                 dead.append(i)
         return dead
 
-    def restart(self, indices: Sequence[int], unplaced_s: float = UNPLACED_S) -> None:
+    def restart(self, indices: Sequence[int]) -> None:
         """Replace the engines at `indices` (dead ones) by fresh actors in the same bundles.
         They start from the model the factory builds: push the current weights next.
 
         When an engine's node was lost, Ray moves its bundle to a node that can hold it, if
         any: a replacement that Ray placed on the old node before it saw the node go (it dies
         at once) is replaced once more, and one whose bundle no live node holds for
-        `unplaced_s` stops the run, naming the node. A placed engine may take as long as its
+        `node_wait_s` stops the run, naming the node. A placed engine may take as long as its
         model takes to load."""
         for attempt in range(2):
             for i in indices:
                 ray.kill(self.workers[i], no_restart=True)
                 self.workers[i] = self._spawn(i)
             refs = [self.workers[i].health.remote() for i in indices]
-            self._wait_placed(indices, refs, unplaced_s)
+            self._wait_placed(indices, refs, self._node_wait_s)
             try:
                 gather(refs, [self._names()[i] for i in indices], "restart")
                 break

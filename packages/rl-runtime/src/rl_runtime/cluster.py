@@ -42,6 +42,12 @@ class ClusterConfig:
     rollout_resource: str | None = option(
         None, "cluster: only nodes with this custom Ray resource hold rollout engines"
     )
+    node_wait_s: float = option(
+        60.0,
+        "a restarted engine waits this long for a live node to hold it (a lost node's), "
+        "then the run stops",
+        ge=0,
+    )
 
     def check(self) -> None:
         rollout = self.rollout_num_gpus or max(1, self.num_gpus // 2)
@@ -203,6 +209,7 @@ class Cluster:
             params_fn=params_fn,
             num_cpus=self.layout.actor_cpus,
             transport=transport,
+            node_wait_s=self.cfg.node_wait_s,
         )
         self.groups.append(group)
         return group
