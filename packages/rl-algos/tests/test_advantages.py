@@ -61,8 +61,10 @@ def test_naive_float32_has_artifact_ours_does_not():
     rewards = [0.9] * 8 + [0.9, 0.0, 0.9, 0.0, 0.9, 0.9, 0.0, 0.9]
     naive = naive_float32_advantages(rewards, group_size=8)
     centred = torch.tensor(rewards[:8]) - torch.tensor(rewards[:8]).mean()
-    assert (centred != 0).any(), "float32 0.9 - mean(0.9...) should not be exactly 0"
-    assert naive[:8].abs().max() > 0.01  # a spurious advantage, amplified by the tiny std
+    # whether float32 0.9 - mean(8 x 0.9) is 0 depends on the order this torch sums in (a
+    # pairwise sum of 8 equal values is exact); where it is not 0, the naive path amplifies it
+    if (centred != 0).any():
+        assert naive[:8].abs().max() > 0.01  # a spurious advantage, amplified by the tiny std
     for dtype in ALL_DTYPES:
         ours = compute_grpo_advantages(rewards, group_size=8, reward_dtype=dtype)
         assert ours.dtype == dtype
