@@ -70,6 +70,7 @@ def test_start_up_failures_end_in_one_line(monkeypatch):
     message = err.value.message
     assert "\n" not in message and "timed out during startup" in message
     assert "start a local Ray in 3 attempts" in message and "--external-ray" in message
+    assert f"on {os.cpu_count()} cores" in message  # busy or not, as measured
     assert not ray.is_initialized()
 
 

@@ -78,9 +78,9 @@ def init_ray(
                 ) from err
             if attempt == attempts:
                 raise PreflightError(
-                    f"could not start a local Ray in {attempts} attempts ({first_line}); on a busy "
-                    "machine retry later or with fewer --ray-num-cpus, or start Ray yourself "
-                    "(ray start --head) and pass --external-ray"
+                    f"could not start a local Ray in {attempts} attempts ({first_line}); "
+                    f"{_load_note()}; or start Ray yourself (ray start --head) and pass "
+                    "--external-ray"
                 ) from err
             log.warning(
                 "Ray start-up failed (%s); trying again (%d/%d)", first_line, attempt, attempts
@@ -89,6 +89,16 @@ def init_ray(
     if not address:
         _start_reaper()
     log.info("Ray resources: %s", ray.cluster_resources())
+
+
+def _load_note() -> str:
+    """The machine's measured load, and the advice that fits it."""
+    cores = os.cpu_count() or 1
+    load = os.getloadavg()[0]
+    measured = f"load average {load:.1f} on {cores} cores"
+    if load > cores:
+        return f"the machine is busy ({measured}): retry later or with fewer --ray-num-cpus"
+    return f"the machine is not busy ({measured}): see Ray's logs under /tmp/ray/session_latest"
 
 
 _reaper: subprocess.Popen | None = None
