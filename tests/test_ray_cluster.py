@@ -131,6 +131,7 @@ def _error_line(proc: subprocess.CompletedProcess, app: str) -> str:
     [
         ("wrong token", "refused this driver's authentication token"),
         ("no token", "requires an authentication token"),
+        ("token mode, no token", "RAY_AUTH_MODE=token is set but no token was found"),
         ("nothing listening", "nothing answers at Ray address"),
     ],
 )
@@ -140,6 +141,8 @@ def test_joining_fails_in_one_line_within_seconds(cluster, tmp_path, case, messa
         env = env | {"RAY_AUTH_TOKEN": secrets.token_hex(32)}
     elif case == "no token":
         env = env | {"HOME": str(tmp_path)}
+    elif case == "token mode, no token":
+        env = env | {"HOME": str(tmp_path), "RAY_AUTH_MODE": "token"}
     else:
         address = f"127.0.0.1:{_free_port()}"
     argv = ["--preset", "tiny", "--ray-address", address, "--output-dir", str(tmp_path / "run")]

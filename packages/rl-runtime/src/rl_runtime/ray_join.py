@@ -38,8 +38,19 @@ def check_cluster(address: str, *, timeout_s: float = 3.0) -> str | None:
     gcs = _gcs_address(address)
     _check_listening(gcs, address, timeout_s)
     token = use_cluster_token()
+    if token and not _has_token():  # Ray's C++ client would abort this process
+        raise PreflightError(
+            f"RAY_AUTH_MODE=token is set but no token was found for the Ray cluster at {gcs}: "
+            f"{TOKEN_HELP}"
+        )
     _check_accepted(gcs, token)
     return gcs
+
+
+def _has_token() -> bool:
+    from ray._raylet import AuthenticationTokenLoader
+
+    return AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True)
 
 
 def use_cluster_token() -> bool:
