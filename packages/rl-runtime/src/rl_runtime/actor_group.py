@@ -197,13 +197,16 @@ def _unreachable(err: BaseException) -> bool:
     return "ActorUnavailableError" in str(err)
 
 
-def _lost_nodes(nodes: Sequence[str], wait_s: float) -> list[str]:
-    """Which of `nodes` Ray reports dead, waiting up to `wait_s` for it to notice one."""
+def _lost_note(nodes: Sequence[str], wait_s: float = 0.0) -> str:
+    """ "its node ... was lost" for those of `nodes` Ray reports dead (waiting up to `wait_s`
+    for it to notice one), or ""."""
     deadline = time.monotonic() + wait_s
     while True:
         lost = sorted(set(nodes) - set(cluster_nodes()))
-        if lost or time.monotonic() >= deadline:
-            return lost
+        if lost:
+            return f"its node {', '.join(n[:8] for n in lost)} was lost"
+        if time.monotonic() >= deadline:
+            return ""
         time.sleep(1.0)
 
 
@@ -297,9 +300,9 @@ class TrainGroup:
         try:
             return gather(futures, names, method)
         except WorkerDied as err:
-            lost = _lost_nodes(self.nodes, wait_s=NODE_LOSS_S if _unreachable(err) else 0.0)
+            lost = _lost_note(self.nodes, wait_s=NODE_LOSS_S if _unreachable(err) else 0.0)
             if lost:  # the line says why the rank died
-                err.args = (f"{err}: its node {', '.join(n[:8] for n in lost)} was lost",)
+                err.args = (f"{err}: {lost}",)
             raise
 
     def _shard(self, batch: Any) -> list[Any]:
@@ -436,7 +439,7 @@ class RolloutGroup:
                 gather(refs, [self._names()[i] for i in indices], "restart")
                 break
             except RunStopped as err:
-                lost = self._lost(indices, cluster_nodes())
+                lost = _lost_note([self.nodes[i] for i in indices])
                 if not lost or attempt == 1:
                     raise RunStopped(f"{err}: {lost}" if lost else str(err)) from err
                 log.warning("%s (%s); placing it again", err, lost)
@@ -456,17 +459,12 @@ class RolloutGroup:
                 continue
             since = since if since is not None else time.monotonic()
             if time.monotonic() - since > unplaced_s:
-                raise RunStopped(self._unplaced(indices, alive, unplaced_s))
+                raise RunStopped(self._unplaced(indices, unplaced_s))
 
-    def _lost(self, indices: Sequence[int], alive: dict[str, Any]) -> str:
-        """Which of the engines' nodes are gone ("its node ... was lost"), or ""."""
-        lost = sorted({self.nodes[i] for i in indices} - set(alive))
-        return f"its node {', '.join(n[:8] for n in lost)} was lost" if lost else ""
-
-    def _unplaced(self, indices: Sequence[int], alive: dict[str, Any], waited_s: float) -> str:
+    def _unplaced(self, indices: Sequence[int], waited_s: float) -> str:
         what = ", ".join(self._names()[i] for i in indices)
         spec = self._placement.pg.bundle_specs[self._placement.engine_bundles[indices[0]]]
-        cause = self._lost(indices, alive) or "Ray did not place it"
+        cause = _lost_note([self.nodes[i] for i in indices]) or "Ray did not place it"
         return (
             f"{what} could not be restarted: {cause}, and for {waited_s:.0f} s no live node "
             f"held its bundle {spec}"
