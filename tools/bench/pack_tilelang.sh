@@ -6,7 +6,9 @@
 # 3.4.0-3.7.0 (fla issue #640) unless tilelang is installed; the H200 image has Triton 3.6.0.
 # tilelang's wheel (50 MB) and z3-solver's (29 MB) together pass the device tool's 64 MiB carry
 # limit as wheels; unpacked, pruned (z3's command-line binary) and xz-packed they are ~45 MB.
-# gpu_suite.sh unpacks every *.tar.xz of WHEEL_DIR into its site folder.
+# gpu_suite.sh unpacks every *.tar.xz of WHEEL_DIR into its site folder. Use: copy the fla_core
+# and megatron_core wheels beside the archive, then `WHEEL_DIR=.wq35 bash tools/bench/gpu_suite.sh
+# qwen35` with .wq35 carried to the device machine.
 set -euo pipefail
 dest=${1:-.wq35}
 work=$(mktemp -d)
