@@ -238,6 +238,7 @@ def test_qwen35_35b_a3b_preset_is_the_slime_layout(capsys):
         speculative_num_draft_tokens=4,
     )
     assert engine.engine_kwargs()["ep_size"] == 8
+    assert cfg.reward.reward_type == "deepscaler"  # the script's --rm-type
     with pytest.raises(SystemExit) as done:
         parse_grpo([*QWEN35, "--print-config", "--gpu-memory-gib", "141"], env={})
     assert done.value.code == 0

@@ -8,6 +8,7 @@ from rewards_math import (
     REWARDS,
     build,
     compute_score,
+    deepscaler_reward,
     format_score,
     geo3k_reward,
     math_format_reward,
@@ -47,8 +48,24 @@ def test_format_score():
     assert format_score("\\boxed{1}") == 1.0
 
 
+def test_deepscaler_counts_only_the_answer_after_thinking():
+    """slime's Qwen3.5 geo3k run scores with this rule (rm_hub/deepscaler.py)."""
+    finished = "<think>legs 4 and 4, \\boxed{5}?</think> The hypotenuse is \\boxed{4\\sqrt{2}}."
+    assert deepscaler_reward(finished, "\\sqrt{32}") == 1.0
+    assert deepscaler_reward(finished, "\\boxed{\\sqrt{32}}") == 1.0  # a boxed label: its content
+    assert deepscaler_reward(finished, "5") == 0.0  # a box inside the thinking does not count
+    unfinished = "<think>legs 4 and 4, so \\boxed{4\\sqrt{2}}"
+    assert deepscaler_reward(unfinished, "\\sqrt{32}") == 0.0  # no </think>: no reward
+    assert deepscaler_reward(RESPONSE, "\\sqrt{32}") == 0.0  # no thinking at all
+    assert deepscaler_reward("<think>a</think> it is 4", "4") == 0.0  # no boxed answer
+    assert deepscaler_reward("<think>a</think> \\boxed{4}", "") == 0.0  # no label
+    assert deepscaler_reward("q ###Response \\boxed{4}", "4") == 1.0  # the dataset's other format
+    assert deepscaler_reward(None, "4") == 0.0  # type: ignore[arg-type]
+    assert build("deepscaler")(finished, "4\\sqrt{2}") == 1.0
+
+
 def test_registry_and_build():
-    assert set(REWARDS) >= {"math", "geo3k", "math_format"}
+    assert set(REWARDS) >= {"math", "geo3k", "math_format", "deepscaler"}
     reward = build("geo3k", tolerance=0.05)
     assert reward("\\boxed{5.66}", "4\\sqrt{2}") == 1.0
     restored = pickle.loads(pickle.dumps(reward))  # travels to worker processes and Ray actors

@@ -154,6 +154,8 @@ PRESETS["qwen3.5-35b-a3b"] = {
     "sglang_mem_fraction_static": 0.7,
     "sglang_speculative_algorithm": "NEXTN",
     "sglang_speculative_num_steps": 3,
+    # the script's `--rm-type deepscaler`: only the answer after `</think>` counts
+    "reward_type": "deepscaler",
 }
 
 

@@ -38,6 +38,23 @@ def geo3k_reward(response: str, answer: str, *, tolerance: float = 0.0) -> float
     return 1.0 if is_equivalent(pred, answer, tolerance=tolerance) else 0.0
 
 
+def deepscaler_reward(response: str, answer: str) -> float:
+    """The DeepScaleR rule (slime's ``--rm-type deepscaler``, the reward of its Qwen3.5 geo3k
+    run): only the text after the last ``</think>`` counts (or after ``###Response``, that
+    dataset's other prompt format); a response that never finishes thinking scores 0. Then as
+    ``math``; a ground truth written as ``\\boxed{...}`` is compared by its content."""
+    if not isinstance(response, str) or not isinstance(answer, str) or not answer.strip():
+        return 0.0
+    if "</think>" in response:
+        solution = response.rsplit("</think>", 1)[1]
+    elif "###Response" in response:
+        solution = response.split("###Response", 2)[1]
+    else:
+        return 0.0
+    gold = extract_boxed(answer) if ("\\boxed" in answer or "\\fbox" in answer) else answer
+    return math_reward(solution, gold) if gold is not None else 0.0
+
+
 def format_score(response: str, *, require_think: bool = False) -> float:
     """1.0 when the response is well formed: a closed boxed answer, after a ``<think>`` block
     (``<think>...</think>`` at the start) when ``require_think``."""
@@ -75,6 +92,7 @@ REWARDS: dict[str, Callable[..., float]] = {
     "math": math_reward,
     "geo3k": geo3k_reward,
     "math_format": math_format_reward,
+    "deepscaler": deepscaler_reward,
 }
 """Rewards by name. Register your own with ``REWARDS["name"] = fn``."""
 
