@@ -217,7 +217,7 @@ def test_no_offload_train_is_kept():
 QWEN35 = ["--preset", "qwen3.5-35b-a3b"]
 
 
-def test_qwen35_35b_a3b_preset_is_the_slime_layout(capsys):
+def test_qwen35_35b_a3b_preset_is_the_slime_layout(capsys, monkeypatch):
     """The slime recipe's 35B-A3B run: megatron TP2 + SP with whole experts over EP8, full
     recompute; one SGLang engine of 8 GPUs with EP8 and NEXTN speculative decoding; the
     layout estimated from the built-in shape before any download."""
@@ -230,14 +230,32 @@ def test_qwen35_35b_a3b_preset_is_the_slime_layout(capsys):
     assert actor.recompute == "full" and cfg.cluster.num_gpus == 8 and cfg.cluster.colocate
     engine = cfg.rollout.sglang_config()
     assert (cfg.rollout.backend, engine.tp_size, engine.mem_fraction_static) == ("sglang", 8, 0.7)
-    assert engine.extra_args == dict(
+    expected = dict(
         ep_size=8,
-        speculative_algorithm="NEXTN",
-        speculative_num_steps=3,
+        speculative_algorithm="EAGLE",
+        speculative_num_steps=2,
         speculative_eagle_topk=1,
-        speculative_num_draft_tokens=4,
+        speculative_num_draft_tokens=3,
+        enable_draft_weights_cpu_backup=True,
+        max_running_requests=512,
+        cuda_graph_bs_decode=[1, 2, 4, *range(8, 257, 8)],
     )
+    assert engine.extra_args == expected
     assert engine.engine_kwargs()["ep_size"] == 8
+    # what the rollout actors build: the whole rollout configuration reaches SGLang (built,
+    # not run: SGLang is taken as installed)
+    from rollout_sglang import launch
+
+    monkeypatch.setattr(launch, "sglang_available", lambda: True)
+    factory = launch.engine_factory(
+        cfg.rollout, source="/models/Qwen3.5-35B-A3B", use_gpu=True, eos_token_ids=[1],
+        pad_token_id=0, min_pixels=3136, max_pixels=1003520,
+    )  # fmt: skip
+    built = factory.args[0].sglang_config()
+    assert built.extra_args == expected and built.tp_size == 8 and built.base_gpu_id == 0
+    assert (built.min_pixels, built.max_pixels, built.model_path) == (
+        3136, 1003520, "/models/Qwen3.5-35B-A3B"
+    )  # fmt: skip
     assert cfg.reward.reward_type == "deepscaler"  # the script's --rm-type
     with pytest.raises(SystemExit) as done:
         parse_grpo([*QWEN35, "--print-config", "--gpu-memory-gib", "141"], env={})
@@ -259,7 +277,11 @@ QWEN35_REFUSED = [
     ),
     (["--backend", "fsdp"], r"--tensor-parallel / --sequence-parallel are for --backend megatron"),
     (["--sglang-ep-size", "3"], r"--sglang-ep-size 3 must divide --rollout-num-gpus-per-engine 8"),
-    (["--rollout-engine", "hf"], r"--rollout-engine hf has neither"),
+    (
+        ["--rollout-engine", "hf"],
+        r"--sglang-ep-size / --sglang-speculative-algorithm / --sglang-cuda-graph-bs / "
+        r"--sglang-max-running-requests: SGLang's; --rollout-engine hf has none",
+    ),
 ]
 
 

@@ -249,3 +249,35 @@ def test_our_flattened_bucket_payloads_load_through_sglangs_own_path():
     for name, tensor in bucket:
         assert loaded[name].dtype == tensor.dtype
         torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0)
+
+
+def test_speculative_and_moe_settings_are_sglangs_own():
+    """The Qwen3.5 recipe's SGLang settings (EP, EAGLE from the MTP head, decode-graph batch
+    sizes, running requests) as `RolloutConfig` writes them: every key a ``ServerArgs``
+    field, and the server command read back by SGLang's own parser with the same values."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    from rollout_sglang import RolloutConfig
+
+    rollout = RolloutConfig(
+        model_path="/models/qwen3.5",
+        backend="sglang",
+        tp_size=8,
+        ep_size=8,
+        speculative_algorithm="EAGLE",
+        speculative_num_steps=2,
+        speculative_num_draft_tokens=3,
+        max_running_requests=512,
+        cuda_graph_bs=(1, 2, 4, 8, 16),
+    )
+    config = rollout.sglang_config()
+    assert set(config.engine_kwargs()) <= set(ServerArgs.__struct_fields__)
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(config.server_command()[3:])
+    assert (args.ep_size, args.speculative_algorithm, args.speculative_num_steps) == (8, "EAGLE", 2)
+    assert (args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (1, 3)
+    assert args.max_running_requests == 512 and args.enable_draft_weights_cpu_backup
+    assert list(args.cuda_graph_bs_decode) == [1, 2, 4, 8, 16]

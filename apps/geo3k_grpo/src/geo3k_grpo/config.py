@@ -146,14 +146,19 @@ PRESETS["qwen3.5-35b-a3b"] = {
     "expert_parallel": 8,
     "expert_tensor_parallel": 1,
     "recompute": "full",
-    # SGLang: one engine of 8 GPUs with its experts over EP8, NEXTN speculative decoding from
-    # the checkpoint's MTP head
+    # SGLang as the script's SGLANG_ARGS (slime 624b824, run_geo3k_qwen35.sh lines 110-123):
+    # one engine of 8 GPUs, experts over EP8, decode graphs up to 256, 512 requests at once,
+    # speculative decoding from the checkpoint's MTP head (EAGLE, 2 steps, top-1, 3 tokens)
     "rollout_engine": "sglang",
     "rollout_num_gpus_per_engine": 8,
     "sglang_ep_size": 8,
     "sglang_mem_fraction_static": 0.7,
-    "sglang_speculative_algorithm": "NEXTN",
-    "sglang_speculative_num_steps": 3,
+    "sglang_cuda_graph_bs": (1, 2, 4, *range(8, 257, 8)),
+    "sglang_speculative_algorithm": "EAGLE",
+    "sglang_speculative_num_steps": 2,
+    "sglang_speculative_eagle_topk": 1,
+    "sglang_speculative_num_draft_tokens": 3,
+    "sglang_max_running_requests": 512,
     # the script's `--rm-type deepscaler`: only the answer after `</think>` counts
     "reward_type": "deepscaler",
 }

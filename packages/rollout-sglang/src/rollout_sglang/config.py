@@ -92,6 +92,39 @@ class RolloutConfig:
             "ge": 1,
         },
     )
+    speculative_eagle_topk: int = field(
+        default=1,
+        metadata={
+            "help": "SGLang speculative decoding: draft tokens kept per step",
+            "flag": "sglang_speculative_eagle_topk",
+            "ge": 1,
+        },
+    )
+    speculative_num_draft_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "SGLang speculative decoding: tokens verified per step (default: draft "
+            "steps + 1)",
+            "flag": "sglang_speculative_num_draft_tokens",
+            "ge": 1,
+        },
+    )
+    max_running_requests: int | None = field(
+        default=None,
+        metadata={
+            "help": "SGLang: requests decoding at once per engine (default: SGLang's choice)",
+            "flag": "sglang_max_running_requests",
+            "ge": 1,
+        },
+    )
+    cuda_graph_bs: tuple[int, ...] = field(
+        default=(),
+        metadata={
+            "help": "SGLang: the decode batch sizes captured as CUDA graphs (default: "
+            "SGLang's list)",
+            "flag": "sglang_cuda_graph_bs",
+        },
+    )
     dtype: str = "bfloat16"
     mem_fraction_static: float = field(
         default=0.6,
@@ -148,11 +181,15 @@ class RolloutConfig:
     )
 
     def check(self) -> None:
-        if self.backend == "hf" and (self.ep_size > 1 or self.speculative_algorithm):
-            raise ValueError(
-                "--sglang-ep-size / --sglang-speculative-algorithm are SGLang's; "
-                "--rollout-engine hf has neither"
-            )
+        sglang_only = {
+            "--sglang-ep-size": self.ep_size > 1,
+            "--sglang-speculative-algorithm": bool(self.speculative_algorithm),
+            "--sglang-cuda-graph-bs": bool(self.cuda_graph_bs),
+            "--sglang-max-running-requests": self.max_running_requests is not None,
+        }
+        given = [flag for flag, on in sglang_only.items() if on]
+        if self.backend == "hf" and given:
+            raise ValueError(f"{' / '.join(given)}: SGLang's; --rollout-engine hf has none")
         if self.tp_size % self.ep_size:
             raise ValueError(
                 f"--sglang-ep-size {self.ep_size} must divide --rollout-num-gpus-per-engine "
@@ -169,9 +206,20 @@ class RolloutConfig:
             args.update(
                 speculative_algorithm=self.speculative_algorithm,
                 speculative_num_steps=self.speculative_num_steps,
-                speculative_eagle_topk=1,
-                speculative_num_draft_tokens=self.speculative_num_steps + 1,
+                speculative_eagle_topk=self.speculative_eagle_topk,
+                speculative_num_draft_tokens=self.speculative_num_draft_tokens
+                or self.speculative_num_steps + 1,
             )
+            if self.enable_memory_saver:
+                # the draft model's weights are not ours to push: released with the engine's
+                # memory, they would come back empty (sglang 0.5.23 keeps a CPU copy only
+                # with this flag, model_runner_components/load_model_utils.py)
+                args["enable_draft_weights_cpu_backup"] = True
+        if self.max_running_requests is not None:
+            args["max_running_requests"] = self.max_running_requests
+        if self.cuda_graph_bs:
+            # sglang 0.5.23's name for the decode graphs' batch sizes (arg_groups/fields/exec_.py)
+            args["cuda_graph_bs_decode"] = list(self.cuda_graph_bs)
         return {**args, **self.extra_sglang_args}
 
     def sglang_config(self, index: int = 0) -> SGLangConfig:

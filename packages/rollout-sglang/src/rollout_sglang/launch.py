@@ -4,6 +4,7 @@ this machine or layout raises `ValueError` naming the flag, before anything star
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -60,13 +61,13 @@ def engine_factory(
     check_engines(cfg, use_gpu=use_gpu)
     if not isinstance(source, str):
         raise ValueError("the SGLang engine needs a model folder or hub id (use --load or a name)")
-    engine = RolloutConfig(
+    # the whole rollout configuration (EP, speculative decoding, deterministic inference,
+    # server arguments, dtype), with what only the launcher knows
+    engine = dataclasses.replace(
+        cfg,
         model_path=source,
         backend="sglang",
-        tp_size=cfg.tp_size,
-        mem_fraction_static=cfg.mem_fraction_static,
         base_gpu_id=0,  # an engine sees only its own GPU(s): Ray or its worker set them
-        mm_attention_backend=cfg.mm_attention_backend,
         min_pixels=min_pixels,
         max_pixels=max_pixels,
     )

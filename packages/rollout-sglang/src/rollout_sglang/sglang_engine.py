@@ -130,8 +130,10 @@ class SGLangConfig:
                 command.append(flag)
             elif value is False or value is None:
                 continue
-            elif isinstance(value, dict | list | tuple):  # parsed with json.loads by SGLang
+            elif isinstance(value, dict):  # parsed with json.loads by SGLang
                 command += [flag, json.dumps(value)]
+            elif isinstance(value, list | tuple):  # nargs="+" (e.g. --cuda-graph-bs-decode)
+                command += [flag, *map(str, value)]
             else:
                 command += [flag, str(value)]
         return command
