@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from rl_algos import LOSS_FIELDS
+from trainer_core import PinnedStaging, build_micro_batch
 from trainers_fsdp import TINY_OVERRIDES
-from vlm_models import PinnedStaging, build_micro_batch, tiny_config
+from vlm_models import tiny_config
 
 CPU = torch.device("cpu")
 
