@@ -251,14 +251,17 @@ def summarize(name: str, times: list[float], tokens_per_gpu: int, params: int, d
 
 def run_baseline(args, device: torch.device) -> tuple[dict, int]:
     """Plain transformers: bf16 model, padded batch + mask, labels loss, AdamW."""
-    from vlm_models import build_model, set_fast_patch_embed
+    from vlm_models import build_model
 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(
-        args.preset, dtype=dtype, attn_implementation="sdpa", **model_overrides(args.preset)
+        args.preset,
+        dtype=dtype,
+        attn_implementation="sdpa",
+        fast_patch_embed=False,  # the original Conv3d: transformers' classes throughout
+        **model_overrides(args.preset),
     )
-    set_fast_patch_embed(model, False)  # the original Conv3d
     model.to(device).train()
     model.config.use_cache = False
     params = sum(p.numel() for p in model.parameters())
@@ -368,7 +371,7 @@ def watch_host_phases(actor) -> list[dict[str, float]]:
     ``copy`` (pixels into pinned memory and every host-to-device copy); the pinned-memory
     stalls of the sixth round (docs/performance.md) showed in ``copy``."""
     from rl_algos import MicroBatches, StepMetrics
-    from vlm_models import MicroBatch
+    from trainer_core import MicroBatch
 
     rows: list[dict[str, float]] = []
     marks: dict[str, float] = {}

@@ -35,7 +35,7 @@ except ImportError:  # run from a checkout without the workspace installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "packages" / "vlm-models" / "src"))
     import vlm_models
 
-from vlm_models import Conv3dPatchEmbed, LinearPatchEmbed, preset_config, set_fast_patch_embed
+from vlm_models import Conv3dPatchEmbed, LinearPatchEmbed, preset_config, select_classes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -141,7 +141,7 @@ def bench_vision_tower(args, device, dtype) -> dict:
     )
 
     def forward(fast: bool):
-        set_fast_patch_embed(tower, fast)
+        select_classes(tower, fast_patch_embed=fast)  # the model file's GEMM class, or Conv3d
         with torch.no_grad():
             return tower(pixels, grid_thw=grid).pooler_output
 
@@ -151,7 +151,7 @@ def bench_vision_tower(args, device, dtype) -> dict:
     print(f"vision tower: max |diff| {max_abs:.3g} (output max {ref.abs().max().item():.3g})")
 
     def forward_backward(fast: bool):
-        set_fast_patch_embed(tower, fast)
+        select_classes(tower, fast_patch_embed=fast)
         tower.zero_grad(set_to_none=True)
         tower(pixels, grid_thw=grid).pooler_output.float().square().mean().backward()
 

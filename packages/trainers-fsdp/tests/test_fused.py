@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainers_fsdp.fused import fuse_rms_norms
+from vlm_models import select_classes
+from vlm_models.classes import Swap
+from vlm_models.rms_norm import FusedRMSNorm
 
 
 class OnePlusRMSNorm(nn.Module):
@@ -24,7 +26,7 @@ class OnePlusRMSNorm(nn.Module):
 
 def test_fused_model_matches_transformers_forward_and_backward(make_plain_model, batch):
     plain, fused = make_plain_model(), make_plain_model()
-    n = fuse_rms_norms(fused)
+    n = select_classes(fused, fused_rms_norm=True)["fused_rms_norm"]
     layers = fused.config.text_config.num_hidden_layers
     assert n == 4 * layers + 1  # input, post-attention, q and k norms per layer, final norm
     for model in (plain, fused):
@@ -48,7 +50,12 @@ def test_fused_model_matches_transformers_forward_and_backward(make_plain_model,
             torch.testing.assert_close(p.grad, grads[name], atol=1e-5, rtol=1e-4)
 
 
+class FusedOnePlusRMSNorm(FusedRMSNorm, OnePlusRMSNorm):
+    """What a model file would list for it: its layout check must refuse."""
+
+
 def test_norm_with_other_formula_is_left_alone():
     model = nn.Sequential(OnePlusRMSNorm(8))
-    assert fuse_rms_norms(model) == 0
-    assert "forward" not in vars(model[0])
+    table = [Swap("fused_rms_norm", OnePlusRMSNorm, FusedOnePlusRMSNorm)]
+    assert select_classes(model, table=table, fused_rms_norm=True)["fused_rms_norm"] == 0
+    assert type(model[0]) is OnePlusRMSNorm

@@ -59,7 +59,7 @@ def test_master_weights_on_gpu_match_fsdp(make_config, batch, max_tokens):
 def test_pinned_staging_on_gpu():
     """Pinned buffers in turn: every micro-batch's tensors reach the GPU whole, although the
     buffers are rewritten while earlier copies may still be queued."""
-    from trainers_fsdp.microbatch import PinnedStaging
+    from trainer_core import PinnedStaging
 
     staging = PinnedStaging()
     device = torch.device("cuda")

@@ -51,6 +51,16 @@ def test_packed_gradients_equal_one_sample_at_a_time(make_config, make_small_bat
         torch.testing.assert_close(g, grads[1][name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def _without_the_reset(monkeypatch) -> None:
+    """The actor's model built with transformers' gated delta net (no state reset)."""
+    build = actor_module.build_model
+
+    def build_without(*args, **kwargs):
+        return build(*args, **{**kwargs, "packed_linear_attention": False})
+
+    monkeypatch.setattr(actor_module, "build_model", build_without)
+
+
 def test_an_unpackable_model_runs_one_sample_per_micro_batch(
     make_config, make_small_batch, logprobs_packed_and_alone, monkeypatch, caplog
 ):
@@ -58,7 +68,7 @@ def test_an_unpackable_model_runs_one_sample_per_micro_batch(
     never packs two samples into one row."""
     if "qwen3.5-tiny" not in PRESETS:
         pytest.skip("Qwen3.5 needs a newer transformers")
-    monkeypatch.setattr(actor_module, "pack_linear_attention", lambda model: 0)
+    _without_the_reset(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="trainers_fsdp.actor"):
         actor = FsdpActor(make_config(model="qwen3.5-tiny"))
     warnings = [r for r in caplog.records if "one sample per micro-batch" in r.message]
@@ -76,7 +86,7 @@ def test_packing_without_the_reset_is_what_the_equality_test_catches(
     the 1e-5 the test above holds the actor to."""
     if "qwen3.5-tiny" not in PRESETS:
         pytest.skip("Qwen3.5 needs a newer transformers")
-    monkeypatch.setattr(actor_module, "pack_linear_attention", lambda model: 0)
+    _without_the_reset(monkeypatch)
     monkeypatch.setattr(actor_module, "supports_packed_forward", lambda model: True)
     actor = FsdpActor(make_config(model="qwen3.5-tiny", logprobs_scope="all"))
     packed, alone = logprobs_packed_and_alone(actor, make_small_batch("qwen3.5-tiny"))

@@ -8,7 +8,8 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from trainers_fsdp.vision import VisionInputs, fuse_vision_attention
+from trainers_fsdp.vision import VisionInputs
+from vlm_models import select_classes
 
 
 def _two_images(batch):
@@ -95,7 +96,8 @@ def test_fused_vision_attention_matches_transformers(make_plain_model, batch, pr
     """Two images in one vision forward: same features and gradients, with ``max_seqlen``
     precomputed (no device read) or not."""
     plain, fused = make_plain_model(), make_plain_model()
-    assert fuse_vision_attention(fused) == fused.config.vision_config.depth
+    depth = fused.config.vision_config.depth
+    assert select_classes(fused, fused_vision_attention=True)["fused_vision_attention"] == depth
     pixels, grid = _two_images(batch)
     inputs = VisionInputs.attach(fused) if precompute else None
     pre = inputs.compute(grid) if precompute else None

@@ -37,7 +37,8 @@ from rollout_sglang.scheduler import Scheduler, SeqState, round_up
 from rollout_sglang.types import Completion, GenerateRequest, NamedTensors, SamplingParams
 from rollout_sglang.validation import RequestLimits, request_error
 from rollout_sglang.weights import WeightLoader
-from vlm_models import HostCopies, sample_position_ids
+from trainer_core import HostCopies
+from vlm_models import sample_position_ids
 
 logger = logging.getLogger(__name__)
 

@@ -39,6 +39,7 @@ from rl_algos import (
     scatter_rows,
 )
 from rl_algos import train_step as core
+from trainer_core import MicroBatch, PinnedStaging, build_micro_batch
 from trainers_fsdp.attention import PACKED_ATTENTION, PackedSeqInfo, register_packed_attention
 from trainers_fsdp.checkpoint import load_checkpoint, save_checkpoint
 from trainers_fsdp.config import FsdpConfig
@@ -49,7 +50,6 @@ from trainers_fsdp.distributed import (
     resolve_device,
 )
 from trainers_fsdp.flat_adamw import FlatAdamW, move_optimizer_state
-from trainers_fsdp.fused import fuse_rms_norms
 from trainers_fsdp.master import MasterWeights
 from trainers_fsdp.microbatch import plan_micro_batches
 from trainers_fsdp.optim import (
@@ -66,16 +66,11 @@ from trainers_fsdp.parallelize import (
     compile_by_default,
     mixed_precision_policy,
 )
-from trainers_fsdp.vision import VisionInputs, fuse_vision_attention
+from trainers_fsdp.vision import VisionInputs
 from trainers_fsdp.weights import export_hf_folder, iter_hf_weight_buckets
 from vlm_models import (
-    MicroBatch,
-    PinnedStaging,
-    build_micro_batch,
     build_model,
     has_linear_attention,
-    pack_linear_attention,
-    remove_host_syncs,
     supports_packed_forward,
 )
 
@@ -146,18 +141,16 @@ class FsdpActor:
             attn_implementation=cfg.attn_implementation,
             vision_attn_implementation=cfg.vision_attn_implementation,
             freeze_vision=cfg.freeze_vision,
+            fused_rms_norm=cfg.fused_rms_norm,
+            fused_vision_attention=cfg.fused_vision_attention,
+            sync_free=True,  # counts are checked on the host, in build_micro_batch
+            packed_linear_attention=True,  # Qwen3.5: recurrent state reset at sample boundaries
             **cfg.model_overrides,
         )
         model.config.use_cache = False
         if not trainable:
             model.requires_grad_(False)
             model.eval()
-        if cfg.fused_rms_norm:
-            fuse_rms_norms(model)
-        if cfg.fused_vision_attention:
-            fuse_vision_attention(model)
-        remove_host_syncs(model)  # counts are checked on the host, in build_micro_batch
-        pack_linear_attention(model)  # Qwen3.5: recurrent state reset at sample boundaries
         self._vision_inputs[id(model)] = VisionInputs.attach(model)
         if trainable and cfg.activation_checkpointing:
             apply_ac(model)

@@ -111,10 +111,10 @@ class FsdpConfig:
     # (one gather and one reduce per step instead of one per layer; see parallelize.apply_fsdp).
     shard_layers: bool | None = None
     # RMSNorm as one fused torch kernel instead of transformers' float32 elementwise chain
-    # (trainers_fsdp.fused); off gives the exact transformers forward.
+    # (build_model(fused_rms_norm=True): vlm_models.rms_norm); off gives transformers' forward.
     fused_rms_norm: bool = True
     # Qwen3-VL vision attention with bf16 rotary and one varlen kernel for all images, with no
-    # host sync per block (trainers_fsdp.vision); off gives transformers' own (one sdpa per
+    # host sync per block (build_model(fused_vision_attention=True)); off gives transformers' own (one sdpa per
     # image after a cu_seqlens read in every block).
     fused_vision_attention: bool = True
     activation_checkpointing: bool = False

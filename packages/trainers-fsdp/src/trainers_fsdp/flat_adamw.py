@@ -25,8 +25,8 @@ import logging
 import torch
 from torch import Tensor
 
+from trainer_core import HostCopies
 from trainers_fsdp.master import MasterWeights, compiled_on
-from vlm_models import HostCopies
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class FlatAdamW(torch.optim.AdamW):
         if flat and self._runs is None:
             logger.info("optimizer groups are not contiguous in the master buffers: per tensor")
         self.exp_avg = self.exp_avg_sq = None
-        self._host = HostCopies()  # pinned host buffers for offload, reused (vlm_models)
+        self._host = HostCopies()  # pinned host buffers for offload, reused (trainer_core)
         if self._runs is not None:
             n = masters.num_trainable
             self.exp_avg = torch.zeros(n, dtype=torch.float32, device=masters.device)

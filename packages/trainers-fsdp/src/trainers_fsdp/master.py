@@ -27,8 +27,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import Tensor, nn
 
+from trainer_core import HostCopies
 from trainers_fsdp.distributed import all_reduce_mean_
-from vlm_models import HostCopies
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ class MasterWeights:
         ``fill=False`` leaves them unfilled (an offload: nothing runs until they come back)."""
         self._flush()
         # offloads land in pinned host buffers reused from one offload to the next
-        # (vlm_models.HostCopies: no pageable allocation and page faults every step)
+        # (trainer_core.HostCopies: no pageable allocation and page faults every step)
         self.master = self._host.move("master", self.master, device)
         if self.grad is not None:
             if self._grad_empty:

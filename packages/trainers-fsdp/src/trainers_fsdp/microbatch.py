@@ -2,7 +2,7 @@
 
 Under FSDP every rank must run the same number of forwards (each all-gathers parameters), so
 :func:`plan_micro_batches` agrees on a count across ranks. The micro-batches themselves are
-:class:`vlm_models.MicroBatch` (built by :func:`vlm_models.build_micro_batch`, with a dummy
+:class:`trainer_core.MicroBatch` (built by :func:`trainer_core.build_micro_batch`, with a dummy
 image sample where a row has none, so that the vision tower runs on every rank).
 """
 

@@ -2,7 +2,7 @@
 
 The step itself (validation, loss scaling, metrics, skipping non-finite updates) is
 ``rl_algos.train_step``'s; the actor supplies its hooks. Micro-batches are
-``vlm_models.MicroBatch``.
+``trainer_core.MicroBatch``.
 
 `MegatronConfig` imports at once; `MegatronActor` loads on first use (megatron-core: seconds,
 and warnings where Transformer Engine is missing), so a launcher parses its flags without it.

@@ -48,6 +48,7 @@ from rl_algos import (
     scatter_rows,
 )
 from rl_algos import train_step as core
+from trainer_core import MicroBatch, PinnedStaging, build_micro_batch
 from trainers_megatron.config import MegatronConfig
 from trainers_megatron.context_parallel import RowSplit, split_row
 from trainers_megatron.offload import StorageOffload
@@ -62,9 +63,6 @@ from trainers_megatron.optim import (
 from trainers_megatron.schedule import run_schedule, schedule_config
 from vlm_models import (
     PRESETS,
-    MicroBatch,
-    PinnedStaging,
-    build_micro_batch,
     build_model,
     resolve_config,
     resolve_model_source,

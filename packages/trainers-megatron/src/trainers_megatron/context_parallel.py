@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from vlm_models import MicroBatch
+from trainer_core import MicroBatch
 from vlm_models.megatron.context_parallel import ContextParallelSeqParams, ZigzagLayout
 
 

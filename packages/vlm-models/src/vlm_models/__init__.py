@@ -1,8 +1,10 @@
 """vlm_models: Qwen3-VL / Qwen3.5 through transformers, with a fast vision path.
 
-Builders (:func:`build_model`, :func:`tiny_config`), the GEMM patch embedding, packed M-RoPE
-position ids, the packed :class:`MicroBatch` both trainers use, packed linear attention (state
-reset at sample boundaries) and utilities for MFU and weight sync. Megatron modules live in ``vlm_models.megatron`` and are not imported here.
+Builders (:func:`build_model`, :func:`tiny_config`); the model files
+(``vlm_models.qwen3_vl.model``, ``vlm_models.qwen3_5.model``: subclasses of transformers'
+classes with our forwards, which ``build_model`` selects through :func:`select_classes`);
+packed M-RoPE position ids, parameter and FLOP counts, weight sync. Megatron modules live in
+``vlm_models.megatron`` and are not imported here.
 
 `ModelConfig` (and `ModelSourceError`) import at once; every other name loads its module on first
 use, since those import transformers (seconds) and a launcher parses its flags without them.
@@ -30,7 +32,11 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "vision_matmul_params_per_patch",
         "vision_params",
     ),
-    "offload": ("HostCopies",),
+    "classes": (
+        "OPTIONS",
+        "Swap",
+        "select_classes",
+    ),
     "hub": (
         "has_weights",
         "resolve_model_source",
@@ -47,13 +53,6 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "linear_attention": (
         "has_linear_attention",
         "linear_attention_packs",
-        "pack_linear_attention",
-    ),
-    "microbatch": (
-        "MicroBatch",
-        "PinnedStaging",
-        "build_micro_batch",
-        "dummy_image",
     ),
     "packing": (
         "cu_seqlens_from_lengths",
@@ -67,7 +66,6 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "patch_embed": (
         "Conv3dPatchEmbed",
         "LinearPatchEmbed",
-        "set_fast_patch_embed",
     ),
     "presets": (
         "PRESETS",
@@ -76,15 +74,14 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "preset_config",
         "tiny_config",
     ),
-    "sync_free": ("remove_host_syncs",),
+    "sync_free": (
+        "HostSyncRecorder",
+        "PlaceholderMask",
+    ),
     "varlen": (
         "HAS_FLASH_VARLEN",
         "flash_varlen",
         "flash_varlen_supported",
-    ),
-    "vision_attention": (
-        "fuse_vision_attention",
-        "replace_forwards",
     ),
     "vision_inputs": ("VisionInputs",),
     "weights": (

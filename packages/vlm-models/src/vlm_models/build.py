@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig
 
+from vlm_models.classes import select_classes
 from vlm_models.hub import resolve_model_source
-from vlm_models.patch_embed import set_fast_patch_embed
 from vlm_models.presets import PRESETS, apply_overrides, preset_config
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,10 @@ def build_model(
     attn_implementation: str = "sdpa",
     vision_attn_implementation: str | None = None,
     fast_patch_embed: bool = True,
+    fused_vision_attention: bool = False,
+    fused_rms_norm: bool = False,
+    sync_free: bool = False,
+    packed_linear_attention: bool = False,
     gradient_checkpointing: bool = False,
     freeze_vision: bool = False,
     device: str | torch.device | None = None,
@@ -86,8 +90,15 @@ def build_model(
 
     ``attn_implementation`` applies to the language model, ``vision_attn_implementation``
     (default: the same) to the vision tower: "sdpa", "eager", "flash_attention_2",
-    "flash_attention_3". ``fast_patch_embed`` swaps the Conv3d patch embedding for the
-    equivalent GEMM (same parameters, see :mod:`vlm_models.patch_embed`).
+    "flash_attention_3".
+
+    Which of our classes run (the model files' tables, :mod:`vlm_models.qwen3_vl.model` and
+    :mod:`vlm_models.qwen3_5.model`; same parameters and names as transformers'):
+    ``fast_patch_embed``, the GEMM patch embedding; ``fused_vision_attention``, bf16 rotary and
+    one varlen kernel for all images; ``fused_rms_norm``, ``F.rms_norm`` where the formula
+    matches; ``sync_free``, the image merge and DeepStack without host syncs (the caller checks
+    placeholder counts on the host); ``packed_linear_attention``, Qwen3.5's gated delta net
+    resetting its state at the boundaries given as ``packed_seq_info``.
     ``config_overrides`` are set on the config first (see :func:`~vlm_models.presets.apply_overrides`).
     """
     vision_attn = vision_attn_implementation or attn_implementation
@@ -132,8 +143,14 @@ def build_model(
         sum(p.numel() for p in model.parameters()) / 1e6,
     )
 
-    if fast_patch_embed:
-        set_fast_patch_embed(model, True)
+    select_classes(
+        model,
+        fast_patch_embed=fast_patch_embed,
+        fused_vision_attention=fused_vision_attention,
+        fused_rms_norm=fused_rms_norm,
+        sync_free=sync_free,
+        packed_linear_attention=packed_linear_attention,
+    )
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False

@@ -3,8 +3,9 @@
 Qwen3.5's gated-delta-net layers (``*GatedDeltaNet``) carry two kinds of state along the row: a
 short causal ``conv1d`` over the q/k/v projections and the delta rule's recurrent state. In a
 packed row (samples end to end) transformers' forward carries both across sample boundaries, so
-a sample's outputs depend on the samples before it. :func:`pack_linear_attention` gives every
-such layer of a model a forward that takes the sample boundaries as the ``packed_seq_info``
+a sample's outputs depend on the samples before it. :class:`PackedGatedDeltaNet` (the model
+files' gated delta net, ``build_model(packed_linear_attention=True)``) has a forward that takes
+the sample boundaries as the ``packed_seq_info``
 keyword (anything with ``cu_seqlens``, an int tensor ``[n + 1]``, and ``lengths``, Python ints;
 the FSDP actor's ``PackedSeqInfo``) and keeps each sample to itself:
 
@@ -21,20 +22,20 @@ Without ``packed_seq_info`` (or with one sample) the layer runs transformers' fo
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import re
 import sys
-from types import MethodType
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
+from vlm_models.classes import Ours
+
 logger = logging.getLogger(__name__)
 
-_PACKABLE = "_glimpse_packs_samples"  # set on a layer once its forward resets at boundaries
-_VARLEN = "_glimpse_varlen"  # that layer's kernels take the boundaries (varlen_kernels)
 _logged: set[str] = set()
 
 
@@ -59,9 +60,9 @@ def has_linear_attention(config: Any) -> bool:
 
 def linear_attention_packs(model: nn.Module) -> bool:
     """True when every linear-attention layer of ``model`` resets its state at sample
-    boundaries (see :func:`pack_linear_attention`), and the model has at least one."""
+    boundaries (runs :class:`PackedGatedDeltaNet`), and the model has at least one."""
     layers = [m for m in model.modules() if is_linear_attention(m)]
-    return bool(layers) and all(getattr(m, _PACKABLE, False) for m in layers)
+    return bool(layers) and all(isinstance(m, PackedGatedDeltaNet) for m in layers)
 
 
 def _real_kernel(fn: Any) -> bool:
@@ -79,12 +80,23 @@ def _real_kernel(fn: Any) -> bool:
     return False
 
 
-def varlen_kernels(layer: nn.Module) -> bool:
-    """Whether ``layer`` can reset at boundaries in one call: its module runs fla's delta rule
+def varlen_kernels(layer: nn.Module | type) -> bool:
+    """Whether ``layer`` (or transformers' class of it) can reset at boundaries in one call:
+    its module runs fla's delta rule
     and the ``causal_conv1d`` kernel (both take boundaries: ``cu_seqlens``, ``seq_idx``) and its
     forward hands them on (it passes ``cu_seq_lens_q`` to the delta rule and its keywords to
     the convolution, as transformers 5.17 and 5.19 do)."""
-    cls = type(layer)
+    cls = _transformers_class(layer if isinstance(layer, type) else type(layer))
+    return _varlen_kernels(cls)
+
+
+def _transformers_class(cls: type) -> type:
+    """The first class of ``cls``' MRO defined by transformers (ours add only methods)."""
+    return next((c for c in cls.__mro__ if c.__module__.startswith("transformers.")), cls)
+
+
+@functools.cache
+def _varlen_kernels(cls: type) -> bool:
     module = sys.modules.get(cls.__module__)
     names = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
     if module is None or not all(_real_kernel(getattr(module, n, None)) for n in names):
@@ -107,45 +119,6 @@ def _log_once(path: str, layer: nn.Module) -> None:
         )
 
 
-def _packed_forward(
-    self: nn.Module,
-    hidden_states: Tensor,  # [1, T, hidden]
-    *args: Any,
-    packed_seq_info: SampleBoundaries | None = None,
-    **kwargs: Any,
-) -> Tensor:
-    """The layer's forward over a packed row, each sample's state starting from zero."""
-    forward = type(self).forward
-    lengths = tuple(packed_seq_info.lengths) if packed_seq_info is not None else ()
-    if len(lengths) <= 1:
-        return forward(self, hidden_states, *args, **kwargs)
-    if args or kwargs.get("cache_params") is not None or hidden_states.shape[0] != 1:
-        raise ValueError(
-            f"{type(self).__name__}: a packed row is one sequence ([1, T, hidden]) without a "
-            f"cache, got hidden_states {tuple(hidden_states.shape)}"
-        )
-    if sum(lengths) != hidden_states.shape[1]:
-        raise ValueError(
-            f"{type(self).__name__}: sample lengths sum to {sum(lengths)}, "
-            f"the row has {hidden_states.shape[1]} tokens"
-        )
-    mask = kwargs.pop("attention_mask", None)  # a 2-D padding mask; a packed row has none
-    if hidden_states.is_cuda and mask is None and getattr(self, _VARLEN, False):
-        _log_once("varlen", self)
-        cu = packed_seq_info.cu_seqlens
-        counts = (cu[1:] - cu[:-1]).to(torch.int64)
-        ids = torch.arange(len(lengths), device=cu.device, dtype=torch.int32)
-        seq_idx = ids.repeat_interleave(counts, output_size=hidden_states.shape[1])[None]
-        return forward(
-            self, hidden_states, cu_seq_lens_q=cu.to(torch.int64), seq_idx=seq_idx, **kwargs
-        )
-    _log_once("per-sample", self)
-    parts = hidden_states.split(list(lengths), dim=1)
-    masks = [None] * len(parts) if mask is None else mask.split(list(lengths), dim=1)
-    outs = [forward(self, parts[i], attention_mask=masks[i], **kwargs) for i in range(len(parts))]
-    return torch.cat(outs, dim=1)
-
-
 def _call_passes_keywords(owner: nn.Module, attr: str) -> bool:
     """Whether ``owner``'s forward calls ``self.<attr>(...)`` with its ``**kwargs``, so the
     ``packed_seq_info`` keyword reaches the layer (the decoder layers of transformers 5.17 and
@@ -158,28 +131,52 @@ def _call_passes_keywords(owner: nn.Module, attr: str) -> bool:
     return re.search(call, source) is not None
 
 
-def pack_linear_attention(model: nn.Module) -> int:
-    """Give every linear-attention layer of ``model`` the boundary-resetting forward of this
-    module (parameters and names unchanged). Returns how many layers got it. A layer whose
-    decoder layer does not hand it the forward's keywords is left as it is (and logged), so
-    :func:`linear_attention_packs` stays False and callers run one sample per row."""
-    count = 0
-    for owner in model.modules():
-        for attr, module in owner.named_children():
-            if not is_linear_attention(module) or getattr(module, _PACKABLE, False):
-                continue
-            if not _call_passes_keywords(owner, attr):
-                logger.warning(
-                    "%s.%s does not receive the forward's keywords: its state cannot be reset "
-                    "at sample boundaries",
-                    type(owner).__name__,
-                    attr,
-                )
-                continue
-            setattr(module, _VARLEN, varlen_kernels(module))
-            module.forward = MethodType(_packed_forward, module)
-            setattr(module, _PACKABLE, True)
-            count += 1
-    if count:
-        logger.info("%d linear-attention layers reset their state at sample boundaries", count)
-    return count
+class PackedGatedDeltaNet(Ours, nn.Module):
+    """Mixin before transformers' ``*GatedDeltaNet``: with ``packed_seq_info`` each sample's
+    state starts from zero; without it, transformers' forward unchanged."""
+
+    def forward(
+        self,
+        hidden_states: Tensor,  # [1, T, hidden]
+        *args: Any,
+        packed_seq_info: SampleBoundaries | None = None,
+        **kwargs: Any,
+    ) -> Tensor:
+        """The layer's forward over a packed row, each sample's state starting from zero."""
+        forward = super().forward
+        lengths = tuple(packed_seq_info.lengths) if packed_seq_info is not None else ()
+        if len(lengths) <= 1:
+            return forward(hidden_states, *args, **kwargs)
+        if args or kwargs.get("cache_params") is not None or hidden_states.shape[0] != 1:
+            raise ValueError(
+                f"{type(self).__name__}: a packed row is one sequence ([1, T, hidden]) without a "
+                f"cache, got hidden_states {tuple(hidden_states.shape)}"
+            )
+        if sum(lengths) != hidden_states.shape[1]:
+            raise ValueError(
+                f"{type(self).__name__}: sample lengths sum to {sum(lengths)}, "
+                f"the row has {hidden_states.shape[1]} tokens"
+            )
+        mask = kwargs.pop("attention_mask", None)  # a 2-D padding mask; a packed row has none
+        if hidden_states.is_cuda and mask is None and varlen_kernels(type(self)):
+            _log_once("varlen", self)
+            cu = packed_seq_info.cu_seqlens
+            counts = (cu[1:] - cu[:-1]).to(torch.int64)
+            ids = torch.arange(len(lengths), device=cu.device, dtype=torch.int32)
+            seq_idx = ids.repeat_interleave(counts, output_size=hidden_states.shape[1])[None]
+            return forward(
+                hidden_states, cu_seq_lens_q=cu.to(torch.int64), seq_idx=seq_idx, **kwargs
+            )
+        _log_once("per-sample", self)
+        parts = hidden_states.split(list(lengths), dim=1)
+        masks = [None] * len(parts) if mask is None else mask.split(list(lengths), dim=1)
+        outs = [forward(parts[i], attention_mask=masks[i], **kwargs) for i in range(len(parts))]
+        return torch.cat(outs, dim=1)
+
+    @classmethod
+    def layout_matches(
+        cls, theirs: type, module: nn.Module, parent: nn.Module | None, name: str
+    ) -> bool:
+        """Whether the decoder layer holding it hands on the forward's keywords (else
+        ``packed_seq_info`` would never arrive and the state would not reset)."""
+        return parent is not None and _call_passes_keywords(parent, name)

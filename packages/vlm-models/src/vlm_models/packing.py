@@ -18,9 +18,9 @@ equal the per-sample logits (tested on CPU with sdpa and eager, dense and MoE).
 
 Qwen3.5 is different: its gated-delta-net (linear attention) layers carry a recurrent state
 (and a short causal convolution) along the row, and transformers' forward does not reset them at
-sample boundaries (packed != per-sample). ``vlm_models.pack_linear_attention`` gives those
-layers a forward that does, given the boundaries as the ``packed_seq_info`` keyword (the FSDP
-actor passes them); :func:`packed_inputs` does not, so it refuses such models.
+sample boundaries (packed != per-sample). ``build_model(packed_linear_attention=True)`` runs
+those layers with a forward that does, given the boundaries as the ``packed_seq_info`` keyword
+(the FSDP actor passes them); :func:`packed_inputs` does not, so it refuses such models.
 :func:`supports_packed_forward` says which models (or configs) pack; run the others one sample
 per row.
 """
@@ -30,7 +30,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,6 +64,15 @@ def _rope_index_fn(cls: type) -> tuple[Any, bool]:
     return fn, "mm_token_type_ids" in inspect.signature(fn).parameters
 
 
+@functools.lru_cache(maxsize=8)
+def _rope_stand_in(cls: type) -> type:
+    """A weightless class holding ``cls``' helpers that ``get_rope_index`` calls on ``self``
+    (taken as they are declared, so a staticmethod stays one)."""
+    names = ("get_vision_position_ids", "get_llm_pos_ids_for_vision")
+    attrs = {n: inspect.getattr_static(cls, n) for n in names if hasattr(cls, n)}
+    return type(f"{cls.__name__}RopeIndex", (), attrs)
+
+
 def _rope_owner(config_or_model: PretrainedConfig | nn.Module) -> tuple[Any, type]:
     """An object to call ``get_rope_index`` on: the model's inner ``*Model``, or - from a config
     alone - a stand-in holding just ``config`` and the helpers ``get_rope_index`` uses, so no
@@ -74,10 +82,8 @@ def _rope_owner(config_or_model: PretrainedConfig | nn.Module) -> tuple[Any, typ
         return inner, type(inner)
     config = config_or_model
     cls = _model_class(config)
-    owner = types.SimpleNamespace(config=config, rope_deltas=None)
-    for name in ("get_vision_position_ids", "get_llm_pos_ids_for_vision"):
-        if hasattr(cls, name):
-            setattr(owner, name, types.MethodType(getattr(cls, name), owner))
+    owner = _rope_stand_in(cls)()
+    owner.config, owner.rope_deltas = config, None
     return owner, cls
 
 
@@ -176,7 +182,8 @@ def packed_position_ids(
 def supports_packed_forward(config: PretrainedConfig | nn.Module) -> bool:
     """Whether a packed forward gives per-sample results: a model (or config) without
     linear-attention layers, or a model whose linear-attention layers reset their state at
-    sample boundaries (``pack_linear_attention``; the forward must get ``packed_seq_info``)."""
+    sample boundaries (``build_model(packed_linear_attention=True)``; the forward must get
+    ``packed_seq_info``)."""
     if not has_linear_attention(config):
         return True
     return isinstance(config, nn.Module) and linear_attention_packs(config)
@@ -217,7 +224,7 @@ def packed_inputs(
         raise NotImplementedError(
             "packed_inputs: models with linear-attention layers (Qwen3.5) carry their recurrent "
             "state across sample boundaries unless the forward gets packed_seq_info "
-            "(vlm_models.pack_linear_attention); run one sample per row"
+            "(build_model(packed_linear_attention=True)); run one sample per row"
         )
     n = len(input_ids)
     grids = list(image_grid_thw) if image_grid_thw is not None else [None] * n

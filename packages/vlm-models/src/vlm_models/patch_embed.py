@@ -6,17 +6,46 @@ the 5-D convolution far slower than the equivalent GEMM. :class:`LinearPatchEmbe
 ``F.linear(x, weight.view(out, -1), bias)`` on the *same* ``Conv3d`` parameter, so state dict
 keys and shapes (``...patch_embed.proj.weight`` of shape ``[out, C, T, P, P]``) are unchanged:
 checkpoints load and save in the original layout, and FSDP / weight sync see the HF names.
+
+:class:`GemmPatchEmbed` is that forward for the model files' patch embedding classes (a module
+of transformers' class runs it after ``build_model``); the two standalone modules below are
+the same two forms over a shared ``Conv3d``, for tests and benchmarks.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-logger = logging.getLogger(__name__)
+from vlm_models.classes import Ours
+
+
+def _gemm_embed(proj: nn.Conv3d, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The Conv3d with kernel == stride as one GEMM over its own weight."""
+    weight = proj.weight
+    x = hidden_states.reshape(-1, weight[0].numel()).to(weight.dtype)
+    # weight.view keeps (C, T, P, P) order, the same flattening the processor uses per patch.
+    return F.linear(x, weight.view(weight.shape[0], -1), proj.bias)
+
+
+class GemmPatchEmbed(Ours, nn.Module):
+    """Mixin before transformers' ``*VisionPatchEmbed`` (a ``proj`` Conv3d): GEMM forward."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return _gemm_embed(self.proj, hidden_states)
+
+    @classmethod
+    def layout_matches(
+        cls, theirs: type, module: nn.Module, parent: nn.Module | None, name: str
+    ) -> bool:
+        """A Conv3d ``proj`` whose kernel equals its stride, without padding."""
+        proj = getattr(module, "proj", None)
+        return (
+            isinstance(proj, nn.Conv3d)
+            and tuple(proj.kernel_size) == tuple(proj.stride)
+            and all(p == 0 for p in proj.padding)
+        )
 
 
 class LinearPatchEmbed(nn.Module):
@@ -36,18 +65,14 @@ class LinearPatchEmbed(nn.Module):
         return self.proj.weight[0].numel()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        weight = self.proj.weight
-        x = hidden_states.reshape(-1, self.patch_dim).to(weight.dtype)
-        # weight.view keeps (C, T, P, P) order, the same flattening the processor uses per patch.
-        return F.linear(x, weight.view(self.embed_dim, -1), self.proj.bias)
+        return _gemm_embed(self.proj, hidden_states)
 
     def extra_repr(self) -> str:
         return f"patch_dim={self.patch_dim}, embed_dim={self.embed_dim} (GEMM over Conv3d weight)"
 
 
 class Conv3dPatchEmbed(nn.Module):
-    """The original Conv3d formulation over a shared ``proj`` (used to switch back, and as the
-    baseline in benchmarks)."""
+    """The original Conv3d formulation over a shared ``proj`` (the baseline in benchmarks)."""
 
     def __init__(self, proj: nn.Conv3d) -> None:
         super().__init__()
@@ -61,34 +86,3 @@ class Conv3dPatchEmbed(nn.Module):
             -1, self.in_channels, self.temporal_patch_size, self.patch_size, self.patch_size
         )
         return self.proj(x.to(self.proj.weight.dtype)).view(-1, self.embed_dim)
-
-
-def _patch_embed_modules(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
-    """(parent, attribute name, module) for every patch embedding holding a kernel==stride Conv3d."""
-    found = []
-    for parent in model.modules():
-        for name, child in parent.named_children():
-            proj = getattr(child, "proj", None)
-            if (
-                name == "patch_embed"
-                and isinstance(proj, nn.Conv3d)
-                and tuple(proj.kernel_size) == tuple(proj.stride)
-            ):
-                found.append((parent, name, child))
-    return found
-
-
-def set_fast_patch_embed(model: nn.Module, enabled: bool = True) -> int:
-    """Switch every vision patch embedding of ``model`` to the GEMM form (or back to Conv3d).
-
-    Parameters are shared, not copied, so this is cheap and may be called on a model that is
-    already on its device. Returns how many modules were switched.
-    """
-    target = LinearPatchEmbed if enabled else Conv3dPatchEmbed
-    modules = _patch_embed_modules(model)
-    for parent, name, module in modules:
-        if not isinstance(module, target):
-            setattr(parent, name, target(module.proj))
-    if not modules:
-        logger.warning("no Conv3d patch embedding found in %s", type(model).__name__)
-    return len(modules)

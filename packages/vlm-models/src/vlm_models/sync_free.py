@@ -7,12 +7,14 @@ host must read) twice in each of the first three decoder layers, and the backwar
 features' ``masked_scatter`` selects by the mask. Each wait drains the GPU's queue, so whatever
 the host does next (launching kernels, Python) is GPU idle time.
 
-:func:`remove_host_syncs` replaces the two methods on one model instance with equivalents whose
-sizes the host already knows:
+The model files' classes (``build_model(sync_free=True)``) override the two methods with
+equivalents whose sizes the host already knows:
 
-- ``_deepstack_process``: ``nonzero_static`` sized by the number of visual embeddings, then
-  ``index_add`` (the same sums, one rounding each, as the masked add it replaces);
-- ``get_placeholder_mask``: the same masks without the device-side count check, as
+- :class:`SyncFreeDeepstack` (on the text model), ``_deepstack_process``: ``nonzero_static``
+  sized by the number of visual embeddings, then ``index_add`` (the same sums, one rounding
+  each, as the masked add it replaces);
+- :class:`SyncFreePlaceholderMask` (on the inner ``*Model``), ``get_placeholder_mask``: the
+  same masks without the device-side count check, as
   :class:`PlaceholderMask` when the features are given, so that the ``masked_scatter`` merging
   them is an ``index_copy``. The caller must check counts on the host instead
   (``trainers_fsdp.microbatch`` does, per sample, before anything reaches the GPU).
@@ -21,15 +23,13 @@ sizes the host already knows:
 from __future__ import annotations
 
 import inspect
-import logging
-from types import MethodType
 
 import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-logger = logging.getLogger(__name__)
+from vlm_models.classes import Ours
 
 # Ops whose output size or value the host must read from the device: host syncs on CUDA.
 _SIZE_FROM_DATA = {
@@ -67,72 +67,72 @@ class HostSyncRecorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def remove_host_syncs(model: nn.Module) -> list[str]:
-    """Patch ``model`` (a Qwen3-VL-like ``...ForConditionalGeneration``) in place; returns the
-    names of the methods replaced (none on a model without them)."""
-    inner = getattr(model, "model", None)
-    text = getattr(inner, "language_model", None)
-    replaced = []
-    for owner, name, ours in (
-        (text, "_deepstack_process", _deepstack_process),
-        (inner, "get_placeholder_mask", _placeholder_mask),
-    ):
-        if _same_parameters(getattr(owner, name, None), ours):
-            setattr(owner, name, MethodType(ours, owner))
-            replaced.append(name)
-        elif hasattr(owner, name):
-            logger.info("%s.%s takes other arguments: left as it is", type(owner).__name__, name)
-    if replaced:
-        logger.info("%s: host syncs removed from %s", type(model).__name__, ", ".join(replaced))
-    return replaced
-
-
-def _same_parameters(method, replacement) -> bool:
-    """Whether a bound ``method`` takes the replacement's parameters (so a transformers version
-    that changed it is left alone)."""
+def _same_parameters(theirs: type, ours: type, name: str) -> bool:
+    """Whether ``theirs.<name>`` takes the parameters of ``ours.<name>`` (so a transformers
+    version that changed the method keeps its own)."""
+    method = getattr(theirs, name, None)
     if method is None:
         return False
-    theirs = list(inspect.signature(method).parameters)
-    return theirs == list(inspect.signature(replacement).parameters)[1:]  # without self
+    mine = getattr(ours, name)
+    return list(inspect.signature(method).parameters) == list(inspect.signature(mine).parameters)
 
 
-def _deepstack_process(
-    self: nn.Module, hidden_states: Tensor, visual_pos_masks: Tensor, visual_embeds: Tensor
-) -> Tensor:
-    """``hidden_states`` plus ``visual_embeds`` at the visual positions, out of place."""
-    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-    rows = visual_pos_masks.to(flat.device).reshape(-1)
-    index = torch.nonzero_static(rows, size=visual_embeds.shape[0]).reshape(-1)
-    merged = flat.index_add(0, index, visual_embeds.to(flat.device, flat.dtype))
-    return merged.view_as(hidden_states)
+class SyncFreeDeepstack(Ours, nn.Module):
+    """Mixin before a Qwen3-VL ``*TextModel``: the DeepStack merge without a host sync."""
+
+    def _deepstack_process(
+        self, hidden_states: Tensor, visual_pos_masks: Tensor, visual_embeds: Tensor
+    ) -> Tensor:
+        """``hidden_states`` plus ``visual_embeds`` at the visual positions, out of place."""
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        rows = visual_pos_masks.to(flat.device).reshape(-1)
+        index = torch.nonzero_static(rows, size=visual_embeds.shape[0]).reshape(-1)
+        merged = flat.index_add(0, index, visual_embeds.to(flat.device, flat.dtype))
+        return merged.view_as(hidden_states)
+
+    @classmethod
+    def layout_matches(
+        cls, theirs: type, module: nn.Module, parent: nn.Module | None, name: str
+    ) -> bool:
+        return _same_parameters(theirs, cls, "_deepstack_process")
 
 
-def _placeholder_mask(
-    self: nn.Module,
-    input_ids: Tensor | None,
-    inputs_embeds: Tensor,
-    image_features: Tensor | None = None,
-    video_features: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Image and video placeholder masks ``[B, L, 1]``; counts are the caller's to check."""
-    if input_ids is None:
-        embed = self.get_input_embeddings()
+class SyncFreePlaceholderMask(Ours, nn.Module):
+    """Mixin before a Qwen3-VL / Qwen3.5 ``*Model``: placeholder masks without a host sync."""
 
-        def is_token(token_id: int) -> Tensor:
-            probe = torch.full((), token_id, dtype=torch.long, device=inputs_embeds.device)
-            return (inputs_embeds == embed(probe)).all(-1)
+    def get_placeholder_mask(
+        self,
+        input_ids: Tensor | None,
+        inputs_embeds: Tensor,
+        image_features: Tensor | None = None,
+        video_features: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Image and video placeholder masks ``[B, L, 1]``; counts are the caller's to check."""
+        if input_ids is None:
+            embed = self.get_input_embeddings()
 
-        image, video = is_token(self.config.image_token_id), is_token(self.config.video_token_id)
-    else:
-        image = input_ids == self.config.image_token_id
-        video = input_ids == self.config.video_token_id
-    device = inputs_embeds.device
-    image, video = image.unsqueeze(-1).to(device), video.unsqueeze(-1).to(device)
-    if image_features is not None:
-        image = PlaceholderMask.of(image, image_features.shape[0])
-    if video_features is not None:
-        video = PlaceholderMask.of(video, video_features.shape[0])
-    return image, video
+            def is_token(token_id: int) -> Tensor:
+                probe = torch.full((), token_id, dtype=torch.long, device=inputs_embeds.device)
+                return (inputs_embeds == embed(probe)).all(-1)
+
+            image = is_token(self.config.image_token_id)
+            video = is_token(self.config.video_token_id)
+        else:
+            image = input_ids == self.config.image_token_id
+            video = input_ids == self.config.video_token_id
+        device = inputs_embeds.device
+        image, video = image.unsqueeze(-1).to(device), video.unsqueeze(-1).to(device)
+        if image_features is not None:
+            image = PlaceholderMask.of(image, image_features.shape[0])
+        if video_features is not None:
+            video = PlaceholderMask.of(video, video_features.shape[0])
+        return image, video
+
+    @classmethod
+    def layout_matches(
+        cls, theirs: type, module: nn.Module, parent: nn.Module | None, name: str
+    ) -> bool:
+        return _same_parameters(theirs, cls, "get_placeholder_mask")
 
 
 class PlaceholderMask(Tensor):

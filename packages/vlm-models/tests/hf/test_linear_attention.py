@@ -11,8 +11,8 @@ from vlm_models import (
     build_model,
     cu_seqlens_from_lengths,
     linear_attention_packs,
-    pack_linear_attention,
     packed_position_ids,
+    select_classes,
     supports_packed_forward,
     text_position_ids,
 )
@@ -51,7 +51,8 @@ def test_packed_row_equals_each_sample_alone(samples, qwen3_vl_ids, name):
     with torch.no_grad():
         before = inner(**kwargs).last_hidden_state[0]  # transformers' forward: samples mix
         assert not supports_packed_forward(model)
-        assert pack_linear_attention(model) == 3  # three linear-attention layers of four
+        converted = select_classes(model, packed_linear_attention=True)
+        assert converted["packed_linear_attention"] == 3  # three linear-attention layers of four
         assert supports_packed_forward(model) and linear_attention_packs(model)
         info = SimpleNamespace(cu_seqlens=cu_seqlens_from_lengths(lengths), lengths=lengths)
         packed = inner(**kwargs, packed_seq_info=info).last_hidden_state[0]
@@ -69,9 +70,9 @@ def test_packed_row_equals_each_sample_alone(samples, qwen3_vl_ids, name):
 
 def test_bad_rows_are_refused_and_cpu_uses_the_per_sample_path(qwen3_vl_ids):
     torch.manual_seed(0)
-    model = build_model("qwen3.5-tiny", **qwen3_vl_ids).eval()
-    pack_linear_attention(model)
-    assert pack_linear_attention(model) == 0  # idempotent
+    model = build_model("qwen3.5-tiny", packed_linear_attention=True, **qwen3_vl_ids).eval()
+    again = select_classes(model, packed_linear_attention=True)
+    assert again["packed_linear_attention"] == 3  # idempotent: the same three layers
     layer = next(m for m in model.modules() if is_linear_attention(m))
     assert not varlen_kernels(layer)  # no fla / causal_conv1d here: the torch reference path
     hidden = torch.randn(1, 10, model.config.text_config.hidden_size)
@@ -113,5 +114,5 @@ def test_a_layer_that_would_not_get_the_boundaries_is_not_packed(qwen3_vl_ids):
             return self.linear_attn(hidden_states)
 
     decoder.__class__ = WithoutKeywords
-    assert pack_linear_attention(model) == 2
+    assert select_classes(model, packed_linear_attention=True)["packed_linear_attention"] == 2
     assert not linear_attention_packs(model) and not supports_packed_forward(model)

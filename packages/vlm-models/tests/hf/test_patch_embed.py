@@ -7,9 +7,10 @@ from vlm_models import (
     Conv3dPatchEmbed,
     LinearPatchEmbed,
     build_model,
-    set_fast_patch_embed,
+    select_classes,
     vision_tower,
 )
+from vlm_models.patch_embed import GemmPatchEmbed
 
 PATCH_DIM = 3 * 2 * 16 * 16
 
@@ -60,8 +61,8 @@ def test_rejects_a_conv_that_is_not_a_patchify():
 def test_state_dict_layout_is_unchanged_and_toggles_back(samples):
     fast = build_model("qwen3-vl-tiny", fast_patch_embed=True)
     slow = build_model("qwen3-vl-tiny", fast_patch_embed=False)
-    assert isinstance(vision_tower(fast).patch_embed, LinearPatchEmbed)
-    assert not isinstance(vision_tower(slow).patch_embed, LinearPatchEmbed)
+    assert isinstance(vision_tower(fast).patch_embed, GemmPatchEmbed)
+    assert not isinstance(vision_tower(slow).patch_embed, GemmPatchEmbed)
     fast_sd, slow_sd = fast.state_dict(), slow.state_dict()
     assert list(fast_sd) == list(slow_sd)
     assert all(fast_sd[k].shape == slow_sd[k].shape for k in fast_sd)
@@ -71,8 +72,9 @@ def test_state_dict_layout_is_unchanged_and_toggles_back(samples):
     visual = vision_tower(fast)
     with torch.no_grad():
         ours = visual(sample["pixel_values"], grid_thw=sample["image_grid_thw"]).pooler_output
-        assert set_fast_patch_embed(fast, False) == 1
-        assert isinstance(visual.patch_embed, Conv3dPatchEmbed)
+        assert select_classes(fast, fast_patch_embed=False)["fast_patch_embed"] == 0
+        assert type(visual.patch_embed) is type(vision_tower(slow).patch_embed)  # transformers'
+        assert not isinstance(visual.patch_embed, GemmPatchEmbed)
         ref = visual(sample["pixel_values"], grid_thw=sample["image_grid_thw"]).pooler_output
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 

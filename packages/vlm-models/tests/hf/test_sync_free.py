@@ -5,12 +5,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from vlm_models import build_model, remove_host_syncs
+from vlm_models import build_model, select_classes
+from vlm_models.classes import Swap
 from vlm_models.sync_free import (
     HostSyncRecorder,
     PlaceholderMask,
-    _deepstack_process,
-    _placeholder_mask,
+    SyncFreeDeepstack,
+    SyncFreePlaceholderMask,
 )
 
 
@@ -20,7 +21,7 @@ def models(request, qwen3_vl_ids):
     overrides = qwen3_vl_ids if request.param.startswith("qwen3.5") else {}
     ref = build_model(request.param, **overrides).train()
     ours = copy.deepcopy(ref)
-    return ref, ours, remove_host_syncs(ours)
+    return ref, ours, select_classes(ours, sync_free=True)["sync_free"]
 
 
 def _inputs(sample) -> dict:
@@ -30,9 +31,11 @@ def _inputs(sample) -> dict:
 
 @pytest.mark.parametrize("which", [0, 2], ids=["one image", "two images"])
 def test_forward_and_gradients_equal_transformers(models, samples, which):
-    ref, ours, replaced = models
+    ref, ours, converted = models
     deepstack = hasattr(type(ref.model.language_model), "_deepstack_process")  # not Qwen3.5
-    assert replaced == ["_deepstack_process"] * deepstack + ["get_placeholder_mask"]
+    assert converted == 1 + deepstack  # the inner model, and the text model where DeepStack
+    assert isinstance(ours.model, SyncFreePlaceholderMask)
+    assert isinstance(ours.model.language_model, SyncFreeDeepstack) == deepstack
     inputs = _inputs(samples[which])
     outs = []
     for model in (ref, ours):
@@ -55,7 +58,7 @@ def test_text_only_model_is_left_alone():
     class Plain(torch.nn.Module):
         pass
 
-    assert remove_host_syncs(Plain()) == []
+    assert select_classes(Plain(), sync_free=True)["sync_free"] == 0
 
 
 def test_replaced_methods_read_nothing_from_the_device(models):
@@ -74,14 +77,14 @@ def test_replaced_methods_read_nothing_from_the_device(models):
     calls = {
         "placeholder": (
             type(inner).get_placeholder_mask,
-            _placeholder_mask,
+            SyncFreePlaceholderMask.get_placeholder_mask,
             (inner, ids, embeds, features),
         ),
     }
     if hasattr(type(text), "_deepstack_process"):  # Qwen3.5 has no DeepStack
         calls["deepstack"] = (
             type(text)._deepstack_process,
-            _deepstack_process,
+            SyncFreeDeepstack._deepstack_process,
             (text, hidden, mask, visual),
         )
     for name, (original, ours, args) in calls.items():
@@ -107,8 +110,13 @@ def test_a_changed_method_is_left_alone():
             super().__init__()
             self.model = Inner()
 
+    class OurInner(SyncFreePlaceholderMask, Inner):
+        pass
+
     model = Model()
-    assert remove_host_syncs(model) == []
+    table = [Swap("sync_free", Inner, OurInner)]
+    assert select_classes(model, table=table, sync_free=True)["sync_free"] == 0
+    assert type(model.model) is Inner
     assert model.model.get_placeholder_mask(None, None) == "theirs"
 
 

@@ -30,6 +30,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor, nn
 from transformers import AutoModel, PretrainedConfig
 
+from vlm_models.classes import select_classes
 from vlm_models.megatron._upstream_fixes import (
     define_missing_te_gemm,
     use_packed_rope_without_host_reads,
@@ -38,8 +39,6 @@ from vlm_models.megatron.config import Parallelism, text_arch, transformer_confi
 from vlm_models.megatron.gated_delta_net import packs_samples
 from vlm_models.megatron.layers import block_spec, param_device
 from vlm_models.megatron.rope import InterleavedMRoPE
-from vlm_models.patch_embed import set_fast_patch_embed
-from vlm_models.vision_attention import fuse_vision_attention
 from vlm_models.vision_inputs import VisionInputs
 
 logger = logging.getLogger(__name__)
@@ -128,10 +127,13 @@ class Qwen3VLMegatronModel(MegatronModule):
             self.visual = AutoModel.from_config(
                 hf_config.vision_config, attn_implementation=vision_attn_implementation
             ).to(device=param_device(config), dtype=config.params_dtype)
-            if fast_patch_embed:  # GEMM instead of Conv3d; same parameters and names
-                set_fast_patch_embed(self.visual, True)
-            if fused_vision_attention:  # all images in one varlen kernel, bf16 rotary
-                fuse_vision_attention(self.visual)
+            # the model file's classes (vlm_models.qwen3_vl.model): GEMM patch embedding,
+            # all images in one varlen kernel with bf16 rotary; same parameters and names
+            select_classes(
+                self.visual,
+                fast_patch_embed=fast_patch_embed,
+                fused_vision_attention=fused_vision_attention,
+            )
         # the tower's per-patch inputs, when the caller computes them on the host
         self.vision_inputs = VisionInputs.attach_tower(self.visual)
         self.language_model = MRoPEGPTModel(

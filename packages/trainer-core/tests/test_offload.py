@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlm_models import HostCopies, build_model
+from trainer_core import HostCopies
+from vlm_models import build_model
 
 CPU = torch.device("cpu")
 

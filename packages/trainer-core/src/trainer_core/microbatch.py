@@ -216,7 +216,7 @@ def _check_image_tokens(
     ids: list[Tensor], grids: list[Tensor | None], config: PretrainedConfig, names: list
 ) -> None:
     """Each sample's image placeholders match its images' merged patches. Checked here, on the
-    host, because the model's own device-side check is removed (vlm_models.sync_free)."""
+    host, because the model's own device-side check is removed (``build_model(sync_free=True)``)."""
     image_id = config.image_token_id
     merge = config.vision_config.spatial_merge_size
     for name, t, grid in zip(names, ids, grids, strict=False):
