@@ -89,7 +89,6 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "vision_inputs": ("VisionInputs",),
     "weights": (
         "hf_named_tensors",
-        "iter_weight_buckets",
         "load_named_tensors",
         "to_checkpoint_layout",
     ),
