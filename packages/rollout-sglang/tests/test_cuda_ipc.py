@@ -228,7 +228,7 @@ def test_real_cuda_ipc_handoff_between_two_processes():
 
 def test_transport_choice_follows_the_layout():
     from rollout_sglang import choose_weight_transport
-    from weight_sync import Nccl
+    from weight_sync import Disk, Nccl
 
     def pick(**kw):
         return choose_weight_transport(**{"sglang": False, "num_trainers": 1, **kw})
@@ -244,6 +244,10 @@ def test_transport_choice_follows_the_layout():
     assert pick(colocate=True, use_gpu=True, kind="object-store") is None
     assert pick(colocate=True, use_gpu=True, kind="cuda-ipc") == CudaIpc()
     assert pick(colocate=False, use_gpu=True, sglang=True, kind="nccl") == Nccl()
+    # disk: every layout, into the folder given (a temporary one without), never chosen by auto
+    for layout in (dict(colocate=True, use_gpu=False), dict(colocate=False, use_gpu=True)):
+        assert pick(**layout, kind="disk", disk_folder="/run/ws") == Disk("/run/ws")
+    assert pick(colocate=True, use_gpu=False, kind="disk") == Disk()
     for bad in (
         dict(colocate=True, use_gpu=True, num_trainers=2, kind="cuda-ipc"),
         dict(colocate=True, use_gpu=False, kind="cuda-ipc"),
