@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 class GlooReceiver:
-    """The engine side of `rollout_sglang.DistributedWeightSender`, for the HF engine."""
+    """The engine side of `weight_sync.DistributedWeightSender`, for the HF engine."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
