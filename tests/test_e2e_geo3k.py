@@ -4,7 +4,7 @@
    reward of the last steps beats the first steps by a clear margin (seeded).
 2. A GRPO run killed with SIGKILL after a checkpoint and resumed ends in the same state as an
    uninterrupted run (same per-step metrics, same final weights).
-3. The README's quick start, as written (with fewer steps).
+3. The README's quick start, as written (with fewer steps); a run with the disk weight transport.
 4. Qwen3.5 (gated delta net + full attention): the same SFT warm-up, then a few GRPO steps on
    each backend raise the reward, and the two backends see the same rewards.
 """
@@ -281,6 +281,27 @@ def test_readme_quick_start(tmp_path: Path) -> None:
     rows = _rows(run)
     assert [r["step"] for r in rows] == [0, 1, 2]  # step 0: the evaluation before training
     assert rows[-1]["eval_accuracy"] is not None and (run / "reward.png").is_file()
+
+
+def test_grpo_with_the_disk_weight_transport(tmp_path: Path) -> None:
+    """`--weight-transport disk`: the engines load every weight from the files the trainer
+    wrote into the run folder, where the last sync stays: the model's full checkpoint names."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "disk"
+    argv = [*GRPO_ARGS, "--weight-transport", "disk", "--num-rollout", "1"]
+    _run("geo3k_grpo", *argv, "--output-dir", str(run), log=tmp_path / "log.txt")
+    assert [r["step"] for r in _rows(run)][-1] >= 1
+    folder = run / "weight-sync"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    synced = {}
+    for bucket in manifest["buckets"]:
+        tensors = load_file(folder / bucket["file"])
+        assert sorted(tensors) == sorted(bucket["names"])
+        synced.update(tensors)
+    exported = _load_weights(run / "hf")
+    assert synced.keys() == exported.keys()
+    assert all(synced[k].shape == exported[k].shape for k in exported)
 
 
 @pytest.fixture(scope="module")

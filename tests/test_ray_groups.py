@@ -4,7 +4,8 @@ protocol, by each transport.
 Trainer rank 0 builds the transport the rollout group names (`rl_runtime.TransportFactory`)
 and feeds it the actor's buckets. Ray's object store is rl-runtime's default. The CUDA IPC
 transport runs here on CPU buffers (they travel by value; only the handle exchange needs a
-GPU). The NCCL transport is what separate mode uses between trainer rank 0 and SGLang engines;
+GPU). The disk transport writes safetensors files the engine reads back. The NCCL transport is
+what separate mode uses between trainer rank 0 and SGLang engines;
 here the receiving side is a small gloo receiver in front of the transformers engine, so the
 same sender, group set-up and Ray plumbing run on a CPU.
 """
@@ -25,7 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 class GlooReceiver:
-    """The engine side of `rollout_sglang.DistributedWeightSender`, for the HF engine."""
+    """The engine side of `weight_sync.DistributedWeightSender`, for the HF engine."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -37,7 +38,7 @@ class GlooReceiver:
     def init_weights_update_group(
         self, *, master_address, master_port, rank_offset, world_size, group_name, backend
     ):
-        from rollout_sglang.weight_sync import init_weight_sync_group
+        from weight_sync.nccl import init_weight_sync_group
 
         self.group = init_weight_sync_group(
             backend=backend,
@@ -104,14 +105,15 @@ def ray_local():
     ray.shutdown()
 
 
-def test_every_transport_gives_the_same_engine(ray_local):
-    from rollout_sglang import CudaIpc, GenerateRequest, Nccl, SamplingParams
+def test_every_transport_gives_the_same_engine(ray_local, tmp_path):
+    from rollout_sglang import GenerateRequest, SamplingParams
     from vlm_data import PromptBuilder, make_synthetic_rows
+    from weight_sync import CudaIpc, Disk, Nccl
 
     proc, cfg = _tiny_source()
     eos = [proc.tokenizer.convert_tokens_to_ids("<|im_end|>")]
     placement = create_placement(
-        num_trainers=1, num_engines=3, colocate=False, use_gpu=False, cpus_per_bundle=0.25
+        num_trainers=1, num_engines=4, colocate=False, use_gpu=False, cpus_per_bundle=0.25
     )
     groups = []
     try:
@@ -125,7 +127,7 @@ def test_every_transport_gives_the_same_engine(ray_local):
             params_fn=SamplingParams,
             num_cpus=0.25,
         )
-        # Three single-engine groups on the engine bundles, random inits that differ.
+        # Four single-engine groups on the engine bundles, random inits that differ.
         placement.engine_bundles = [1]
         plain = RolloutGroup(
             functools.partial(make_engine, cfg, 1, eos, False), num_engines=1, **kw
@@ -147,6 +149,14 @@ def test_every_transport_gives_the_same_engine(ray_local):
             **kw,
         )
         groups.append(ipc_group)
+        placement.engine_bundles = [4]
+        disk_group = RolloutGroup(
+            functools.partial(make_engine, cfg, 4, eos, False),
+            num_engines=1,
+            transport=Disk(str(tmp_path / "weight-sync")),
+            **kw,
+        )
+        groups.append(disk_group)
         assert not dist_group.engines_restartable and ipc_group.engines_restartable
         builder = PromptBuilder(proc)
         prompts = [builder.build(r, i) for i, r in enumerate(make_synthetic_rows(3, task="color"))]
@@ -164,18 +174,24 @@ def test_every_transport_gives_the_same_engine(ray_local):
         assert 0 < stats["prefill_s"] + stats["decode_s"] <= stats["seconds"]
         ids_b, lp_b = outputs(dist_group)
         ids_c, lp_c = outputs(ipc_group)
+        ids_d, lp_d = outputs(disk_group)
         assert lp_a.shape != lp_b.shape or not torch.allclose(lp_a, lp_b)  # different weights
         assert lp_a.shape != lp_c.shape or not torch.allclose(lp_a, lp_c)
+        assert lp_a.shape != lp_d.shape or not torch.allclose(lp_a, lp_d)
         sent = train.push_weights(plain)
         assert sent > 0
         assert train.push_weights(dist_group) == sent
         assert train.push_weights(ipc_group) == sent
+        assert train.push_weights(disk_group) == sent
+        assert sorted(p.name for p in (tmp_path / "weight-sync").iterdir())[-1] == "manifest.json"
         ids_a, lp_a = outputs(plain)
         ids_b, lp_b = outputs(dist_group)
         ids_c, lp_c = outputs(ipc_group)
-        assert ids_a == ids_b == ids_c
+        ids_d, lp_d = outputs(disk_group)
+        assert ids_a == ids_b == ids_c == ids_d
         torch.testing.assert_close(lp_a, lp_b, rtol=0, atol=1e-6)
         torch.testing.assert_close(lp_a, lp_c, rtol=0, atol=1e-6)
+        torch.testing.assert_close(lp_a, lp_d, rtol=0, atol=1e-6)
         assert train.push_weights(dist_group) == sent  # the group is set up once, reused
     finally:
         for g in groups:

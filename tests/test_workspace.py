@@ -13,6 +13,7 @@ PACKAGES = [
     "trainers_fsdp",
     "trainers_megatron",
     "rl_runtime",
+    "weight_sync",
 ]
 
 

@@ -98,8 +98,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from rollout_sglang import (
-        CudaIpc,
-        DistributedWeightSender,
         GenerateRequest,
         RequestLimits,
         SamplingParams,
@@ -107,11 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         SGLangConfig,
         SGLangEngine,
         SGLangServer,
-        WeightNameCheck,
         require_sglang,
-        sglang_param_name,
     )
     from vlm_data import PromptBuilder, build_processor, load_rows
+    from weight_sync import CudaIpc, DistributedWeightSender, WeightNameCheck, sglang_param_name
 
     try:
         require_sglang()

@@ -106,7 +106,7 @@ def make_trainer(backend: str, folder: str, device: str) -> Any:
 
 def run_backend(args: argparse.Namespace, backend: str, folder: Path, truth: dict) -> dict:
     from rl_runtime import RolloutGroup, TrainGroup, create_placement, object_store
-    from rollout_sglang import CudaIpc
+    from weight_sync import CudaIpc
 
     use_gpu = args.device == "cuda"
     placement = create_placement(

@@ -303,7 +303,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def post_init_weights_update_group(self, body: dict) -> None:
         # imported here so that starting the stand-in stays quick
-        from rollout_sglang.weight_sync import init_weight_sync_group
+        from weight_sync.nccl import init_weight_sync_group
 
         STATE.group = init_weight_sync_group(
             backend=body["backend"],

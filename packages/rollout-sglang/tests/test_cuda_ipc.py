@@ -13,8 +13,9 @@ from multiprocessing.connection import Listener
 import pytest
 import torch
 
-from rollout_sglang import CudaIpc, HFEngine, WeightLoader
-from rollout_sglang.cuda_ipc import (
+from rollout_sglang import HFEngine, WeightLoader
+from weight_sync import CudaIpc
+from weight_sync.cuda_ipc import (
     ALIGN_BYTES,
     FlatBuffers,
     PackedBucket,
@@ -102,7 +103,8 @@ class LocalLink:
 
 
 def test_transport_on_cpu_buffers_updates_every_engine_in_place():
-    from vlm_models import build_model, iter_weight_buckets, tiny_config
+    from vlm_models import build_model, tiny_config
+    from weight_sync import iter_weight_buckets
 
     torch.manual_seed(0)
     source = build_model(tiny_config())
@@ -141,7 +143,7 @@ from multiprocessing.connection import Client
 
 import torch
 
-from rollout_sglang.cuda_ipc import load_packed_bucket
+from weight_sync.cuda_ipc import load_packed_bucket
 
 
 class Engine:
@@ -225,7 +227,8 @@ def test_real_cuda_ipc_handoff_between_two_processes():
 
 
 def test_transport_choice_follows_the_layout():
-    from rollout_sglang import Nccl, choose_weight_transport
+    from rollout_sglang import choose_weight_transport
+    from weight_sync import Disk, Nccl
 
     def pick(**kw):
         return choose_weight_transport(**{"sglang": False, "num_trainers": 1, **kw})
@@ -241,6 +244,10 @@ def test_transport_choice_follows_the_layout():
     assert pick(colocate=True, use_gpu=True, kind="object-store") is None
     assert pick(colocate=True, use_gpu=True, kind="cuda-ipc") == CudaIpc()
     assert pick(colocate=False, use_gpu=True, sglang=True, kind="nccl") == Nccl()
+    # disk: every layout, into the folder given (a temporary one without), never chosen by auto
+    for layout in (dict(colocate=True, use_gpu=False), dict(colocate=False, use_gpu=True)):
+        assert pick(**layout, kind="disk", disk_folder="/run/ws") == Disk("/run/ws")
+    assert pick(colocate=True, use_gpu=False, kind="disk") == Disk()
     for bad in (
         dict(colocate=True, use_gpu=True, num_trainers=2, kind="cuda-ipc"),
         dict(colocate=True, use_gpu=False, kind="cuda-ipc"),

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rollout_sglang import Completion, GenerateRequest, HFEngine, RolloutEngine, SamplingParams
-from rollout_sglang.sampling import counter_uniform, filter_top_k_top_p
-from vlm_models import iter_weight_buckets
+from rollout_sglang.hf.sampling import counter_uniform, filter_top_k_top_p
+from weight_sync import iter_weight_buckets
 
 
 @pytest.fixture(scope="module")

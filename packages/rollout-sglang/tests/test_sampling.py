@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rollout_sglang import SamplingParams
-from rollout_sglang.sampling import (
+from rollout_sglang.hf.sampling import (
     counter_uniform,
     filter_top_k_top_p,
     sample_tokens,

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout_sglang import SGLangConfig, SGLangEngine, WeightNameCheck
+from rollout_sglang import SGLangConfig, SGLangEngine
+from weight_sync import WeightNameCheck
 
 
 @dataclass

@@ -16,7 +16,7 @@ from rollout_sglang import (
     parse_output,
     sampling_params_payload,
 )
-from rollout_sglang.sglang_protocol import collapse_image_pads, wire_input_ids
+from rollout_sglang.sglang_client.protocol import collapse_image_pads, wire_input_ids
 
 IMAGE_PAD = 151655  # <|image_pad|> of Qwen3-VL
 

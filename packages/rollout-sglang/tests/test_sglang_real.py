@@ -28,10 +28,10 @@ from rollout_sglang import (
     GenerateRequest,
     SamplingParams,
     SGLangConfig,
-    WeightNameCheck,
     generate_payload,
 )
-from rollout_sglang.weight_sync import bucket_spec
+from weight_sync import WeightNameCheck
+from weight_sync.nccl import bucket_spec
 
 
 def _import_sglang() -> str | None:
@@ -218,7 +218,7 @@ def test_our_launch_flags_parse_with_sglangs_own_parser():
 
 
 def test_our_flattened_bucket_payloads_load_through_sglangs_own_path():
-    """The CUDA IPC transport's SGLang format (``rollout_sglang.cuda_ipc``): one payload per TP
+    """The CUDA IPC transport's SGLang format (``weight_sync.cuda_ipc``): one payload per TP
     rank, one dtype per payload, read back by the real ``SafeUnpickler`` (its allow-list must
     take everything we pickle) and rebuilt by the real ``FlattenedTensorBucket``, as
     ``tp_worker.deserialize_own_rank`` and ``weight_updater._update_weights_from_flattened_bucket``
@@ -227,8 +227,7 @@ def test_our_flattened_bucket_payloads_load_through_sglangs_own_path():
     from sglang.srt.utils.common import normalize_serialized_named_tensor_payloads
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
-    from rollout_sglang.cuda_ipc import by_dtype
-    from rollout_sglang.sglang_engine import flattened_bucket_payloads
+    from weight_sync.cuda_ipc import by_dtype, flattened_bucket_payloads
 
     bucket = [
         ("model.language_model.norm.weight", torch.randn(5, dtype=torch.bfloat16)),

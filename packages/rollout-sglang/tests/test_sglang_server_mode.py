@@ -20,7 +20,6 @@ import requests as http
 import torch
 
 from rollout_sglang import (
-    DistributedWeightSender,
     EngineRouter,
     GenerateRequest,
     HFEngine,
@@ -30,11 +29,11 @@ from rollout_sglang import (
     SGLangClient,
     SGLangConfig,
     SGLangServer,
-    WeightNameCheck,
     build_engine,
     generate_payload,
     sglang_available,
 )
+from weight_sync import DistributedWeightSender, WeightNameCheck
 
 MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 16  # the bounds of conftest's processor
 SERVER_SCRIPT = Path(__file__).with_name("sglang_like_server.py")
@@ -272,7 +271,7 @@ def test_issue21_item4_server_mode_refuses_cpu_tensors(servers):
 
 def test_serialized_flattened_buckets_reach_the_server_in_a_session(servers):
     """What the CUDA IPC transport sends a colocated server per bucket (payloads it serialized,
-    ``rollout_sglang.cuda_ipc``): refused outside a session, accepted inside, as they are."""
+    ``weight_sync.cuda_ipc``): refused outside a session, accepted inside, as they are."""
     url = servers[1].url
     client = SGLangClient(url)
     payloads = [base64.b64encode(b"\x80\x04payload").decode()]

@@ -92,7 +92,9 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
     try:  # colocated on a GPU: CUDA IPC; SGLang on GPUs of its own: NCCL; else Ray's store
         rollout_sglang.check_engines(cfg.rollout, use_gpu=lay.use_gpu)
         kw = {"colocate": lay.colocate, "use_gpu": lay.use_gpu, "num_trainers": lay.num_trainers}
-        transport = rollout_sglang.weight_transport(cfg.rollout, **kw)
+        # --weight-transport disk writes the buckets where the run's files are, to inspect
+        disk_folder = str((Path(cfg.run.output_dir) / "weight-sync").resolve())
+        transport = rollout_sglang.weight_transport(cfg.rollout, **kw, disk_folder=disk_folder)
     except ValueError as err:
         raise PreflightError(str(err)) from None
     load = cfg.run.load

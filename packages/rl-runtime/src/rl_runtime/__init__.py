@@ -43,19 +43,12 @@ from rl_runtime.parallel import (
 from rl_runtime.placement import Placement, create_placement, init_ray, shutdown_ray
 from rl_runtime.preflight import PreflightError, check_backend, check_gpus, count_gpus
 from rl_runtime.progress import setup_logging
-from rl_runtime.protocols import (
-    EngineLink,
-    PromptSource,
-    RewardFn,
-    TrainActor,
-    TrainerConfig,
-    TransportFactory,
-    WeightTransport,
-)
+from rl_runtime.protocols import PromptSource, RewardFn, TrainActor, TrainerConfig
 from rl_runtime.rollout_batch import ScoredGroups, build_train_batch
 from rl_runtime.run import RunConfig, recipe_env_aliases, write_config
 from rl_runtime.sft import SftLoopConfig, WarmupConfig, run_sft, sft_batch, sft_warmup, train_sft
-from rl_runtime.weight_push import ObjectStoreTransport, RemoteEngine, object_store
+from weight_sync import EngineLink, TransportFactory, WeightTransport
+from weight_sync.object_store import ObjectStoreTransport, RemoteEngine, object_store
 
 __all__ = [
     "CheckpointFailed",

@@ -22,8 +22,8 @@ from rl_runtime.gc_policy import PeriodicGC
 from rl_runtime.placement import Placement
 from rl_runtime.placement_plan import actor_nodes, bundle_node
 from rl_runtime.placement_plan import nodes as cluster_nodes
-from rl_runtime.protocols import TransportFactory, WeightTransport
-from rl_runtime.weight_push import RemoteEngine, object_store
+from weight_sync import TransportFactory, WeightTransport
+from weight_sync.object_store import RemoteEngine, object_store
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class EngineWorker:
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(engine, *args)`` here: the engine-side half of a weight transport (CUDA IPC,
-        NCCL), which rl-runtime does not know (`weight_push.RemoteEngine.submit`)."""
+        NCCL), which rl-runtime does not know (`weight_sync.object_store.RemoteEngine.submit`)."""
         return fn(self.engine, *args)
 
     def release_memory(self) -> None:

@@ -17,7 +17,8 @@ from rl_runtime.config import ConfigError, option
 from rl_runtime.placement import Placement, create_placement, init_ray, shutdown_ray
 from rl_runtime.placement_plan import actor_nodes, format_plan, plan_rows
 from rl_runtime.preflight import PreflightError
-from rl_runtime.protocols import TrainerConfig, TransportFactory
+from rl_runtime.protocols import TrainerConfig
+from weight_sync import TransportFactory
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
 """The narrow interfaces the loops see. Concrete backends (FSDP, Megatron, SGLang, the
-transformers engine) live in other packages; the app assembles them into these shapes."""
+transformers engine) live in other packages; the app assembles them into these shapes. The
+weight-sync protocol (`WeightTransport`, `TransportFactory`, `EngineLink`) is `weight_sync`'s."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -75,43 +75,6 @@ class TrainerConfig(Protocol):
         ...
 
     def build(self) -> TrainActor: ...
-
-
-NamedTensors = list[tuple[str, Tensor]]
-
-
-@runtime_checkable
-class WeightTransport(Protocol):
-    """How trainer rank 0 hands HF-named weight buckets to the rollout engines
-    (docs/architecture.md, "Weight sync"). Built in rank 0's process by a
-    :class:`TransportFactory`; rl-runtime feeds it the actor's buckets, on the device where the
-    weights live, and moves nothing itself."""
-
-    def send(self, buckets: Iterable[NamedTensors]) -> int:
-        """Deliver every bucket to every engine; returns the number of tensors sent. Returns
-        only once the engines hold the weights."""
-        ...
-
-    def close(self) -> None: ...
-
-
-class EngineLink(Protocol):
-    """One rollout engine as the transport in the trainer's process sees it."""
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        """Run ``fn(engine, *args)`` in the engine's process (calls run in submission order);
-        ``fn`` is the engine-side half of a transport, a module-level function."""
-        ...
-
-
-class TransportFactory(Protocol):
-    """Picklable; called in trainer rank 0's process with one link per engine, again when an
-    engine was replaced. ``restartable``: whether a replaced engine can join (a broadcast
-    group, set up once, cannot take a new member)."""
-
-    restartable: bool
-
-    def __call__(self, engines: Sequence[EngineLink]) -> WeightTransport: ...
 
 
 class PromptSource(Protocol):

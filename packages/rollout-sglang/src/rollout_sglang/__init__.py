@@ -5,6 +5,9 @@
 :class:`SGLangServer`), :class:`EngineRouter` (data-parallel rollout over several engines) and
 :func:`build_engine`, which picks SGLang when it is installed and the transformers engine
 otherwise. sglang is an optional extra: nothing here imports it until an SGLang engine is built.
+The transformers engine lives in :mod:`rollout_sglang.hf`, the SGLang client in
+:mod:`rollout_sglang.sglang_client`; weight sync (the transports, the name check) is the
+``weight_sync`` package's, and :func:`choose_weight_transport` picks one for a layout.
 
 `RolloutConfig` imports at once; every other name loads its module on first use (the
 transformers engine imports transformers, seconds), so a launcher parses its flags without them.
@@ -16,29 +19,28 @@ from typing import Any
 from rollout_sglang.config import RolloutConfig, build_engine, resolve_backend
 
 _EXPORTS: dict[str, tuple[str, ...]] = {
-    "cuda_ipc": (
-        "CudaIpc",
-        "CudaIpcTransport",
-    ),
-    "hf_engine": ("HFEngine",),
+    "hf.engine": ("HFEngine",),
+    "hf.weights": ("WeightLoader",),
     "launch": (
+        "TRANSPORT_KINDS",
         "check_engines",
+        "choose_weight_transport",
         "engine_factory",
         "build_hf_engine",
         "uses_sglang",
         "weight_transport",
     ),
     "router": ("EngineRouter",),
-    "sglang_engine": (
+    "sglang_client.client": ("SGLangClient",),
+    "sglang_client.common": (
         "INSTALL_HINT",
-        "SGLangClient",
         "SGLangConfig",
-        "SGLangEngine",
-        "SGLangServer",
         "require_sglang",
         "sglang_available",
     ),
-    "sglang_protocol": (
+    "sglang_client.engine": ("SGLangEngine",),
+    "sglang_client.server": ("SGLangServer",),
+    "sglang_client.protocol": (
         "encode_image",
         "generate_payload",
         "parse_output",
@@ -56,21 +58,6 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "RequestLimits",
         "request_error",
     ),
-    "weight_names": (
-        "WeightNameCheck",
-        "check_weight_names",
-        "sglang_param_name",
-    ),
-    "weight_sync": (
-        "DistributedWeightSender",
-        "EngineTransport",
-        "LinkedEngine",
-        "Nccl",
-        "WeightTransport",
-        "choose_weight_transport",
-        "init_weight_sync_group",
-    ),
-    "weights": ("WeightLoader",),
 }
 _LAZY = {name: f"{__name__}.{module}" for module, names in _EXPORTS.items() for name in names}
 

@@ -14,22 +14,18 @@ from typing import Any, Literal
 import torch
 
 from rollout_sglang.router import EngineRouter, Policy
-from rollout_sglang.sglang_engine import (
-    INSTALL_HINT,
-    SGLangClient,
-    SGLangConfig,
-    SGLangEngine,
-    SGLangServer,
-    sglang_available,
-)
+from rollout_sglang.sglang_client.client import SGLangClient
+from rollout_sglang.sglang_client.common import INSTALL_HINT, SGLangConfig, sglang_available
+from rollout_sglang.sglang_client.engine import SGLangEngine
+from rollout_sglang.sglang_client.server import SGLangServer
 from rollout_sglang.types import RolloutEngine
 from rollout_sglang.validation import RequestLimits
-from rollout_sglang.weight_names import WeightNameCheck
+from weight_sync.weight_names import WeightNameCheck
 
 logger = logging.getLogger(__name__)
 
 Backend = Literal["auto", "sglang", "sglang-server", "hf"]
-TransportKind = Literal["auto", "object-store", "cuda-ipc", "nccl"]
+TransportKind = Literal["auto", "object-store", "cuda-ipc", "nccl", "disk"]
 
 
 @dataclass
@@ -176,7 +172,7 @@ class RolloutConfig:
         metadata={
             "help": "how weights reach the engines; auto: CUDA IPC colocated on one trainer GPU, "
             "NCCL to SGLang on GPUs of its own, else Ray's object store (which serves every "
-            "layout)"
+            "layout); disk: safetensors files in the run's weight-sync folder (debugging)"
         },
     )
 
@@ -282,7 +278,7 @@ def build_engine(config: RolloutConfig, *, model: torch.nn.Module | None = None)
     from ``config.model_path`` with ``vlm_models.build_model`` when not given)."""
     backend = resolve_backend(config.backend)
     if backend == "hf":
-        from rollout_sglang.hf_engine import HFEngine  # imports transformers: only when built
+        from rollout_sglang.hf.engine import HFEngine  # imports transformers: only when built
 
         if model is None:
             from vlm_models import build_model

@@ -7,11 +7,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, get_args
 
-from rollout_sglang.config import RolloutConfig, build_engine
-from rollout_sglang.sglang_engine import sglang_available
-from rollout_sglang.weight_sync import choose_weight_transport
+from rollout_sglang.config import RolloutConfig, TransportKind, build_engine
+from rollout_sglang.sglang_client.common import sglang_available
+from weight_sync.weight_names import WeightNameCheck
 
 
 def uses_sglang(cfg: RolloutConfig, use_gpu: bool) -> bool:
@@ -85,7 +85,7 @@ def build_hf_engine(
     which CPU kernels handle best and the CPU tests compare exactly."""
     import torch
 
-    from rollout_sglang.hf_engine import HFEngine
+    from rollout_sglang.hf.engine import HFEngine
     from vlm_models import build_model
 
     gpu = torch.cuda.is_available()
@@ -106,11 +106,17 @@ def build_hf_engine(
 
 
 def weight_transport(
-    cfg: RolloutConfig, *, colocate: bool, use_gpu: bool, num_trainers: int
+    cfg: RolloutConfig,
+    *,
+    colocate: bool,
+    use_gpu: bool,
+    num_trainers: int,
+    disk_folder: str | None = None,
 ) -> Any | None:
     """The transport factory for this layout (None: rl-runtime's object store): CUDA IPC
     colocated on one trainer GPU, NCCL to SGLang on GPUs of its own, unless `weight_transport`
-    forces one."""
+    forces one. `disk_folder`: where the disk transport writes (a run-dir subfolder; None: a
+    temporary folder)."""
     try:
         return choose_weight_transport(
             colocate=colocate,
@@ -119,6 +125,71 @@ def weight_transport(
             num_trainers=num_trainers,
             ranks_per_engine=cfg.tp_size,
             kind=cfg.weight_transport,
+            disk_folder=disk_folder,
         )
     except ValueError as err:
         raise ValueError(f"--weight-transport {cfg.weight_transport}: {err}") from None
+
+
+#: What ``choose_weight_transport(kind=...)`` (and the launchers' ``--weight-transport``) take.
+TRANSPORT_KINDS: tuple[str, ...] = get_args(TransportKind)
+
+
+def choose_weight_transport(
+    *,
+    colocate: bool,
+    use_gpu: bool,
+    sglang: bool,
+    num_trainers: int = 1,
+    ranks_per_engine: int = 1,
+    weight_names: WeightNameCheck | None = None,
+    kind: str = "auto",
+    disk_folder: str | None = None,
+) -> Any | None:
+    """The transport factory (``weight_sync``) for a layout, or None for the caller's default
+    (rl-runtime: Ray's object store).
+
+    ``kind="auto"`` picks by the layout:
+
+    - colocated on GPUs with one trainer rank: CUDA IPC (rank 0 shares its GPU with every
+      engine); with several ranks, engines sit on other ranks' GPUs, which rank 0's handles do
+      not reach: the object store (a per-rank IPC is not built yet);
+    - separate placement on GPUs, SGLang engines: NCCL broadcast (the transformers engine has
+      no receiving side for it: the object store);
+    - CPU: the object store.
+
+    Another kind forces that transport, and a layout it cannot serve raises ``ValueError``
+    saying why (``object-store`` serves every layout: the fallback when a faster one fails;
+    ``disk`` serves every layout whose engines see ``disk_folder``, never picked by auto).
+    """
+    from weight_sync.cuda_ipc import CudaIpc
+    from weight_sync.disk import Disk
+    from weight_sync.nccl import Nccl
+
+    if kind not in TRANSPORT_KINDS:
+        raise ValueError(f"weight transport {kind!r}: expected one of {', '.join(TRANSPORT_KINDS)}")
+    ipc = CudaIpc(sglang=sglang, tp_size=ranks_per_engine, weight_names=weight_names)
+    nccl = Nccl(ranks_per_engine=ranks_per_engine, weight_names=weight_names)
+    if kind == "object-store":
+        return None
+    if kind == "disk":
+        return Disk(disk_folder)
+    if kind == "cuda-ipc":
+        if not (use_gpu and colocate and num_trainers == 1):
+            raise ValueError(
+                "weight transport cuda-ipc needs the engines colocated with one trainer rank on "
+                "its GPU (several ranks, CPU runs and separate rollout GPUs use another)"
+            )
+        return ipc
+    if kind == "nccl":
+        if not (use_gpu and not colocate and sglang):
+            raise ValueError(
+                "weight transport nccl needs SGLang engines on GPUs of their own "
+                "(--no-colocate; the transformers engine has no receiving side)"
+            )
+        return nccl
+    if not use_gpu:
+        return None
+    if colocate:
+        return ipc if num_trainers == 1 else None
+    return nccl if sglang else None

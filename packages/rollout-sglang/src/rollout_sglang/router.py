@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
-from rollout_sglang.sglang_protocol import with_sample_seeds
+from rollout_sglang.sglang_client.protocol import with_sample_seeds
 from rollout_sglang.types import (
     Completion,
     GenerateRequest,
@@ -117,7 +117,7 @@ class EngineRouter:
     def update_weights_from_serialized(
         self, names: list[str], payloads: list[str], load_format: str = "flattened_bucket"
     ) -> None:
-        """One serialized bucket (CUDA IPC handles, ``rollout_sglang.cuda_ipc``) to every
+        """One serialized bucket (CUDA IPC handles, ``weight_sync.cuda_ipc``) to every
         engine, inside the session the caller opened on each."""
         futures = [
             self._pool.submit(e.update_weights_from_serialized, names, payloads, load_format)

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from weight_sync import NamedTensors  # one bucket of weights: the weight-sync protocol's
+
 if TYPE_CHECKING:
     from PIL import Image
 
 FinishReason = Literal["stop", "length", "abort", "error"]
-NamedTensors = list[tuple[str, Tensor]]
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -13,7 +14,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from vlm_models import iter_weight_buckets
+from vlm_models import to_checkpoint_layout
+from weight_sync import iter_weight_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +66,9 @@ def iter_hf_weight_buckets(
 ) -> Iterator[list[tuple[str, Tensor]]]:
     """Size-bounded buckets of full HF-named tensors in the checkpoint layout."""
     yield from iter_weight_buckets(
-        iter_full_tensors(model, dtype, device, state), bucket_bytes, model=model
+        iter_full_tensors(model, dtype, device, state),
+        bucket_bytes,
+        convert=functools.partial(to_checkpoint_layout, model),
     )
 
 

@@ -86,7 +86,6 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "vision_inputs": ("VisionInputs",),
     "weights": (
         "hf_named_tensors",
-        "iter_weight_buckets",
         "load_named_tensors",
         "to_checkpoint_layout",
     ),

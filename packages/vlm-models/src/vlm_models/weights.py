@@ -1,4 +1,5 @@
-"""HF-named weights in size-bounded buckets, for weight sync to a rollout engine."""
+"""A model's weights under their HF (checkpoint) names and layout; the buckets for weight sync
+are made from these by ``weight_sync.iter_weight_buckets``."""
 
 from __future__ import annotations
 
@@ -32,43 +33,6 @@ def to_checkpoint_layout(model: nn.Module, tensors: dict[str, Tensor]) -> dict[s
     except ImportError:  # older transformers: in-memory layout is the checkpoint layout
         return tensors
     return revert_weight_conversion(model, tensors)
-
-
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def iter_weight_buckets(
-    named_tensors: Iterable[tuple[str, Tensor]],
-    bucket_bytes: int,
-    *,
-    model: nn.Module | None = None,
-) -> Iterator[list[tuple[str, Tensor]]]:
-    """Group ``(name, tensor)`` pairs, in order, into lists of at most ``bucket_bytes``.
-
-    A tensor larger than the budget gets a bucket of its own. The input is consumed lazily, so
-    a generator that gathers sharded parameters one at a time keeps at most one bucket alive.
-    With ``model``, each bucket is converted to the checkpoint layout (:func:`to_checkpoint_layout`).
-    """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-
-    def emit(bucket: list[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
-        if model is None:
-            return bucket
-        return list(to_checkpoint_layout(model, dict(bucket)).items())
-
-    bucket: list[tuple[str, Tensor]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        n = _nbytes(tensor)
-        if bucket and size + n > bucket_bytes:
-            yield emit(bucket)
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += n
-    if bucket:
-        yield emit(bucket)
 
 
 @torch.no_grad()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vlm_models import iter_weight_buckets, tiny_config
+from vlm_models import tiny_config
 from vlm_models.megatron import (
     Parallelism,
     SafetensorsReader,
@@ -30,6 +30,7 @@ from vlm_models.megatron import (
     text_arch,
     transformer_config,
 )
+from weight_sync import iter_weight_buckets
 
 REPO = Path(__file__).resolve().parents[4]
 
@@ -179,7 +180,7 @@ def test_moe_checkpoint_folders_round_trip(make_hf_model, tiny_setup, to_megatro
     for bucket in iter_hf_weights(model, file_layout=True):
         exported.update(bucket)
     assert all(torch.equal(exported[n], t) for n, t in released.items())
-    # one bucketer for every trainer: Megatron's buckets are vlm_models.iter_weight_buckets
+    # one bucketer for every trainer: Megatron's buckets are weight_sync.iter_weight_buckets
     budget = 64 << 10
     buckets = [[n for n, _ in b] for b in iter_hf_weights(model, bucket_bytes=budget)]
     stream = ((n, exported[n]) for b in buckets for n in b)

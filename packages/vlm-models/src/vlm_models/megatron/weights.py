@@ -27,7 +27,7 @@ from vlm_models.megatron.convert import (
     unshard,
 )
 from vlm_models.megatron.model import Qwen3VLMegatronModel
-from vlm_models.weights import iter_weight_buckets
+from weight_sync import iter_weight_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def iter_hf_weights(
     """Buckets of ``(hf_name, full tensor)`` of the whole model, on every rank.
 
     Must be called on all ranks of the TP x PP group together. Buckets are made by
-    :func:`vlm_models.iter_weight_buckets` (at most ``bucket_bytes``; a single larger tensor
+    :func:`weight_sync.iter_weight_buckets` (at most ``bucket_bytes``; a single larger tensor
     makes a bucket of its own), as for the FSDP trainer. Tensors are
     in transformers' in-memory layout, or with ``file_layout`` in the released checkpoint files'
     layout (MoE experts transposed), which is what engines loading released files expect.

@@ -3,7 +3,7 @@
 The trainer streams ``(name, tensor)`` pairs named as in the HF checkpoint (that is also how
 the transformers model names its parameters; the fast patch embedding of ``vlm_models`` keeps
 the Conv3d parameter, so ``...patch_embed.proj.weight`` arrives and lands with its 5-D shape).
-Buckets are made on the sending side by ``vlm_models.iter_weight_buckets``.
+Buckets are made on the sending side by ``weight_sync.iter_weight_buckets``.
 """
 
 from __future__ import annotations

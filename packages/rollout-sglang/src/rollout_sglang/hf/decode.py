@@ -12,7 +12,7 @@ embedding at the request's own position (for text tokens the three M-RoPE rows a
 makes interleaved M-RoPE plain RoPE), grouped-query attention over the slot's cached keys
 (the query heads of one KV head read as that head's "query positions", so no KV repeat),
 SwiGLU MLP, final norm and LM head; then sampling and the token's log-prob
-(:func:`~rollout_sglang.sampling.sample_with_uniform`), all on the device.
+(:func:`~rollout_sglang.hf.sampling.sample_with_uniform`), all on the device.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rollout_sglang.kv_cache import KVCache
-from rollout_sglang.sampling import counter_uniform, sample_with_uniform
+from rollout_sglang.hf.kv_cache import KVCache
+from rollout_sglang.hf.sampling import counter_uniform, sample_with_uniform
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def _text_parts(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
 def supports(model: nn.Module) -> bool:
     """True for dense Qwen3(-VL) text stacks (attention + SwiGLU in every layer). Qwen3.5's
     linear-attention layers and MoE MLPs are not written here; those models decode through
-    transformers (:mod:`rollout_sglang.hf_legacy`)."""
+    transformers (:mod:`rollout_sglang.hf.legacy`)."""
     parts = _text_parts(model)
     if parts is None:
         return False

@@ -44,8 +44,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from rollout_sglang.types import NamedTensors
-from rollout_sglang.weight_names import WeightNameCheck, check_weight_names
+from weight_sync.protocol import NamedTensors
+from weight_sync.weight_names import WeightNameCheck, check_weight_names
 
 logger = logging.getLogger(__name__)
 
@@ -198,6 +198,63 @@ def load_packed_bucket(engine: Any, message: PackedBucket) -> int:
     return count
 
 
+# ------------------------------------------------------------ SGLang's flattened_bucket format
+
+
+def _require_sglang() -> None:
+    """SGLang's payload format needs sglang's own serializer (the GPU extra)."""
+    try:
+        import sglang  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            "the SGLang CUDA IPC format needs sglang (`uv sync --extra gpu` on a Linux GPU machine)"
+        ) from exc
+
+
+def flattened_bucket_payloads(bucket: NamedTensors, tp_size: int, *, keep: bool = False) -> Any:
+    """One serialized ``FlattenedTensorBucket`` per tensor-parallel rank (sglang required):
+    what ``update_weights_from_tensor(load_format="flattened_bucket")`` takes
+    (``weight_sync/tensor_bucket.py``, ``entrypoints/engine.py``). With ``keep``, also the
+    flat tensor, which the sender holds until the engine has answered."""
+    _require_sglang()
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    flat = FlattenedTensorBucket(named_tensors=bucket)
+    data = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+    payloads = [MultiprocessingSerializer.serialize(data, output_str=True) for _ in range(tp_size)]
+    return (payloads, data["flattened_tensor"]) if keep else payloads
+
+
+def serialized_named_tensors(bucket: NamedTensors, tp_size: int) -> list[str]:
+    """The ``serialized_named_tensors`` field of SGLang's ``/update_weights_from_tensor``
+    (sglang required): the tensors' CUDA IPC handles, one copy per TP rank."""
+    _require_sglang()
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    return [MultiprocessingSerializer.serialize(bucket, output_str=True) for _ in range(tp_size)]
+
+
+def cuda_bucket(bucket: NamedTensors, where: str) -> NamedTensors:
+    """The bucket as CUDA tensors, the only kind a process we did not start can open (by CUDA
+    IPC handle; an SGLang server's ``update_weights``). CPU tensors are copied to this process's
+    GPU where it has one (a colocated engine worker), else refused."""
+    if all(t.device.type == "cuda" for _, t in bucket):
+        return bucket
+    if torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+        return [(name, t.to(device)) for name, t in bucket]
+    for name, tensor in bucket:
+        if tensor.device.type != "cuda":
+            raise ValueError(
+                f"{where}: weight {name!r} is on {tensor.device}; a separately launched SGLang "
+                "server takes CUDA tensors (CUDA IPC, same node) or the NCCL path "
+                "(DistributedWeightSender), never CPU tensors (their file descriptors open "
+                "only in child processes)"
+            )
+    return bucket
+
+
 # ----------------------------------------------------------------------------- transports
 
 
@@ -232,10 +289,11 @@ def _wait_all(futures: Sequence[Future]) -> list[Any]:
 
 
 class CudaIpcTransport:
-    """Buckets to colocated engines by CUDA IPC handle; a :class:`WeightTransport`.
+    """Buckets to colocated engines by CUDA IPC handle; a
+    :class:`~weight_sync.protocol.WeightTransport`.
 
     ``engines`` are links (``submit(fn, *args) -> Future``, running ``fn(engine, *args)`` in
-    the engine's process: rl-runtime's ``RemoteEngine``). ``sglang``: speak SGLang's
+    the engine's process: :class:`~weight_sync.object_store.RemoteEngine`). ``sglang``: speak SGLang's
     ``flattened_bucket`` format (module docstring) instead of ours. Two buckets are in flight
     at most. On a CPU the buffers travel by value (tests).
     """
@@ -297,9 +355,7 @@ class CudaIpcTransport:
         return count
 
     def _send_sglang(self, buckets: Iterable[NamedTensors]) -> int:
-        from rollout_sglang.sglang_engine import flattened_bucket_payloads, require_sglang
-
-        require_sglang()
+        _require_sglang()
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         monkey_patch_torch_reductions()

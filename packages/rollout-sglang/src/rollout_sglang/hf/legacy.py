@@ -1,7 +1,7 @@
 """The transformers decode loop for models the graph decode does not cover (Qwen3.5, MoE).
 
-:class:`~rollout_sglang.hf_engine.HFEngine` delegates here when
-:func:`rollout_sglang.decode.supports` says no. Our own loop over the model's forward rather than ``model.generate``: left-padded batches with per-sample 3-D
+:class:`~rollout_sglang.hf.engine.HFEngine` delegates here when
+:func:`rollout_sglang.hf.decode.supports` says no. Our own loop over the model's forward rather than ``model.generate``: left-padded batches with per-sample 3-D
 M-RoPE positions computed once at prefill (the model's global ``rope_deltas`` state is never
 used, so rows can be dropped mid-generation), a KV cache, per-request stop, finished rows pruned
 from the batch and the cache, and the log-prob of each sampled token returned alongside it.
@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rollout_sglang.sampling import sample_tokens
+from rollout_sglang.hf.sampling import sample_tokens
+from rollout_sglang.hf.weights import WeightLoader
 from rollout_sglang.types import Completion, GenerateRequest, NamedTensors, SamplingParams
 from rollout_sglang.validation import RequestLimits, request_error
-from rollout_sglang.weights import WeightLoader
 from vlm_models import packed_position_ids
 
 logger = logging.getLogger(__name__)

@@ -1,11 +1,10 @@
-"""Weight sync as rl-runtime sees it: the protocol, the links to the engines, and Ray's object store.
+"""Weight sync through Ray's object store: the transport that serves every layout.
 
-Trainer rank 0 builds a :class:`~rl_runtime.protocols.WeightTransport` with the factory the app
-chose (:class:`~rl_runtime.protocols.TransportFactory`) and feeds it the actor's HF-named
-buckets; the other ranks iterate the same buckets (gathering full tensors is collective) and send
-nothing. rl-runtime owns one transport, Ray's object store (the default: any placement, any
-device); the CUDA IPC and NCCL transports come from the rollout package and reach the engines
-through :class:`RemoteEngine`, whose ``submit`` runs their engine-side half in the engine's actor.
+Each bucket is copied to host memory, put once in Ray's object store and loaded by every engine
+actor (its ``update_weights``). It is rl-runtime's default (any placement, any device) and the
+fallback when a faster transport cannot serve a layout. :class:`RemoteEngine` is the
+:class:`~weight_sync.protocol.EngineLink` over an engine actor: the other transports run their
+engine-side half through its ``submit``. The only module of this package that imports Ray.
 """
 
 from __future__ import annotations
@@ -15,13 +14,18 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import ray
+try:
+    import ray
+except ImportError as err:  # pragma: no cover - rl-runtime, this transport's user, installs ray
+    raise ImportError(
+        "the object-store weight transport needs Ray: pip install 'weight-sync[ray]'"
+    ) from err
 
-from rl_runtime.protocols import NamedTensors
+from weight_sync.protocol import NamedTensors
 
 
 class RemoteEngine:
-    """An :class:`~rl_runtime.protocols.EngineLink` over an engine actor (``EngineWorker``)."""
+    """An :class:`~weight_sync.protocol.EngineLink` over an engine actor (rl-runtime's ``EngineWorker``)."""
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle

@@ -3,12 +3,12 @@
 A small serving engine rather than a ``model.generate`` loop, because rollout time is decode
 time: prompts are prefilled through the transformers model itself (vision tower, DeepStack,
 M-RoPE positions: exactly the trainer's forward) and their keys/values copied into a
-preallocated per-slot KV cache (:mod:`~rollout_sglang.kv_cache`); decode runs our own forward
-over the same weights (:mod:`~rollout_sglang.decode`), captured once per (batch bucket,
+preallocated per-slot KV cache (:mod:`~rollout_sglang.hf.kv_cache`); decode runs our own forward
+over the same weights (:mod:`~rollout_sglang.hf.decode`), captured once per (batch bucket,
 KV-length bucket) as a CUDA graph, with sampling and log-probs inside the graph; continuous
-batching (:mod:`~rollout_sglang.scheduler`) refills a finished sequence's slot at once.
+batching (:mod:`~rollout_sglang.hf.scheduler`) refills a finished sequence's slot at once.
 Models whose text layers the decode step does not cover (Qwen3.5's linear attention, MoE)
-fall back to the transformers loop of :mod:`~rollout_sglang.hf_legacy`.
+fall back to the transformers loop of :mod:`~rollout_sglang.hf.legacy`.
 
 Each request samples with its own seed (``GenerateRequest.seed``, else ``SamplingParams.seed``
 plus its position) through a counter-based draw: its uniforms depend on its seed and token index
@@ -30,13 +30,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rollout_sglang.decode import DecodeRunner, SamplingKey, TextDecoder, sample_logits, supports
-from rollout_sglang.hf_legacy import LegacyHFEngine, _eos_ids
-from rollout_sglang.kv_cache import KVCache, cache_budget_tokens
-from rollout_sglang.scheduler import Scheduler, SeqState, round_up
+from rollout_sglang.hf.decode import DecodeRunner, SamplingKey, TextDecoder, sample_logits, supports
+from rollout_sglang.hf.kv_cache import KVCache, cache_budget_tokens
+from rollout_sglang.hf.legacy import LegacyHFEngine, _eos_ids
+from rollout_sglang.hf.scheduler import Scheduler, SeqState, round_up
+from rollout_sglang.hf.weights import WeightLoader
 from rollout_sglang.types import Completion, GenerateRequest, NamedTensors, SamplingParams
 from rollout_sglang.validation import RequestLimits, request_error
-from rollout_sglang.weights import WeightLoader
 from trainer_core import HostCopies
 from vlm_models import sample_position_ids
 
@@ -69,7 +69,7 @@ class HFEngine:
         kv_block: KV-length bucket granularity (default 128 on GPU, 16 on CPU).
         cuda_graphs: capture decode steps as CUDA graphs (CUDA only; eager otherwise).
         compile: ``torch.compile`` the decode step's per-layer blocks (fuses small kernels).
-        decode_attention: "sdpa" or "matmul" (see :class:`~rollout_sglang.decode.TextDecoder`).
+        decode_attention: "sdpa" or "matmul" (see :class:`~rollout_sglang.hf.decode.TextDecoder`).
         admit_fraction: admit waiting requests while others decode once this share of the
             slots is free (one prefill forward per group of arrivals).
         prune_fraction: only for models on the transformers fallback loop.

@@ -10,14 +10,11 @@ all inside one weight-update session per engine (``begin_weight_update`` /
 ``end_weight_update``; sglang 0.5.23 refuses the update outside one, and the trainer's
 broadcast would then wait until the group times out).
 
-Every transport speaks :class:`WeightTransport`: ``send(buckets)`` of HF-named buckets (made
-once, by ``vlm_models.iter_weight_buckets``), ``close()`` (the shape of
-``rl_runtime.protocols.WeightTransport``, which the loop knows). :class:`EngineTransport` hands
-each bucket to local engines' ``update_weights``; :class:`DistributedWeightSender` broadcasts it
-(NCCL, engines on GPUs of their own); ``rollout_sglang.cuda_ipc.CudaIpcTransport`` shares it by
-CUDA IPC handle (colocated). :func:`choose_weight_transport` picks the factory for a layout; in
-a Ray run the engines are links (``submit(fn, *args) -> Future`` running ``fn(engine, *args)``
-in the engine's process), which :class:`LinkedEngine` turns back into blocking engine calls.
+The engines are the SGLang engines' own receiving side (``rollout_sglang``'s ``SGLangEngine``
+and ``SGLangClient`` have every method :class:`DistributedWeightSender` calls); in a Ray run they
+are links (``submit(fn, *args) -> Future`` running ``fn(engine, *args)`` in the engine's
+process), which :class:`LinkedEngine` turns back into blocking engine calls. :class:`Nccl` is
+the factory a launcher passes for SGLang engines on GPUs of their own.
 """
 
 from __future__ import annotations
@@ -29,46 +26,16 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, ClassVar, Protocol, get_args, runtime_checkable
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rollout_sglang.config import TransportKind
-from rollout_sglang.types import NamedTensors
-from rollout_sglang.weight_names import WeightNameCheck, check_weight_names
+from weight_sync.protocol import NamedTensors
+from weight_sync.weight_names import WeightNameCheck, check_weight_names
 
 logger = logging.getLogger(__name__)
-
-
-@runtime_checkable
-class WeightTransport(Protocol):
-    """How HF-named weight buckets reach the rollout engines."""
-
-    def send(self, buckets: Iterable[NamedTensors]) -> int:
-        """Deliver every bucket to every engine; returns the number of tensors sent."""
-        ...
-
-    def close(self) -> None: ...
-
-
-class EngineTransport:
-    """Buckets through the engines' own ``update_weights`` (HF engine: in place; SGLang
-    in-process: ``update_weights_from_tensor``, CUDA IPC handles for CUDA tensors). Each
-    engine's update is one weight-update session, opened and closed by the engine."""
-
-    def __init__(self, engines: list[Any]) -> None:
-        self.engines = engines
-
-    def send(self, buckets: Iterable[NamedTensors]) -> int:
-        buckets = list(buckets)
-        for engine in self.engines:
-            engine.update_weights(buckets)
-        return sum(len(b) for b in buckets)
-
-    def close(self) -> None:
-        """Nothing held."""
 
 
 def init_weight_sync_group(
@@ -158,8 +125,7 @@ class DistributedWeightSender:
     ``engines`` are objects with ``init_weights_update_group(...)``,
     ``update_weights_from_distributed(names, dtypes, shapes, group_name, flush_cache)``,
     ``begin_weight_update()``, ``end_weight_update()`` and ``flush_cache()``
-    (:class:`~rollout_sglang.sglang_engine.SGLangEngine` and
-    :class:`~rollout_sglang.sglang_engine.SGLangClient` have them all). ``ranks_per_engine``
+    (``rollout_sglang``'s ``SGLangEngine`` and ``SGLangClient`` have them all). ``ranks_per_engine``
     is each engine's tensor-parallel size. Tensors must be on a device the backend can send
     (CUDA for NCCL, CPU for gloo).
 
@@ -375,61 +341,3 @@ class Nccl:
             backend=self.backend,
             weight_names=self.weight_names,
         )
-
-
-#: What ``choose_weight_transport(kind=...)`` (and the launchers' ``--weight-transport``) take.
-TRANSPORT_KINDS: tuple[str, ...] = get_args(TransportKind)
-
-
-def choose_weight_transport(
-    *,
-    colocate: bool,
-    use_gpu: bool,
-    sglang: bool,
-    num_trainers: int = 1,
-    ranks_per_engine: int = 1,
-    weight_names: WeightNameCheck | None = None,
-    kind: str = "auto",
-) -> Any | None:
-    """The transport factory for a layout, or None for the caller's default (rl-runtime:
-    Ray's object store).
-
-    ``kind="auto"`` picks by the layout:
-
-    - colocated on GPUs with one trainer rank: CUDA IPC (rank 0 shares its GPU with every
-      engine); with several ranks, engines sit on other ranks' GPUs, which rank 0's handles do
-      not reach: the object store (a per-rank IPC is not built yet);
-    - separate placement on GPUs, SGLang engines: NCCL broadcast (the transformers engine has
-      no receiving side for it: the object store);
-    - CPU: the object store.
-
-    Another kind forces that transport, and a layout it cannot serve raises ``ValueError``
-    saying why (``object-store`` serves every layout: the fallback when a faster one fails).
-    """
-    from rollout_sglang.cuda_ipc import CudaIpc
-
-    if kind not in TRANSPORT_KINDS:
-        raise ValueError(f"weight transport {kind!r}: expected one of {', '.join(TRANSPORT_KINDS)}")
-    ipc = CudaIpc(sglang=sglang, tp_size=ranks_per_engine, weight_names=weight_names)
-    nccl = Nccl(ranks_per_engine=ranks_per_engine, weight_names=weight_names)
-    if kind == "object-store":
-        return None
-    if kind == "cuda-ipc":
-        if not (use_gpu and colocate and num_trainers == 1):
-            raise ValueError(
-                "weight transport cuda-ipc needs the engines colocated with one trainer rank on "
-                "its GPU (several ranks, CPU runs and separate rollout GPUs use another)"
-            )
-        return ipc
-    if kind == "nccl":
-        if not (use_gpu and not colocate and sglang):
-            raise ValueError(
-                "weight transport nccl needs SGLang engines on GPUs of their own "
-                "(--no-colocate; the transformers engine has no receiving side)"
-            )
-        return nccl
-    if not use_gpu:
-        return None
-    if colocate:
-        return ipc if num_trainers == 1 else None
-    return nccl if sglang else None
