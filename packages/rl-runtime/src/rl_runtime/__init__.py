@@ -2,6 +2,7 @@
 layout, the GRPO and SFT loops, evaluation, logging, checkpoints. It knows the trainer and
 engine protocols, never the concrete backends: the apps pick those."""
 
+from rl_algos.run_context import ParallelLayout, RunContext, StateBytes
 from rl_runtime.actor_group import EngineWorker, RolloutGroup, TrainGroup, TrainWorker
 from rl_runtime.checkpoint import CheckpointManager, ResumeError, resume_step
 from rl_runtime.cli import as_config_error, user_errors
@@ -73,6 +74,7 @@ __all__ = [
     "NonFiniteStop",
     "ObjectStoreTransport",
     "ParallelConfig",
+    "ParallelLayout",
     "PeriodicGC",
     "Placement",
     "PreflightError",
@@ -84,10 +86,12 @@ __all__ = [
     "RewardFn",
     "RolloutGroup",
     "RunConfig",
+    "RunContext",
     "RunLogger",
     "RunStopped",
     "ScoredGroups",
     "SftLoopConfig",
+    "StateBytes",
     "TrainActor",
     "TrainGroup",
     "TrainLayout",
