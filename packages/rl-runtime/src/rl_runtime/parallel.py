@@ -14,7 +14,7 @@ from typing import Any, Literal, TypeVar
 
 from rl_algos.run_context import ParallelLayout, Recompute, TrainLayout
 from rl_runtime.cluster import ClusterConfig, layout
-from rl_runtime.config import ConfigError, option
+from rl_runtime.config_fields import ConfigError, option
 from rl_runtime.memory import (
     MemoryEstimate,
     ModelShape,
