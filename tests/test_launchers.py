@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -15,7 +16,7 @@ from geo3k_grpo.config import offload_train
 from geo3k_grpo.main import parse as parse_grpo
 from geo3k_grpo.main import run as run_grpo
 from geo3k_sft.main import parse as parse_sft
-from rl_runtime import ConfigError, PreflightError, ResumeError
+from rl_runtime import ConfigError, ParallelLayout, PreflightError, ResumeError, RunContext
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,7 +80,7 @@ def test_sft_recipe_defaults(backend):
     assert tuple(optim.betas) == (0.9, 0.95) and optim.weight_decay == 0.1
     assert cfg.sft.sft_batch_size == 128 and cfg.data.template == "none"
     assert cfg.run.wandb_group == f"qwen3-vl-8b-instruct-{backend}"
-    run = cfg.trainer.for_run(model=None, seed=0, use_gpu=False, total_steps=500)
+    run = cfg.trainer.for_run(RunContext(model=None, seed=0, use_gpu=False, total_steps=500))
     assert (run if backend == "megatron" else run.optim).warmup_steps == 50
 
 
@@ -120,7 +121,9 @@ def test_tiny_preset_and_overrides():
 def test_fsdp_options_reach_the_actor_config():
     def actor(argv: list[str]):
         cfg = parse_grpo(["--preset", "tiny", *argv], env={})
-        return cfg.trainer.for_run(model=cfg.model.model_name, seed=cfg.run.seed, use_gpu=False)
+        return cfg.trainer.for_run(
+            RunContext(model=cfg.model.model_name, seed=cfg.run.seed, use_gpu=False)
+        )
 
     assert actor(["--fsdp-replicate", "--no-compile"]).replicate
     assert actor(["--fsdp-replicate", "--no-compile"]).compile is False
@@ -136,10 +139,12 @@ def test_megatron_options_reach_the_actor_config():
         tiny = ["--preset", "tiny", "--backend", "megatron", "--cpu-trainers", "8"]
         cfg = parse_grpo([*tiny, *argv], env={})
         return cfg.trainer.for_run(
-            model=cfg.model.model_name,
-            seed=cfg.run.seed,
-            use_gpu=False,
-            **cfg.parallel.trainer_layout(),
+            RunContext(
+                model=cfg.model.model_name,
+                seed=cfg.run.seed,
+                use_gpu=False,
+                layout=cfg.parallel.trainer_layout(),
+            )
         )
 
     default = actor([])
@@ -171,11 +176,12 @@ def test_the_fsdp_config_refuses_megatron_only_layouts():
     """Past the CLI check too (a launcher that builds the layout itself): FSDP shards, so
     it has no tensor, pipeline or expert (tensor) split to take."""
     cfg = parse_grpo(["--preset", "tiny", "--backend", "fsdp"], env={})
-    base = dict(model=cfg.model.model_name, seed=0, use_gpu=False)
-    assert cfg.trainer.for_run(**base, **cfg.parallel.trainer_layout()).device == "cpu"
-    for layout in (dict(ep=2), dict(etp=1), dict(pp=2)):
-        with pytest.raises(ValueError, match="the fsdp backend shards instead"):
-            cfg.trainer.for_run(**base, **layout)
+    base = RunContext(model=cfg.model.model_name, seed=0, use_gpu=False)
+    settled = dataclasses.replace(base, layout=cfg.parallel.trainer_layout())
+    assert cfg.trainer.for_run(settled).device == "cpu"
+    for layout in (ParallelLayout(ep=2), ParallelLayout(etp=1), ParallelLayout(pp=2)):
+        with pytest.raises(ValueError, match="for --backend megatron"):
+            cfg.trainer.for_run(dataclasses.replace(base, layout=layout))
 
 
 # the 2B shape on one H200, colocated with the transformers engine
@@ -223,8 +229,9 @@ def test_qwen35_35b_a3b_preset_is_the_slime_layout(capsys, monkeypatch):
     layout estimated from the built-in shape before any download."""
     pytest.importorskip("transformers", minversion="5.2")  # Qwen3.5 configs
     cfg = parse_grpo(QWEN35, env={})
+    layout = cfg.parallel.trainer_layout()
     actor = cfg.trainer.for_run(
-        model=cfg.model.model_name, seed=0, use_gpu=True, **cfg.parallel.trainer_layout()
+        RunContext(model=cfg.model.model_name, seed=0, use_gpu=True, layout=layout)
     )
     assert (actor.tp, actor.sp, actor.pp, actor.ep, actor.etp) == (2, True, 1, 8, 1)
     assert actor.recompute == "full" and cfg.cluster.num_gpus == 8 and cfg.cluster.colocate

@@ -8,6 +8,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
+from rl_algos.run_context import RunContext
 from trainers_fsdp import FsdpConfig, OptimConfig
 from trainers_fsdp.optim import lr_lambda
 from trainers_megatron import MegatronConfig
@@ -68,9 +69,9 @@ def test_megatron_config_refuses_a_cosine_without_length():
 def test_warmup_fraction_settles_the_same_steps_on_both_backends():
     """The recipes' --lr-warmup-fraction: a fraction of the run's optimizer steps, settled when
     the loop gives the run's length; --lr-warmup-steps wins where set."""
-    run = dict(model=None, seed=0, use_gpu=False, total_steps=35)
-    fsdp = FsdpConfig(optim=OptimConfig(lr=LR, warmup_fraction=0.1)).for_run(**run)
-    megatron = MegatronConfig(lr=LR, warmup_fraction=0.1).for_run(**run)
+    run = RunContext(model=None, seed=0, use_gpu=False, total_steps=35)
+    fsdp = FsdpConfig(optim=OptimConfig(lr=LR, warmup_fraction=0.1)).for_run(run)
+    megatron = MegatronConfig(lr=LR, warmup_fraction=0.1).for_run(run)
     assert fsdp.optim.warmup_steps == megatron.warmup_steps == 3
-    steps = MegatronConfig(lr=LR, warmup_fraction=0.1, warmup_steps=5).for_run(**run)
+    steps = MegatronConfig(lr=LR, warmup_fraction=0.1, warmup_steps=5).for_run(run)
     assert steps.warmup_steps == 5

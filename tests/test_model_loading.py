@@ -14,7 +14,15 @@ import pytest
 
 from geo3k_grpo.main import parse as parse_grpo
 from geo3k_grpo.main import run as run_grpo
-from rl_runtime import ModelShape, PreflightError, TrainLayout, estimate_memory, plan_layout
+from rl_runtime import (
+    ModelShape,
+    ParallelLayout,
+    PreflightError,
+    TrainLayout,
+    estimate_memory,
+    plan_layout,
+)
+from trainers_fsdp import FsdpConfig
 from vlm_models import (
     ModelSourceError,
     model_config,
@@ -37,9 +45,7 @@ def model_shape(config) -> ModelShape:
 def plan(cfg):
     """The launcher's layout plan of a parsed config: (parallel settings, estimate)."""
     shape = shape_of(cfg.model, load=cfg.run.load)
-    return plan_layout(
-        cfg.parallel, cfg.cluster, backend=cfg.run.backend, trainer=cfg.trainer, shape=shape
-    )
+    return plan_layout(cfg.parallel, cfg.cluster, trainer=cfg.trainer, shape=shape)
 
 
 def _launch(app: str, args: list[str], **env: str) -> subprocess.CompletedProcess:
@@ -118,7 +124,8 @@ def test_shapes_from_the_real_configs(qwen3vl_dir, shared_dir):
     two = parameter_counts(preset_config("qwen3-vl-2b"))
     assert model_shape(preset_config("qwen3-vl-2b")).language_params == two["language"]
     # one GPU of 80 GiB cannot hold the 4B model's AdamW training state (20 bytes/parameter)
-    one_gpu = estimate_memory(real_4b, TrainLayout("fsdp", 1, 4096, recompute=True))
+    whole = TrainLayout(1, 4096, ParallelLayout(recompute="full"))
+    one_gpu = estimate_memory(real_4b, FsdpConfig(), whole)
     assert one_gpu.weights + one_gpu.gradients + one_gpu.optimizer > 80 * GiB
     # a rollout token's bf16 keys and values: 36 layers x 8 KV heads x 128 (the 4B config)
     assert real_4b.kv_bytes_per_token == 2 * 36 * 8 * 128 * 2

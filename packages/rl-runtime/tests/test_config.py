@@ -6,7 +6,8 @@ from typing import Any, Literal
 
 import pytest
 
-from rl_runtime.config import ConfigError, choice, option, parse_config
+from rl_runtime.config import parse_config
+from rl_runtime.config_fields import ConfigError, choice, option
 
 
 @dataclass

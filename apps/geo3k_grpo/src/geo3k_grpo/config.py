@@ -25,6 +25,7 @@ from rl_runtime import (
     ParallelConfig,
     PreflightError,
     RunConfig,
+    TrainerConfig,
     WarmupConfig,
     check_parallel,
     choice,
@@ -55,6 +56,12 @@ TRAINERS = {"megatron": MegatronConfig, "fsdp": FsdpConfig}
 ENV_ALIASES = recipe_env_aliases("GEO3K")
 
 
+def other_trainers(backend: str) -> list[TrainerConfig]:
+    """The backends not picked, in their defaults: where a layout refusal looks for a layout
+    that fits."""
+    return [config() for name, config in TRAINERS.items() if name != backend]
+
+
 @dataclass
 class Geo3kGrpoConfig:
     run: RunConfig = section(RunConfig)
@@ -72,7 +79,7 @@ class Geo3kGrpoConfig:
     def check(self) -> None:
         self.run = self.run.with_wandb_names(self.model.model_name)  # shown by --print-config
         try:
-            check_parallel(self.run.backend, self.parallel, self.cluster)
+            check_parallel(self.trainer, self.parallel, self.cluster)
             if self.rollout.backend != "hf":  # SGLang engines of N GPUs take N rollout GPUs
                 layout(self.cluster, gpus_per_engine=self.rollout.tp_size)
         except (ConfigError, PreflightError) as err:
@@ -183,6 +190,7 @@ def print_layout(cfg: Geo3kGrpoConfig) -> dict[str, Any]:
         cfg.cluster,
         backend=cfg.run.backend,
         trainer=cfg.trainer,
+        others=other_trainers(cfg.run.backend),
         shape=vlm_models.shape_of(cfg.model, load=cfg.run.load) if cfg.cluster.use_gpu else None,
         model_name=cfg.model.model_name,
         longest_sample=longest_sample(cfg),
@@ -218,8 +226,7 @@ def offload_train(cfg: Geo3kGrpoConfig) -> tuple[bool, str]:
         return True, "SGLang engine"
     shape = vlm_models.shape_of(cfg.model, load=cfg.run.load)
     gpu = gpu_memory_bytes(cfg.parallel)
-    kw = {"backend": cfg.run.backend, "trainer": cfg.trainer, "shape": shape}
-    estimate = state_estimate(cfg.parallel, cfg.cluster, **kw)
+    estimate = state_estimate(cfg.parallel, cfg.cluster, trainer=cfg.trainer, shape=shape)
     if shape is None or gpu is None or estimate is None:
         return True, "no memory estimate"
     samples = cfg.loop.rollout_batch_size * cfg.loop.n_samples_per_prompt

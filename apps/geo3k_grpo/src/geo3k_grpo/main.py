@@ -25,6 +25,7 @@ from geo3k_grpo.config import (
     Geo3kGrpoConfig,
     longest_sample,
     offload_train,
+    other_trainers,
     parse,
 )
 from rl_runtime import (
@@ -32,6 +33,7 @@ from rl_runtime import (
     Cluster,
     GrpoParts,
     PreflightError,
+    RunContext,
     RunLogger,
     as_config_error,
     check_backend,
@@ -61,12 +63,14 @@ def warm_up(cfg: Geo3kGrpoConfig) -> Path:
     processor = vlm_data.load_processor(vlm_models.processor_source(cfg.model), cfg.data)
     w = cfg.warmup
     trainer = cfg.trainer.for_run(
-        model=vlm_models.model_source(cfg.model, token_ids=vlm_data.model_token_ids(processor)),
-        seed=cfg.run.seed,
-        use_gpu=cfg.cluster.use_gpu,
-        **cfg.parallel.trainer_layout(),
-        total_steps=w.warmup_sft_steps,
-        lr=w.warmup_sft_lr,
+        RunContext(
+            model=vlm_models.model_source(cfg.model, token_ids=vlm_data.model_token_ids(processor)),
+            seed=cfg.run.seed,
+            use_gpu=cfg.cluster.use_gpu,
+            layout=cfg.parallel.trainer_layout(),
+            total_steps=w.warmup_sft_steps,
+            lr=w.warmup_sft_lr,
+        )
     )
 
     def samples() -> Any:
@@ -104,6 +108,7 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
         cfg.cluster,
         cfg.run,
         trainer=cfg.trainer,
+        others=other_trainers(cfg.run.backend),
         shape_of=vlm_models.shape_of,
         resolve=vlm_models.resolve_model,
         longest_sample=longest_sample(cfg),
@@ -130,14 +135,16 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
         cfg.model, load=load, token_ids=vlm_data.model_token_ids(processor)
     )
     trainer = cfg.trainer.for_run(
-        model=source,
-        seed=seed,
-        use_gpu=lay.use_gpu,
-        **cfg.parallel.trainer_layout(),
-        temperature=cfg.loop.rollout_temperature,
-        grpo=cfg.loss,
-        reference_model=cfg.loss.kl_coef > 0,
-        total_steps=cfg.loop.optimizer_steps,
+        RunContext(
+            model=source,
+            seed=seed,
+            use_gpu=lay.use_gpu,
+            layout=cfg.parallel.trainer_layout(),
+            temperature=cfg.loop.rollout_temperature,
+            grpo=cfg.loss,
+            reference_model=cfg.loss.kl_coef > 0,
+            total_steps=cfg.loop.optimizer_steps,
+        )
     )
     tok = processor.tokenizer
     try:

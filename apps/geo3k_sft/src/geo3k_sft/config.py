@@ -20,6 +20,7 @@ from rl_runtime import (
     ParallelConfig,
     RunConfig,
     SftLoopConfig,
+    TrainerConfig,
     check_parallel,
     choice,
     layout,
@@ -43,6 +44,12 @@ TRAINERS = {"megatron": MegatronConfig, "fsdp": FsdpConfig}
 ENV_ALIASES = recipe_env_aliases("GEO3K")
 
 
+def other_trainers(backend: str) -> list[TrainerConfig]:
+    """The backends not picked, in their defaults: where a layout refusal looks for a layout
+    that fits."""
+    return [config() for name, config in TRAINERS.items() if name != backend]
+
+
 @dataclass
 class Geo3kSftConfig:
     run: RunConfig = section(RunConfig)
@@ -55,7 +62,7 @@ class Geo3kSftConfig:
 
     def check(self) -> None:
         self.run = self.run.with_wandb_names(self.model.model_name)  # shown by --print-config
-        check_parallel(self.run.backend, self.parallel, self.cluster, with_engines=False)
+        check_parallel(self.trainer, self.parallel, self.cluster, with_engines=False)
 
 
 #: The recipe's values where a package's default is not the recipe's (the rest are).
@@ -103,6 +110,7 @@ def print_layout(cfg: Geo3kSftConfig) -> dict[str, Any]:
         cfg.cluster,
         backend=cfg.run.backend,
         trainer=cfg.trainer,
+        others=other_trainers(cfg.run.backend),
         shape=vlm_models.shape_of(cfg.model, load=cfg.run.load) if cfg.cluster.use_gpu else None,
         model_name=cfg.model.model_name,
         with_engines=False,

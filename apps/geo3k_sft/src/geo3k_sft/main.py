@@ -15,9 +15,10 @@ from pathlib import Path
 
 import vlm_data
 import vlm_models
-from geo3k_sft.config import ENV_ALIASES, PRESETS, Geo3kSftConfig, parse
+from geo3k_sft.config import ENV_ALIASES, PRESETS, Geo3kSftConfig, other_trainers, parse
 from rl_runtime import (
     CheckpointManager,
+    RunContext,
     as_config_error,
     check_backend,
     resume_step,
@@ -48,6 +49,7 @@ def run(cfg: Geo3kSftConfig) -> Path:
         cfg.cluster,
         cfg.run,
         trainer=cfg.trainer,
+        others=other_trainers(cfg.run.backend),
         shape_of=vlm_models.shape_of,
         resolve=vlm_models.resolve_model,
         with_engines=False,
@@ -60,14 +62,17 @@ def run(cfg: Geo3kSftConfig) -> Path:
     processor = vlm_data.load_processor(vlm_models.processor_source(cfg.model, load=load), cfg.data)
     with as_config_error(DatasetLoadError, f"--dataset / {ENV_ALIASES['dataset'][0]}"):
         samples = vlm_data.sft_source(cfg.data, processor, seed=cfg.run.seed)
+    source = vlm_models.model_source(
+        cfg.model, load=load, token_ids=vlm_data.model_token_ids(processor)
+    )
     trainer = cfg.trainer.for_run(
-        model=vlm_models.model_source(
-            cfg.model, load=load, token_ids=vlm_data.model_token_ids(processor)
-        ),
-        seed=cfg.run.seed,
-        use_gpu=cfg.cluster.use_gpu,
-        **cfg.parallel.trainer_layout(),
-        total_steps=cfg.sft.sft_num_steps,
+        RunContext(
+            model=source,
+            seed=cfg.run.seed,
+            use_gpu=cfg.cluster.use_gpu,
+            layout=cfg.parallel.trainer_layout(),
+            total_steps=cfg.sft.sft_num_steps,
+        )
     )
     return train_sft(
         cfg.sft,

@@ -2,20 +2,13 @@
 layout, the GRPO and SFT loops, evaluation, logging, checkpoints. It knows the trainer and
 engine protocols, never the concrete backends: the apps pick those."""
 
+from rl_algos.run_context import ParallelLayout, RunContext, StateBytes
 from rl_runtime.actor_group import EngineWorker, RolloutGroup, TrainGroup, TrainWorker
 from rl_runtime.checkpoint import CheckpointManager, ResumeError, resume_step
 from rl_runtime.cli import as_config_error, user_errors
 from rl_runtime.cluster import Cluster, ClusterConfig, Layout, layout, placement_preview
-from rl_runtime.config import (
-    ConfigError,
-    choice,
-    option,
-    parse_config,
-    section,
-    to_dict,
-    to_json,
-    validate,
-)
+from rl_runtime.config import parse_config, to_dict, to_json, validate
+from rl_runtime.config_fields import ConfigError, choice, option, section
 from rl_runtime.data import PromptPrefetch, PromptSampler
 from rl_runtime.evaluation import eval_prompts, evaluate
 from rl_runtime.faults import CheckpointFailed, NonFiniteStop, RunStopped, WorkerDied
@@ -66,6 +59,7 @@ __all__ = [
     "NonFiniteStop",
     "ObjectStoreTransport",
     "ParallelConfig",
+    "ParallelLayout",
     "PeriodicGC",
     "Placement",
     "PreflightError",
@@ -77,10 +71,12 @@ __all__ = [
     "RewardFn",
     "RolloutGroup",
     "RunConfig",
+    "RunContext",
     "RunLogger",
     "RunStopped",
     "ScoredGroups",
     "SftLoopConfig",
+    "StateBytes",
     "TrainActor",
     "TrainGroup",
     "TrainLayout",

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from rl_runtime.config import ConfigError
+from rl_runtime.config_fields import ConfigError
 from rl_runtime.faults import RunStopped
 from rl_runtime.preflight import PreflightError
 

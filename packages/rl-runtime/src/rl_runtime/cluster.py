@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rl_runtime.actor_group import RolloutGroup, TrainGroup
-from rl_runtime.config import ConfigError, option
+from rl_runtime.config_fields import ConfigError, option
 from rl_runtime.placement import Placement, create_placement, init_ray, shutdown_ray
 from rl_runtime.placement_plan import actor_nodes, format_plan, plan_rows
 from rl_runtime.preflight import PreflightError

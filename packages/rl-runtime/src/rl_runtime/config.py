@@ -35,294 +35,34 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import itertools
 import json
 import logging
 import math
-import operator
-import types
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal, TypeVar, get_args, get_origin
+from typing import Any, TypeVar
+
+from rl_runtime.config_fields import (
+    Bounds,
+    ConfigError,
+    Leaf,
+    all_picks,
+    choice_fields,
+    convert,
+    field_hints,
+    flag_name,
+    is_section,
+    is_setting,
+    item_type,
+    leaves,
+    setting_key,
+    skeleton,
+    strip_optional,
+)
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
-_BOUND_KEYS = ("ge", "gt", "le", "lt", "choices")
-
-
-class ConfigError(ValueError):
-    """A flag, environment variable or preset value that does not fit the config."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Bounds:
-    """What a value must satisfy: numeric bounds and/or a set of choices (a sequence, or a
-    function returning one, for registries that are imported only when checked)."""
-
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    lt: float | None = None
-    choices: Sequence[Any] | Callable[[], Sequence[Any]] | None = None
-
-    def describe(self) -> str:
-        """`>= 1`, `> 0 and < 1`, ...: appended to the help text."""
-        parts = [
-            f"{op} {_num(bound)}"
-            for op, bound in ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
-            if bound is not None
-        ]
-        return " and ".join(parts)
-
-    def listed(self) -> list[Any] | None:
-        if self.choices is None:
-            return None
-        return list(self.choices() if callable(self.choices) else self.choices)
-
-    def problem(self, value: Any) -> str | None:
-        """Why `value` does not fit, or None."""
-        choices = self.listed()
-        if choices is not None and value not in choices:
-            return f"expected one of {choices}"
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            for bound, holds in (
-                (self.ge, operator.ge),
-                (self.gt, operator.gt),
-                (self.le, operator.le),
-                (self.lt, operator.lt),
-            ):
-                if bound is not None and not holds(value, bound):
-                    return f"must be {self.describe()}"
-        return None
-
-
-def _num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else str(x)
-
-
-def option(
-    default: Any = dataclasses.MISSING,
-    help: str = "",
-    *,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    lt: float | None = None,
-    choices: Sequence[Any] | Callable[[], Sequence[Any]] | None = None,
-    flag: str | None = None,
-    items: Sequence[str] = (),
-    **kwargs: Any,
-) -> Any:
-    """A setting: `dataclasses.field` with its help text, bounds or choices (checked by
-    `validate`; None always passes for an optional field), short names, and a mutable default
-    made safe."""
-    metadata: dict[str, Any] = {"help": help or " "}
-    bounds = {"ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices}
-    metadata |= {k: v for k, v in bounds.items() if v is not None}
-    if flag is not None:
-        metadata["flag"] = flag
-    if items:
-        metadata["items"] = tuple(items)
-    if isinstance(default, list | dict):
-        value = default
-        return dataclasses.field(
-            default_factory=lambda: type(value)(value), metadata=metadata, **kwargs
-        )
-    return dataclasses.field(default=default, metadata=metadata, **kwargs)
-
-
-def section(cls: type, help: str = "") -> Any:
-    """A nested section: a field whose default is `cls()`; its settings join the tree."""
-    return dataclasses.field(default_factory=cls, metadata={"help": help or cls.__name__})
-
-
-def choice(options: Mapping[str, type], *, by: str, help: str = "") -> Any:
-    """A section whose dataclass the setting named `by` picks among `options` (the trainer's,
-    by `backend`). `by`'s choices become the option names."""
-    return dataclasses.field(
-        default=None, metadata={"help": help or "section", "options": dict(options), "select": by}
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class Leaf:
-    """One setting: where it sits (`path`), its type, default and metadata."""
-
-    path: tuple[str, ...]
-    type: Any
-    default: Any
-    help: str
-    bounds: Bounds = Bounds()
-    short: str | None = None
-    items: tuple[str, ...] = ()
-    picked_by: tuple[str, str] | None = None  # (the selecting setting, this option's name)
-
-    @property
-    def dotted(self) -> str:
-        return ".".join(self.path)
-
-    @property
-    def name(self) -> str:
-        return self.path[-1]
-
-    @property
-    def flag(self) -> str:
-        return _flag(self.dotted)
-
-    @property
-    def display(self) -> str:
-        """The flag a message names: the short one where there is one."""
-        return _flag(self.short) if self.short else self.flag
-
-    def names(self) -> Iterator[tuple[str, int | None]]:
-        """The names this setting answers to (dotted, short, items) and the item each sets."""
-        yield self.dotted, None
-        if self.short:
-            yield self.short, None
-        for i, item in enumerate(self.items):
-            yield item, i
-
-
-def _flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
-def _key(text: str) -> str:
-    """`--trainer.optim.max-grad-norm` or `max-grad-norm` -> the key `trainer.optim.max_grad_norm`."""
-    return text.removeprefix("--").replace("-", "_")
-
-
-# ---------------------------------------------------------------------------------- the tree
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _is_section(f: dataclasses.Field, tp: Any, root: bool) -> bool:
-    return dataclasses.is_dataclass(tp) and (root or "help" in f.metadata)
-
-
-def _is_setting(f: dataclasses.Field, root: bool) -> bool:
-    return "help" in f.metadata or root
-
-
-def leaves(cfg: Any) -> list[Leaf]:
-    """The settings of a config instance (its choices already made), in declaration order."""
-    out: list[Leaf] = []
-    _walk(cfg, (), None, out, root=True)
-    shorts = [k for leaf in out for k, _ in leaf.names() if "." not in k]
-    dupes = sorted({k for k in shorts if shorts.count(k) > 1})
-    if dupes:
-        raise ConfigError(f"{type(cfg).__name__}: short names must be unique in a tree: {dupes}")
-    return out
-
-
-def _walk(
-    obj: Any,
-    path: tuple[str, ...],
-    picked_by: tuple[str, str] | None,
-    out: list[Leaf],
-    *,
-    root: bool = False,
-) -> None:
-    hints = _hints(type(obj))
-    for f in dataclasses.fields(obj):
-        value, tp, here = getattr(obj, f.name), hints[f.name], (*path, f.name)
-        if "options" in f.metadata:
-            name = next(k for k, c in f.metadata["options"].items() if isinstance(value, c))
-            _walk(value, here, (f.metadata["select"], name), out)
-        elif _is_section(f, tp, root):
-            _walk(value, here, picked_by, out)
-        elif _is_setting(f, root):
-            meta = dict(f.metadata)
-            base, _ = _strip_optional(tp)
-            if get_origin(base) is Literal:  # checked as choices, so errors name the source
-                meta.setdefault("choices", get_args(base))
-            bounds = Bounds(**{k: meta[k] for k in _BOUND_KEYS if k in meta})
-            short = meta.get("flag", f.name)
-            help_text = meta.get("help", "").strip()
-            out.append(
-                Leaf(here, tp, value, help_text, bounds, short, meta.get("items", ()), picked_by)
-            )
-
-
-def _choices(cls: type) -> dict[tuple[str, ...], dataclasses.Field]:
-    """The choice fields of the tree `cls` (at the root: choices do not nest)."""
-    return {(f.name,): f for f in dataclasses.fields(cls) if "options" in f.metadata}
-
-
-def _skeleton(cls: type[T], picks: Mapping[tuple[str, ...], str]) -> T:
-    """`cls()` with each choice section set to the default instance of its pick."""
-    cfg = cls()
-    for path, f in _choices(cls).items():
-        object.__setattr__(cfg, path[-1], f.metadata["options"][picks[path]]())
-    return cfg
-
-
-def _all_picks(cls: type) -> list[dict[tuple[str, ...], str]]:
-    fields = _choices(cls)
-    names = [list(f.metadata["options"]) for f in fields.values()]
-    return [dict(zip(fields, combo, strict=True)) for combo in itertools.product(*names)]
-
-
-# ---------------------------------------------------------------------------------- values
-
-
-def _strip_optional(tp: Any) -> tuple[Any, bool]:
-    origin = get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in get_args(tp) if a is not type(None)]
-        if len(args) == 1 and len(args) < len(get_args(tp)):
-            return args[0], True
-    return tp, False
-
-
-def _item_type(tp: Any) -> Any:
-    base, _ = _strip_optional(tp)
-    return get_args(base)[0]
-
-
-def convert(value: str, tp: Any, where: str) -> Any:
-    """Turn a string from the command line or environment into a value of type `tp`."""
-    base, optional = _strip_optional(tp)
-    if optional and value.strip().lower() in {"none", "null"}:
-        return None
-    try:
-        if base is bool:
-            v = value.strip().lower()
-            if v in _TRUE:
-                return True
-            if v in _FALSE:
-                return False
-            raise ValueError("expected one of 1/0, true/false, yes/no")
-        if get_origin(base) is Literal:
-            return value  # its choices are the setting's bounds (`validate`)
-        if get_origin(base) in (list, tuple):
-            (item,) = get_args(base)[:1]
-            parts = [p for p in value.replace(",", " ").split() if p]
-            items = [convert(p, item, where) for p in parts]
-            return items if get_origin(base) is list else tuple(items)
-        if base in (int, float, str):
-            return base(value)
-    except ValueError as e:
-        raise ConfigError(f"{where}: cannot read {value!r} as {_type_name(tp)}: {e}") from None
-    raise ConfigError(f"{where}: unsupported config type {tp!r}")
-
-
-def _type_name(tp: Any) -> str:
-    base, optional = _strip_optional(tp)
-    if get_origin(base) is Literal:
-        name = "|".join(map(str, get_args(base)))
-    elif get_origin(base) in (list, tuple):
-        name = f"list of {getattr(get_args(base)[0], '__name__', 'value')}"
-    else:
-        name = getattr(base, "__name__", str(base))
-    return f"{name} or none" if optional else name
 
 
 class _Tree:
@@ -342,7 +82,7 @@ class _Tree:
         return {key: (leaf, i) for leaf in self.leaves for key, i in leaf.names()}
 
     def leaf(self, key: str) -> Leaf | None:
-        hit = self.index.get(_key(key))
+        hit = self.index.get(setting_key(key))
         return hit[0] if hit else None
 
     def _update(self, leaf: Leaf | None, **changes: Any) -> None:
@@ -360,12 +100,12 @@ class _Tree:
     def set(self, key: str, value: Any, origin: str, *, where: str | None = None) -> bool:
         """Set the setting `key` names (a string from a flag or variable is converted, errors
         naming `where`); False when no setting of this tree has that name."""
-        hit = self.index.get(_key(key))
+        hit = self.index.get(setting_key(key))
         if hit is None:
             return False
         leaf, item = hit
         if where is not None and isinstance(value, str):
-            value = convert(value, leaf.type if item is None else _item_type(leaf.type), where)
+            value = convert(value, leaf.type if item is None else item_type(leaf.type), where)
         if item is not None:
             current = list(self.values[leaf.path])
             current[item] = value
@@ -475,7 +215,7 @@ def build_parser(
         if not free:
             return
         taken.update(free)
-        tp = leaf.type if item is None else _item_type(leaf.type)
+        tp = leaf.type if item is None else item_type(leaf.type)
         default = leaf.default if item is None else leaf.default[item]
         extra = (
             f" (also {', '.join(f for f in flags if f not in free)})"
@@ -486,7 +226,7 @@ def build_parser(
             extra += f" (presets: {', '.join(presets)})"
         help_text = _help(leaf, default, env_aliases, item, extra)
         flags = free
-        base, _ = _strip_optional(tp)
+        base, _ = strip_optional(tp)
         if base is bool:
             group.add_argument(*flags, action=_GivenBool, dest="_", default=None, help=help_text)
             return
@@ -501,9 +241,9 @@ def build_parser(
             if leaf.picked_by:
                 title += f" (--{leaf.picked_by[0].replace('_', '-')} {leaf.picked_by[1]})"
             group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
-            add(group, [leaf.flag, *([_flag(leaf.short)] if leaf.short else [])], leaf, None)
+            add(group, [leaf.flag, *([flag_name(leaf.short)] if leaf.short else [])], leaf, None)
             for i, item in enumerate(leaf.items):
-                add(group, [_flag(item)], leaf, i)
+                add(group, [flag_name(item)], leaf, i)
     return parser
 
 
@@ -524,8 +264,10 @@ def parse_config(
     defaults. `--print-config` prints JSON and exits; `print_extra(cfg)` adds what the app
     derives from it (a training layout, say)."""
     env, env_aliases, presets = env or {}, env_aliases or {}, presets or {}
-    select = {f.metadata["select"]: list(f.metadata["options"]) for f in _choices(cls).values()}
-    trees = {_pick_key(p): _Tree(_skeleton(cls, p), select) for p in _all_picks(cls)}
+    select = {
+        f.metadata["select"]: list(f.metadata["options"]) for f in choice_fields(cls).values()
+    }
+    trees = {_pick_key(p): _Tree(skeleton(cls, p), select) for p in all_picks(cls)}
     for tree in trees.values():
         tree.apply_recipe(defaults or {})
     parser = build_parser(
@@ -543,13 +285,13 @@ def parse_config(
         (`where` names a string's source for conversion errors; None: a typed preset value)."""
         if preset is not None:
             for key, v in presets[preset].items():
-                yield key, v, f"preset {preset!r} ({_flag(key)} {v!r})", None
+                yield key, v, f"preset {preset!r} ({flag_name(key)} {v!r})", None
         for key, names in env_aliases.items():
             var = next((n for n in names if env.get(n, "") != ""), None)
             if var is not None:
                 yield key, env[var], f"environment {var}={env[var]}", f"environment {var}"
         for opt, v in args.given:
-            key = _key(opt.removeprefix("--no-") if isinstance(v, bool) else opt)
+            key = setting_key(opt.removeprefix("--no-") if isinstance(v, bool) else opt)
             yield key, v, opt if isinstance(v, bool) else f"{opt} {v}", opt
 
     # The preset, then each setting that picks a section, are values too: they go first.
@@ -558,7 +300,7 @@ def parse_config(
     if preset is not None and preset not in presets:
         raise ConfigError(f"--preset {preset!r}: unknown preset; known: {list(presets)}")
     picks = {}
-    for path, f in _choices(cls).items():
+    for path, f in choice_fields(cls).items():
         by, names = f.metadata["select"], list(f.metadata["options"])
         picks[path] = first.resolve(by, sources(preset))
         if picks[path] not in names:
@@ -573,7 +315,7 @@ def parse_config(
             raise ConfigError(f"{source}: no setting is called {key!r}")
         if where is not None:  # a flag or variable of another pick; a preset's is just unused
             by, name = other.picked_by
-            log.warning("%s is a setting of %s %s; ignored", where, _flag(by), name)
+            log.warning("%s is a setting of %s %s; ignored", where, flag_name(by), name)
 
     cfg = tree.build()
     validate(cfg, tree.origins)
@@ -617,10 +359,10 @@ def _get(cfg: Any, path: Sequence[str]) -> Any:
 
 def _sections(cfg: Any, root: bool = True) -> Iterator[Any]:
     """The sections of the tree, deepest first, then the root."""
-    hints = _hints(type(cfg))
+    hints = field_hints(type(cfg))
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        if "options" in f.metadata or _is_section(f, hints[f.name], root):
+        if "options" in f.metadata or is_section(f, hints[f.name], root):
             yield from _sections(value, root=False)
     yield cfg
 
@@ -642,12 +384,12 @@ def to_dict(cfg: Any, *, root: bool = True) -> dict[str, Any]:
     """The settings as plain JSON-able data, nested by section (what the app fills in is not
     a setting and is left out)."""
     out: dict[str, Any] = {}
-    hints = _hints(type(cfg))
+    hints = field_hints(type(cfg))
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        if "options" in f.metadata or _is_section(f, hints[f.name], root):
+        if "options" in f.metadata or is_section(f, hints[f.name], root):
             out[f.name] = to_dict(value, root=False)
-        elif _is_setting(f, root):
+        elif is_setting(f, root):
             out[f.name] = list(value) if isinstance(value, tuple) else value
     return out
 

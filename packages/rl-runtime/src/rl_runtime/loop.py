@@ -17,7 +17,7 @@ import torch
 
 from rl_algos import compute_grpo_advantages, filter_zero_variance_groups
 from rl_runtime.checkpoint import CheckpointManager
-from rl_runtime.config import ConfigError, option
+from rl_runtime.config_fields import ConfigError, option
 from rl_runtime.data import PromptPrefetch, PromptSampler
 from rl_runtime.evaluation import eval_prompts, evaluate
 from rl_runtime.faults import NonFiniteStop, RestartingRollout, stop_with_checkpoint_note

@@ -8,21 +8,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
+from rl_algos.run_context import ParallelLayout, Recompute, TrainLayout
 from rl_runtime.cluster import ClusterConfig, layout
-from rl_runtime.config import ConfigError, option
+from rl_runtime.config_fields import ConfigError, option
 from rl_runtime.memory import (
     MemoryEstimate,
     ModelShape,
-    TrainLayout,
     check_layout,
     choose_layout,
     estimate_memory,
 )
 from rl_runtime.preflight import PreflightError, check_gpus
+from rl_runtime.protocols import TrainerConfig
 from rl_runtime.run import RunConfig
 
 GiB = 1 << 30
@@ -106,7 +107,7 @@ class ParallelConfig:
         return given == (None, None, None, None) and self.recompute == "auto"
 
     @property
-    def recompute_mode(self) -> str:
+    def recompute_mode(self) -> Recompute:
         """The recomputation asked for: ``--recompute``, else ``--gradient-checkpointing``."""
         if self.recompute != "auto":
             return self.recompute
@@ -118,49 +119,38 @@ class ParallelConfig:
         ranks that share a data shard: `TrainGroup`'s ``tp_size``."""
         return (self.tensor_parallel or 1) * (self.context_parallel or 1)
 
-    def trainer_layout(self) -> dict[str, Any]:
-        """The settled layout as `TrainerConfig.for_run` takes it."""
-        return {
-            "tp": self.tensor_parallel or 1,
-            "sp": bool(self.sequence_parallel),
-            "cp": self.context_parallel or 1,
-            "pp": self.pipeline_parallel,
-            "ep": self.expert_parallel,
-            "etp": self.expert_tensor_parallel,
-            "recompute": self.recompute_mode,
-        }
+    def trainer_layout(self) -> ParallelLayout:
+        """The settled layout as `TrainerConfig.for_run` (in its `RunContext`) and
+        `TrainerConfig.supports` take it."""
+        return ParallelLayout(
+            tp=self.tensor_parallel or 1,
+            sp=bool(self.sequence_parallel),
+            cp=self.context_parallel or 1,
+            pp=self.pipeline_parallel,
+            ep=self.expert_parallel,
+            etp=self.expert_tensor_parallel,
+            recompute=self.recompute_mode,
+        )
 
 
 def check_parallel(
-    backend: str,
+    trainer: TrainerConfig,
     parallel: ParallelConfig,
     cluster: ClusterConfig | None = None,
     *,
     with_engines: bool = True,
 ) -> None:
-    """Layout settings one backend has and the other lacks, and (given the cluster) a Megatron
-    split the trainer ranks cannot make, checked before anything starts (megatron-core would
-    otherwise fail inside every rank)."""
-    if backend == "fsdp" and ((parallel.tensor_parallel or 1) > 1 or parallel.sequence_parallel):
-        raise ConfigError(
-            "--tensor-parallel / --sequence-parallel are for --backend megatron; "
-            "the fsdp backend shards instead"
-        )
-    if backend == "fsdp" and max(parallel.pipeline_parallel, parallel.expert_parallel) > 1:
-        raise ConfigError("--pipeline-parallel / --expert-parallel are for --backend megatron")
-    if backend == "fsdp" and (parallel.context_parallel or 1) > 1:
-        raise ConfigError("--context-parallel is for --backend megatron (fsdp: no CP)")
-    if backend == "fsdp" and parallel.expert_tensor_parallel is not None:
-        raise ConfigError("--expert-tensor-parallel is for --backend megatron")
-    if backend == "fsdp" and parallel.recompute == "selective":
-        raise ConfigError("--recompute selective is for --backend megatron (fsdp: full or none)")
-    if backend == "megatron" and cluster is not None:
-        _check_megatron_split(parallel, cluster, with_engines=with_engines)
+    """A layout the trainer's backend cannot run (`TrainerConfig.supports`) and (given the
+    cluster) a split the trainer ranks cannot make, checked before anything starts (the
+    backend would otherwise fail inside every rank)."""
+    refusal = trainer.supports(parallel.trainer_layout())
+    if refusal:
+        raise ConfigError(refusal)
+    if cluster is not None:
+        _check_split(parallel, cluster, with_engines=with_engines)
 
 
-def _check_megatron_split(
-    parallel: ParallelConfig, cluster: ClusterConfig, *, with_engines: bool
-) -> None:
+def _check_split(parallel: ParallelConfig, cluster: ClusterConfig, *, with_engines: bool) -> None:
     ranks = layout(cluster, with_engines=with_engines).num_trainers
     if not cluster.use_gpu:
         where = f"a CPU run has --cpu-trainers {ranks} trainer rank(s)"
@@ -186,7 +176,7 @@ def _check_megatron_split(
     for flags, sizes, size in splits:
         if ranks % size:
             raise ConfigError(
-                f"the megatron layout needs trainer ranks in multiples of {flags} = {sizes} = "
+                f"the layout needs trainer ranks in multiples of {flags} = {sizes} = "
                 f"{size}, but {where}; give a layout that divides them, or more GPUs"
             )
 
@@ -209,25 +199,14 @@ def gpu_memory_bytes(parallel: ParallelConfig) -> float | None:
 def _requested(
     parallel: ParallelConfig,
     cluster: ClusterConfig,
-    backend: str,
-    trainer: Any,
+    trainer: TrainerConfig,
     with_engines: bool,
     longest_sample: int = 0,
 ) -> TrainLayout:
-    megatron = backend == "megatron"
     return TrainLayout(
-        backend=backend,
         world_size=layout(cluster, with_engines=with_engines).num_trainers,
         max_tokens_per_gpu=trainer.max_tokens_per_gpu,
-        tp=(parallel.tensor_parallel or 1) if megatron else 1,
-        sp=bool(parallel.sequence_parallel) and megatron,
-        recompute=parallel.recompute_mode == "full",  # selective: counted as none (safe side)
-        replicate=bool(getattr(trainer, "replicate", False)) and backend == "fsdp",
-        pp=parallel.pipeline_parallel if megatron else 1,
-        ep=parallel.expert_parallel if megatron else 1,
-        etp=parallel.expert_tensor_parallel if megatron else None,
-        distributed_optimizer=bool(getattr(trainer, "distributed_optimizer", False)),
-        cp=(parallel.context_parallel or 1) if megatron else 1,
+        parallel=parallel.trainer_layout(),
         longest_sample=longest_sample,
     )
 
@@ -236,9 +215,9 @@ def plan_layout(
     parallel: ParallelConfig,
     cluster: ClusterConfig,
     *,
-    backend: str,
-    trainer: Any,
+    trainer: TrainerConfig,
     shape: Mapping[str, int] | None,
+    others: Sequence[TrainerConfig] = (),
     model_name: str = "the model",
     with_engines: bool = True,
     longest_sample: int = 0,
@@ -246,32 +225,33 @@ def plan_layout(
     """`parallel` with the layout settled, and its memory estimate (None: a CPU run, or the
     model's shape or the GPU's memory is not known). Unset settings get the first layout that
     fits; set ones are kept, and a layout that cannot fit stops the run (`PreflightError`)
-    with the numbers and a suggestion. ``longest_sample``: tokens of the longest sequence
+    with the numbers and a suggestion, on this backend or one of ``others`` (the other
+    backends' configs the launcher offers). ``longest_sample``: tokens of the longest sequence
     (prompt and response), which one micro-batch holds whole (0: not known)."""
     estimate = None
     if cluster.num_gpus > 0:
         gpu = gpu_memory_bytes(parallel)
         if shape is not None and gpu is not None:
-            requested = _requested(
-                parallel, cluster, backend, trainer, with_engines, longest_sample
-            )
+            model = ModelShape(**shape)
+            requested = _requested(parallel, cluster, trainer, with_engines, longest_sample)
             if parallel.unset:
-                requested, _ = choose_layout(ModelShape(**shape), requested, gpu)
-            estimate = check_layout(ModelShape(**shape), requested, gpu, model=model_name)
+                requested, _ = choose_layout(model, trainer, requested, gpu)
+            estimate = check_layout(model, trainer, requested, gpu, others=others, model=model_name)
             log.info(
                 "layout: %s; about %.1f GiB per GPU of %.1f (%s)",
-                requested.describe(),
+                estimate.description,
                 estimate.total / GiB,
                 gpu / GiB,
                 estimate.breakdown(),
             )
             if parallel.unset:
+                chosen = requested.parallel
                 parallel = dataclasses.replace(
                     parallel,
-                    tensor_parallel=requested.tp,
-                    sequence_parallel=requested.sp,
-                    gradient_checkpointing=requested.recompute,
-                    context_parallel=requested.cp,
+                    tensor_parallel=chosen.tp,
+                    sequence_parallel=chosen.sp,
+                    gradient_checkpointing=requested.recomputes,
+                    context_parallel=chosen.cp,
                 )
     settled = dataclasses.replace(
         parallel,
@@ -287,16 +267,15 @@ def state_estimate(
     parallel: ParallelConfig,
     cluster: ClusterConfig,
     *,
-    backend: str,
-    trainer: Any,
+    trainer: TrainerConfig,
     shape: Mapping[str, int] | None,
 ) -> MemoryEstimate | None:
     """The memory estimate of a settled layout (``plan_layout``'s result), without checking or
     logging it; None on CPUs or when the shape is not known."""
     if cluster.num_gpus <= 0 or shape is None:
         return None
-    requested = _requested(parallel, cluster, backend, trainer, with_engines=True)
-    return estimate_memory(ModelShape(**shape), requested)
+    requested = _requested(parallel, cluster, trainer, with_engines=True)
+    return estimate_memory(ModelShape(**shape), trainer, requested)
 
 
 def layout_report(
@@ -304,28 +283,36 @@ def layout_report(
     cluster: ClusterConfig,
     *,
     backend: str,
-    trainer: Any,
+    trainer: TrainerConfig,
     shape: Mapping[str, int] | None,
+    others: Sequence[TrainerConfig] = (),
     model_name: str = "the model",
     with_engines: bool = True,
     longest_sample: int = 0,
 ) -> dict[str, Any]:
     """For `--print-config`: the layout the run would use and its memory estimate, or why there
-    is none; a layout that cannot fit is reported, not raised."""
+    is none; a layout that cannot fit is reported, not raised. ``backend``: the trainer's name,
+    for the CPU run's line."""
     if cluster.num_gpus <= 0:
         return {"description": f"CPU run, {backend}, {cluster.cpu_trainers} trainer rank(s)"}
     gpu = gpu_memory_bytes(parallel)
     if shape is None or gpu is None:
         missing = "the model's config" if shape is None else "the GPU memory (--gpu-memory-gib)"
         return {"description": f"not estimated: {missing} is not known before the run"}
-    kw = {"backend": backend, "trainer": trainer, "shape": shape, "with_engines": with_engines}
     try:
         _, estimate = plan_layout(
-            parallel, cluster, model_name=model_name, longest_sample=longest_sample, **kw
+            parallel,
+            cluster,
+            trainer=trainer,
+            shape=shape,
+            others=others,
+            model_name=model_name,
+            with_engines=with_engines,
+            longest_sample=longest_sample,
         )
     except PreflightError as err:
-        requested = _requested(parallel, cluster, backend, trainer, with_engines, longest_sample)
-        report = estimate_memory(ModelShape(**shape), requested).to_dict(gpu)
+        requested = _requested(parallel, cluster, trainer, with_engines, longest_sample)
+        report = estimate_memory(ModelShape(**shape), trainer, requested).to_dict(gpu)
         return {**report, "refused": err.message}
     assert estimate is not None
     return estimate.to_dict(gpu)
@@ -337,9 +324,10 @@ def settle(
     cluster: ClusterConfig,
     run: RunConfig,
     *,
-    trainer: Any,
+    trainer: TrainerConfig,
     shape_of: Callable[..., Mapping[str, int] | None],
     resolve: Callable[..., M],
+    others: Sequence[TrainerConfig] = (),
     with_engines: bool = True,
     longest_sample: int = 0,
 ) -> tuple[M, ParallelConfig]:
@@ -348,18 +336,18 @@ def settle(
     the GPU count, the model's local files, then the layout of a model known only once
     downloaded. `shape_of(model, load=)` and `resolve(model, load=)` are the model package's
     (`vlm_models.shape_of`, `vlm_models.resolve_model`); `model` names itself in messages by
-    its `model_name`."""
-    kw = {
-        "backend": run.backend,
-        "trainer": trainer,
-        "with_engines": with_engines,
-        "longest_sample": longest_sample,
-    }
+    its `model_name`; ``others``: the other backends' configs, for a refusal's suggestions."""
 
     def plan(m: M) -> tuple[ParallelConfig, MemoryEstimate | None]:
-        name = str(getattr(m, "model_name", m))
         return plan_layout(
-            parallel, cluster, shape=shape_of(m, load=run.load), model_name=name, **kw
+            parallel,
+            cluster,
+            trainer=trainer,
+            shape=shape_of(m, load=run.load),
+            others=others,
+            model_name=str(getattr(m, "model_name", m)),
+            with_engines=with_engines,
+            longest_sample=longest_sample,
         )
 
     planned, estimate = plan(model)

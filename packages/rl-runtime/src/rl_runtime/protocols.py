@@ -10,6 +10,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
+from rl_algos.run_context import ModelShape, ParallelLayout, RunContext, StateBytes, TrainLayout
+
 
 @runtime_checkable
 class TrainActor(Protocol):
@@ -45,25 +47,35 @@ class TrainActor(Protocol):
 class TrainerConfig(Protocol):
     """A trainer package's config (`trainers_fsdp.FsdpConfig`, `trainers_megatron.MegatronConfig`):
     the user's settings, completed for one run by `for_run`, then built into the actor in each
-    trainer rank (`build`, a picklable bound method). rl-runtime sees nothing else of it."""
+    trainer rank (`build`, a picklable bound method). It describes its backend, so that
+    rl-runtime never asks which one it is: the layouts it runs (`supports`), what a layout costs
+    per GPU (`state_bytes`) and how a layout reads (`describe_layout`, `layout_flags`)."""
 
     max_tokens_per_gpu: int
 
-    def for_run(
-        self,
-        *,
-        model: Any,
-        seed: int,
-        use_gpu: bool,
-        tp: int = 1,
-        sp: bool = False,
-        recompute: bool = False,
-        temperature: float = 1.0,
-        grpo: Any = None,
-        reference_model: bool = False,
-        total_steps: int | None = None,
-        lr: float | None = None,
-    ) -> TrainerConfig: ...
+    def for_run(self, run: RunContext) -> TrainerConfig:
+        """This config completed for one run (ValueError: a layout it cannot run)."""
+        ...
+
+    def supports(self, layout: ParallelLayout) -> str | None:
+        """Why this backend cannot run ``layout``, naming the flag; None when it can."""
+        ...
+
+    def state_bytes(
+        self, shape: ModelShape, layout: TrainLayout, *, vision_patches_per_token: float = 0.25
+    ) -> StateBytes:
+        """What one GPU holds at a training step's peak on ``layout``, by part."""
+        ...
+
+    def describe_layout(self, layout: TrainLayout) -> list[str]:
+        """How the ranks hold the model on ``layout``, in words (recompute and the token
+        budget are added by rl-runtime)."""
+        ...
+
+    def layout_flags(self, layout: TrainLayout) -> list[str]:
+        """The launcher flags that select this backend and ``layout`` (the recompute and token
+        flags are added by rl-runtime)."""
+        ...
 
     def actor_class(self) -> type:
         """The actor's class, imported here (ImportError: the backend is not installed)."""

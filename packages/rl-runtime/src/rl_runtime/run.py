@@ -9,7 +9,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from rl_runtime.config import option, to_dict
+from rl_runtime.config import to_dict
+from rl_runtime.config_fields import option
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 

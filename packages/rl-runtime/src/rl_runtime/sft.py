@@ -20,7 +20,8 @@ import torch
 from rl_algos import TrainBatch
 from rl_runtime.checkpoint import CheckpointManager, resume_step
 from rl_runtime.cluster import Cluster, ClusterConfig, layout
-from rl_runtime.config import option, to_dict
+from rl_runtime.config import to_dict
+from rl_runtime.config_fields import option
 from rl_runtime.data import PromptSampler
 from rl_runtime.metrics import RunLogger
 from rl_runtime.progress import step_progress

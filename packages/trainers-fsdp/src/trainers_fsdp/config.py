@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from rl_algos import GrpoLossConfig
+from rl_algos.run_context import ModelShape, ParallelLayout, RunContext, StateBytes, TrainLayout
+from trainers_fsdp.memory import state_bytes as memory_state_bytes
 
 LrSchedule = Literal["constant", "cosine"]
 
@@ -184,50 +186,68 @@ class FsdpConfig:
         """The actor, built in each trainer rank's process."""
         return self.actor_class()(self)
 
-    def for_run(
-        self,
-        *,
-        model: Any,
-        seed: int,
-        use_gpu: bool,
-        tp: int = 1,
-        sp: bool = False,
-        pp: int = 1,
-        ep: int = 1,
-        etp: int | None = None,
-        cp: int = 1,
-        recompute: str | bool = False,
-        temperature: float = 1.0,
-        grpo: GrpoLossConfig | None = None,
-        reference_model: bool = False,
-        total_steps: int | None = None,
-        lr: float | None = None,
-    ) -> FsdpConfig:
-        """This config completed for one run (the same keywords as the Megatron config's):
-        what a launcher settles (the model, the layout: FSDP shards, so no tensor or sequence
-        parallel) and what the loop sets (sampling temperature, loss, schedule length)."""
-        if tp > 1 or sp or pp > 1 or ep > 1 or etp is not None or cp > 1:
-            raise ValueError(
-                "the fsdp backend shards instead of tensor / sequence / context / pipeline / "
-                "expert (tensor) parallel"
+    def supports(self, layout: ParallelLayout) -> str | None:
+        """Why FSDP cannot run ``layout``, naming the flag (it shards instead of splitting
+        layers or experts, and recomputes whole layers or nothing); None when it can."""
+        if layout.tp > 1 or layout.sp:
+            return (
+                "--tensor-parallel / --sequence-parallel are for --backend megatron; "
+                "the fsdp backend shards instead"
             )
-        if recompute == "selective":
-            raise ValueError("the fsdp backend recomputes whole layers (full) or nothing")
+        if max(layout.pp, layout.ep) > 1:
+            return "--pipeline-parallel / --expert-parallel are for --backend megatron"
+        if layout.cp > 1:
+            return "--context-parallel is for --backend megatron (fsdp: no CP)"
+        if layout.etp is not None:
+            return "--expert-tensor-parallel is for --backend megatron"
+        if layout.recompute == "selective":
+            return "--recompute selective is for --backend megatron (fsdp: full or none)"
+        return None
+
+    def state_bytes(
+        self, shape: ModelShape, layout: TrainLayout, *, vision_patches_per_token: float = 0.25
+    ) -> StateBytes:
+        """Per-GPU memory of a step on ``layout`` (trainers_fsdp.memory)."""
+        return memory_state_bytes(
+            shape,
+            layout,
+            replicate=self.replicate,
+            vision_patches_per_token=vision_patches_per_token,
+        )
+
+    def describe_layout(self, layout: TrainLayout) -> list[str]:
+        """How the ranks hold the model, for a layout's one-line description."""
+        how = "replicated" if self.replicate or layout.world_size == 1 else "sharded"
+        return [f"fsdp {how} over {layout.world_size} GPU(s)"]
+
+    def layout_flags(self, layout: TrainLayout) -> list[str]:
+        """The launcher flags that select this backend and ``layout`` (recompute and tokens
+        are the launcher's own)."""
+        return ["--backend fsdp"] + ["--fsdp-replicate"] * self.replicate
+
+    def for_run(self, run: RunContext) -> FsdpConfig:
+        """This config completed for one run: what a launcher settles (the model, the layout,
+        which must be one FSDP runs: see :meth:`supports`) and what the loop sets (sampling
+        temperature, loss, schedule length)."""
+        refusal = self.supports(run.layout)
+        if refusal:
+            raise ValueError(refusal)
+        total_steps = run.total_steps
         optim = replace(
             self.optim,
             total_steps=total_steps,
-            lr=self.optim.lr if lr is None else lr,
+            lr=self.optim.lr if run.lr is None else run.lr,
             warmup_steps=warmup_steps(self.optim, total_steps),
         )
         return replace(
             self,
-            model=model,
-            seed=seed,
-            device="cuda" if use_gpu else "cpu",
-            activation_checkpointing=recompute in (True, "full"),
-            temperature=temperature,
-            grpo=self.grpo if grpo is None else grpo,
-            reference_model=reference_model,
+            model=run.model,
+            seed=run.seed,
+            device="cuda" if run.use_gpu else "cpu",
+            activation_checkpointing=run.layout.recompute == "full",
+            temperature=run.temperature,
+            grpo=self.grpo if run.grpo is None else run.grpo,
+            reference_model=run.reference_model,
             optim=optim,
         )
 

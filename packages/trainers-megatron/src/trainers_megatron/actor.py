@@ -19,11 +19,9 @@ gathered; ``reference_model=True`` keeps a frozen copy of the initial weights fo
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,7 +29,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.packed_seq_params import PackedSeqParams
-from safetensors.torch import save_file
 from torch import Tensor
 from torch.profiler import record_function
 
@@ -49,14 +46,13 @@ from rl_algos import (
 )
 from rl_algos import train_step as core
 from trainer_core import MicroBatch, PinnedStaging, build_micro_batch
+from trainers_megatron.checkpoint import export_hf, load_checkpoint, save_checkpoint
 from trainers_megatron.config import MegatronConfig
 from trainers_megatron.context_parallel import RowSplit, split_row
-from trainers_megatron.offload import StorageOffload
+from trainers_megatron.offload import StorageOffload, report_leftovers
 from trainers_megatron.optim import (
     OptimizerStep,
     build_optimizer,
-    load_optimizer_state,
-    optimizer_state,
     optimizers,
     wrap_ddp,
 )
@@ -508,79 +504,18 @@ class MegatronActor:
             yield [(n, t.to(device=device, dtype=dtype)) for n, t in bucket]
 
     def export_hf(self, path: str | os.PathLike) -> None:
-        """An HF folder (config + safetensors) that ``from_pretrained`` loads; rank 0 writes.
-        A Qwen3.5 MTP head of the source folder (not trained here) is copied along as read."""
-        path = Path(path)
-        tensors: dict[str, Tensor] = {}
-        for bucket in self.iter_hf_weights():
-            if self.rank == 0:
-                tensors.update(bucket)
-        source = self.config.model
-        if self.rank == 0 and isinstance(source, str) and source not in PRESETS:
-            with SafetensorsReader(source) as reader:
-                tensors.update(reader.mtp_tensors())
-        if self.rank == 0:
-            path.mkdir(parents=True, exist_ok=True)
-            self.hf_config.save_pretrained(path)
-            save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-        dist.barrier()
-
-    def _layout(self) -> dict[str, Any]:
-        cfg = self.config
-        return {
-            "world_size": dist.get_world_size(),
-            "tp": cfg.tp,
-            "cp": cfg.cp,
-            "pp": cfg.pp,
-            "ep": cfg.ep,
-            "distributed_optimizer": cfg.distributed_optimizer,
-        }
+        """An HF folder that ``from_pretrained`` loads (trainers_megatron.checkpoint)."""
+        export_hf(self, path)
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
-        """Each rank's shard, optimizer state (this rank's shard of the masters and moments
-        under the distributed optimizer), LR schedule and step (same layout to resume)."""
+        """Each rank's shard and optimizer state (trainers_megatron.checkpoint)."""
         self._require_onloaded()
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        state = {
-            "model": self.module.state_dict(),
-            "optimizer": optimizer_state(self.optimizer),
-            "scheduler": self.scheduler.state_dict(),
-            "step": self.step,
-            "rng": torch.get_rng_state(),
-        }
-        torch.save(state, path / f"rank{self.rank:05d}.pt")
-        if self.rank == 0:
-            meta = {**self._layout(), "sp": self.config.sp}
-            (path / "actor.json").write_text(json.dumps(meta) + "\n")
-        dist.barrier()
+        save_checkpoint(self, path)
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Resume from :meth:`save_checkpoint`'s folder (same world size and layout)."""
         self._require_onloaded()
-        path = Path(path)
-        meta = json.loads((path / "actor.json").read_text())
-        saved = {k: meta.get(k, default) for k, default in self._default_layout().items()}
-        if saved != self._layout():
-            raise ValueError(f"{path} was saved with {saved}; this run has {self._layout()}")
-        state = torch.load(path / f"rank{self.rank:05d}.pt", weights_only=True)  # no code runs
-        self.module.load_state_dict(state["model"], strict=False)
-        load_optimizer_state(self.optimizer, state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step = state["step"]
-        torch.set_rng_state(state["rng"])
-
-    @staticmethod
-    def _default_layout() -> dict[str, Any]:
-        """What a checkpoint folder that does not record a field was saved with."""
-        return {
-            "world_size": 1,
-            "tp": 1,
-            "cp": 1,
-            "pp": 1,
-            "ep": 1,
-            "distributed_optimizer": False,
-        }
+        load_checkpoint(self, path)
 
     # ----------------------------------------------------------------------------- offload
     def _device_tensors(self) -> Iterator[Tensor]:
@@ -612,7 +547,7 @@ class MegatronActor:
         moved = self._offload.offload(t for t in self._device_tensors() if t.is_cuda)
         torch.cuda.empty_cache()
         logger.info("offloaded %.1f GiB to the host", moved / 2**30)
-        _report_leftovers()
+        report_leftovers()
 
     def onload(self) -> None:
         """Bring back everything :meth:`offload` moved."""
@@ -634,31 +569,3 @@ class MegatronActor:
     def _require_onloaded(self) -> None:
         if self._offload.offloaded:
             raise RuntimeError("the actor is offloaded: call onload() first")
-
-
-def _report_leftovers(threshold: int = 1 << 30) -> None:
-    """Warn, naming the largest live CUDA tensors, when an offload leaves memory behind: a
-    colocated engine needs it back, and the tensors' shapes say which reference still holds it."""
-    allocated = torch.cuda.memory_allocated()
-    if allocated < threshold:
-        return
-    import gc
-
-    live = {}
-    for obj in gc.get_objects():
-        try:
-            if isinstance(obj, Tensor) and obj.is_cuda:
-                live[obj.untyped_storage().data_ptr()] = obj
-        except Exception:  # gc holds objects that refuse inspection
-            continue
-    largest = sorted(live.values(), key=lambda t: t.untyped_storage().nbytes(), reverse=True)
-    described = ", ".join(
-        f"{tuple(t.shape)} {t.dtype} {t.untyped_storage().nbytes() / 2**20:.0f} MiB"
-        for t in largest[:8]
-    )
-    logger.warning(
-        "offload left %.1f GiB allocated on the GPU (reserved %.1f GiB); largest live tensors: %s",
-        allocated / 2**30,
-        torch.cuda.memory_reserved() / 2**30,
-        described or "none reachable from Python",
-    )

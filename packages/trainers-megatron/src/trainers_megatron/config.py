@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from rl_algos import GrpoLossConfig
+from rl_algos.run_context import ModelShape, ParallelLayout, RunContext, StateBytes, TrainLayout
+from trainers_megatron.memory import state_bytes as memory_state_bytes
 
 
 @dataclass
@@ -190,44 +192,64 @@ class MegatronConfig:
         """The actor, built in each trainer rank's process."""
         return self.actor_class()(self)
 
-    def for_run(
-        self,
-        *,
-        model: Any,
-        seed: int,
-        use_gpu: bool,
-        tp: int = 1,
-        sp: bool = False,
-        pp: int = 1,
-        ep: int = 1,
-        etp: int | None = None,
-        cp: int = 1,
-        recompute: str | bool = "none",
-        temperature: float = 1.0,
-        grpo: GrpoLossConfig | None = None,
-        reference_model: bool = False,
-        total_steps: int | None = None,
-        lr: float | None = None,
-    ) -> MegatronConfig:
-        """This config completed for one run (the same keywords as the FSDP config's): what a
-        launcher settles (the model, the layout) and what the loop sets (sampling temperature,
-        loss, schedule length). The device is the rank's (CUDA where there is one)."""
+    def supports(self, layout: ParallelLayout) -> str | None:
+        """Megatron runs every split (a CLI check already refuses sequence parallel without
+        TP; whether the ranks divide is the launcher's check): None."""
+        return None
+
+    def state_bytes(
+        self, shape: ModelShape, layout: TrainLayout, *, vision_patches_per_token: float = 0.25
+    ) -> StateBytes:
+        """Per-GPU memory of a step on ``layout`` (trainers_megatron.memory)."""
+        return memory_state_bytes(
+            shape,
+            layout,
+            distributed_optimizer=self.distributed_optimizer,
+            vision_patches_per_token=vision_patches_per_token,
+        )
+
+    def describe_layout(self, layout: TrainLayout) -> list[str]:
+        """The split, for a layout's one-line description."""
+        p = layout.parallel
+        parts = [f"megatron TP{p.tp}"] + [f"CP{p.cp}"] * (p.cp > 1)
+        parts += [f"PP{p.pp}"] * (p.pp > 1)
+        parts += [f"EP{p.ep}"] * (p.ep > 1) + [f"ETP{p.etp}"] * (p.etp is not None)
+        parts += [f"DP{layout.dp}"]
+        return parts + ["SP"] * p.sp + ["distributed optimizer"] * self.distributed_optimizer
+
+    def layout_flags(self, layout: TrainLayout) -> list[str]:
+        """The launcher flags that select this backend and ``layout`` (recompute and tokens
+        are the launcher's own)."""
+        p = layout.parallel
+        out = ["--backend megatron", f"--tensor-parallel {p.tp}"]
+        out += ["--sequence-parallel"] * p.sp
+        out += [f"--context-parallel {p.cp}"] * (p.cp > 1)
+        out += [f"--pipeline-parallel {p.pp}"] * (p.pp > 1)
+        out += [f"--expert-parallel {p.ep}"] * (p.ep > 1)
+        out += [f"--expert-tensor-parallel {p.etp}"] * (p.etp is not None)
+        return out + ["--no-distributed-optimizer"] * (not self.distributed_optimizer)
+
+    def for_run(self, run: RunContext) -> MegatronConfig:
+        """This config completed for one run: what a launcher settles (the model, the layout)
+        and what the loop sets (sampling temperature, loss, schedule length). The device is
+        the rank's (CUDA where there is one)."""
+        p, total_steps = run.layout, run.total_steps
         return replace(
             self,
-            model=model,
-            seed=seed,
-            tp=tp,
-            sp=sp,
-            pp=pp,
-            ep=ep,
-            etp=etp,
-            cp=cp,
-            recompute=recompute,
-            temperature=temperature,
-            grpo=self.grpo if grpo is None else grpo,
-            reference_model=reference_model,
+            model=run.model,
+            seed=run.seed,
+            tp=p.tp,
+            sp=p.sp,
+            pp=p.pp,
+            ep=p.ep,
+            etp=p.etp,
+            cp=p.cp,
+            recompute=p.recompute,
+            temperature=run.temperature,
+            grpo=self.grpo if run.grpo is None else run.grpo,
+            reference_model=run.reference_model,
             total_steps=total_steps,
-            lr=self.lr if lr is None else lr,
+            lr=self.lr if run.lr is None else run.lr,
             warmup_steps=(
                 int(self.warmup_fraction * total_steps)
                 if not self.warmup_steps and self.warmup_fraction and total_steps

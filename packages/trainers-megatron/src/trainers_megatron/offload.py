@@ -11,10 +11,13 @@ kept; on return it is resized and filled again, the same way megatron-core's
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
 from torch import Tensor
+
+logger = logging.getLogger(__name__)
 
 
 class StorageOffload:
@@ -73,3 +76,31 @@ class StorageOffload:
             target = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
             target.copy_(host, non_blocking=True)
         self._saved = []
+
+
+def report_leftovers(threshold: int = 1 << 30) -> None:
+    """Warn, naming the largest live CUDA tensors, when an offload leaves memory behind: a
+    colocated engine needs it back, and the tensors' shapes say which reference still holds it."""
+    allocated = torch.cuda.memory_allocated()
+    if allocated < threshold:
+        return
+    import gc
+
+    live = {}
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, Tensor) and obj.is_cuda:
+                live[obj.untyped_storage().data_ptr()] = obj
+        except Exception:  # gc holds objects that refuse inspection
+            continue
+    largest = sorted(live.values(), key=lambda t: t.untyped_storage().nbytes(), reverse=True)
+    described = ", ".join(
+        f"{tuple(t.shape)} {t.dtype} {t.untyped_storage().nbytes() / 2**20:.0f} MiB"
+        for t in largest[:8]
+    )
+    logger.warning(
+        "offload left %.1f GiB allocated on the GPU (reserved %.1f GiB); largest live tensors: %s",
+        allocated / 2**30,
+        torch.cuda.memory_reserved() / 2**30,
+        described or "none reachable from Python",
+    )

@@ -1,0 +1,53 @@
+"""Per-GPU memory of an FSDP training step, for the launcher's layout check
+(``FsdpConfig.state_bytes``; rl-runtime adds the reserve and compares with the GPU).
+
+Per parameter held: bf16 weights (2) and gradients (2), float32 gradients (4: the reduce
+dtype; the flat masters' buffer on one rank), float32 masters (4) and AdamW's two moments (8).
+FSDP shards all of it over the world; with ``replicate`` (or one rank) every rank holds it
+whole. Sharded, the bf16 units being gathered are whole: a decoder layer, the next one, the
+embedding. Activations are the decoder's (``rl_algos.run_context.decoder_activations``) with
+whole-layer recomputation of the vision blocks too; the logits are bf16 with their gradient
+(the float32 work is chunked). Against the H200 runs of issue 19 (2B shape, 8 x 1,024 tokens,
+one image patch per token, one GPU, peak allocated): 57.7 GiB measured, 62.8 estimated without
+the float32 gradient that run did not allocate."""
+
+from __future__ import annotations
+
+from rl_algos.run_context import (
+    ModelShape,
+    StateBytes,
+    TrainLayout,
+    decoder_activations,
+    vision_activations,
+)
+
+
+def state_bytes(
+    shape: ModelShape,
+    layout: TrainLayout,
+    *,
+    replicate: bool,
+    vision_patches_per_token: float = 0.25,
+) -> StateBytes:
+    """What one rank holds at the step's peak (see the module docstring)."""
+    h, layers = shape.hidden_size, shape.num_layers
+    total_params = shape.language_params + shape.vision_params
+    shards = 1 if replicate else max(1, layout.world_size)
+    weights = 2 * total_params / shards
+    gradients = 6 * total_params / shards  # bf16, and float32 for the masters / reduce
+    optimizer = 12 * total_params / shards
+    if shards > 1:  # the gathered bf16 units: a decoder layer, the next one, the embedding
+        unit = shape.language_params / max(1, layers)
+        weights += 2 * (2 * unit + shape.vocab_size * h)
+    per_layer_token = 2 * (8 * h + 4 * shape.intermediate_size)  # bf16, per token
+    activations = decoder_activations(
+        shape, layout, per_layer_token=per_layer_token, saved_token=2 * h
+    )
+    activations += vision_activations(
+        shape,
+        layout,
+        recompute=layout.recomputes,
+        vision_patches_per_token=vision_patches_per_token,
+    )
+    logits = layout.tokens_per_gpu * shape.vocab_size * (2 + 2)
+    return StateBytes(weights, gradients, optimizer, activations, logits)
