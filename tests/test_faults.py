@@ -66,8 +66,8 @@ def _step_seed(step: int) -> int:
 
 
 def _tiny():
-    from vlm_data import tiny_processor
-    from vlm_models import tiny_config
+    from vlm_data.processor import tiny_processor
+    from vlm_models.presets import tiny_config
 
     proc = tiny_processor()
     tok = proc.tokenizer
@@ -92,7 +92,8 @@ class FaultyTrainer:
 
     def __init__(self, cfg, fault: str | None, rank: int, at: int, trigger: str) -> None:
         from rl_algos import GrpoLossConfig
-        from trainers_fsdp import FsdpActor, FsdpConfig, OptimConfig
+        from trainers_fsdp import FsdpConfig, OptimConfig
+        from trainers_fsdp.actor import FsdpActor
 
         self.actor = FsdpActor(
             FsdpConfig(
@@ -169,8 +170,8 @@ def make_trainer(cfg, fault=None, rank=0, at=0, trigger="/nonexistent"):
 def make_engine(cfg, eos, die_seed=None, trigger="/nonexistent", once=True, die_in_sync=False):
     import torch
 
-    from rollout_sglang import HFEngine
-    from vlm_models import build_model
+    from rollout_sglang.hf.engine import HFEngine
+    from vlm_models.build import build_model
 
     torch.manual_seed(0)
     engine = HFEngine(build_model(cfg), device="cpu", eos_token_ids=eos, max_batch_size=8)
@@ -196,7 +197,8 @@ class Prompts:
 
 @pytest.fixture(scope="module")
 def tiny():
-    from vlm_data import PromptBuilder, make_synthetic_rows
+    from vlm_data.prompts import PromptBuilder
+    from vlm_data.synthetic import make_synthetic_rows
 
     proc, cfg = _tiny()
     builder = PromptBuilder(proc, template="none")
@@ -224,7 +226,7 @@ def run(
     **loop,
 ):
     """One GRPO run of the tiny model with fresh actors; returns the logged rows."""
-    from rollout_sglang import GenerateRequest, SamplingParams
+    from rollout_sglang.types import GenerateRequest, SamplingParams
 
     proc, cfg, prompts, eos = tiny
     placement = create_placement(

@@ -425,7 +425,8 @@ def test_a_dataset_that_is_not_there_is_a_config_error(tmp_path):
 def test_template_choices_are_vlm_datas():
     from dataclasses import fields
 
-    from vlm_data import TEMPLATES, DataConfig, apply_template
+    from vlm_data import TEMPLATES, DataConfig
+    from vlm_data.prompts import apply_template
 
     (template,) = [f for f in fields(DataConfig) if f.name == "template"]
     assert set(template.metadata["choices"]) == set(TEMPLATES)
@@ -512,7 +513,10 @@ def test_bad_rows_are_skipped_and_counted():
     """A row without an answer and one with a corrupt image are skipped, named and counted;
     the sampler fills its batch from the good rows."""
     from rl_runtime import PromptSampler
-    from vlm_data import PromptBuilder, RowSource, make_synthetic_rows, tiny_processor
+    from vlm_data.processor import tiny_processor
+    from vlm_data.prompts import PromptBuilder
+    from vlm_data.sources import RowSource
+    from vlm_data.synthetic import make_synthetic_rows
 
     rows = make_synthetic_rows(6, task="color")
     rows[1] = {**rows[1], "answer": ""}
@@ -545,7 +549,9 @@ def test_malformed_jsonl_lines_count_in_skipped_rows(tmp_path, monkeypatch):
     import tempfile
 
     from rl_runtime import PromptSampler
-    from vlm_data import DataConfig, prompt_source, tiny_processor
+    from vlm_data import DataConfig
+    from vlm_data.processor import tiny_processor
+    from vlm_data.sources import prompt_source
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the cleaned copy goes
     rows = [{"problem": f"{i} + 1?", "answer": str(i + 1), "images": []} for i in range(4)]

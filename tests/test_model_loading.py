@@ -23,16 +23,11 @@ from rl_runtime import (
     plan_layout,
 )
 from trainers_fsdp import FsdpConfig
-from vlm_models import (
-    ModelSourceError,
-    model_config,
-    model_source,
-    parameter_counts,
-    preset_config,
-    resolve_model,
-    shape_of,
-)
-from vlm_models import model_shape as shape_numbers
+from vlm_models import ModelSourceError
+from vlm_models.flops import parameter_counts
+from vlm_models.presets import preset_config
+from vlm_models.sources import model_config, model_source, resolve_model, shape_of
+from vlm_models.sources import model_shape as shape_numbers
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 1 << 30

@@ -63,8 +63,8 @@ class GlooReceiver:
 
 
 def _tiny_source():
-    from vlm_data import tiny_processor
-    from vlm_models import tiny_config
+    from vlm_data.processor import tiny_processor
+    from vlm_models.presets import tiny_config
 
     proc = tiny_processor()
     tok = proc.tokenizer
@@ -83,14 +83,15 @@ def _tiny_source():
 
 
 def make_trainer(cfg):
-    from trainers_fsdp import FsdpActor, FsdpConfig
+    from trainers_fsdp import FsdpConfig
+    from trainers_fsdp.actor import FsdpActor
 
     return FsdpActor(FsdpConfig(model=cfg, device="cpu", attn_implementation="sdpa", seed=0))
 
 
 def make_engine(cfg, seed, eos, gloo):
-    from rollout_sglang import HFEngine
-    from vlm_models import build_model
+    from rollout_sglang.hf.engine import HFEngine
+    from vlm_models.build import build_model
 
     torch.manual_seed(seed)
     engine = HFEngine(build_model(cfg), device="cpu", eos_token_ids=eos, max_batch_size=8)
@@ -106,9 +107,12 @@ def ray_local():
 
 
 def test_every_transport_gives_the_same_engine(ray_local, tmp_path):
-    from rollout_sglang import GenerateRequest, SamplingParams
-    from vlm_data import PromptBuilder, make_synthetic_rows
-    from weight_sync import CudaIpc, Disk, Nccl
+    from rollout_sglang.types import GenerateRequest, SamplingParams
+    from vlm_data.prompts import PromptBuilder
+    from vlm_data.synthetic import make_synthetic_rows
+    from weight_sync.cuda_ipc import CudaIpc
+    from weight_sync.disk import Disk
+    from weight_sync.nccl import Nccl
 
     proc, cfg = _tiny_source()
     eos = [proc.tokenizer.convert_tokens_to_ids("<|im_end|>")]

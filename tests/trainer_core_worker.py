@@ -25,15 +25,12 @@ if not torch.cuda.is_available():
     _cpu_compat.apply()
 
 from rl_algos import GrpoLoss, GrpoLossConfig, TrainBatch
-from trainers_fsdp import (
-    TINY_OVERRIDES,
-    FsdpActor,
-    FsdpConfig,
-    OptimConfig,
-    synthetic_batch,
-)
-from trainers_megatron import MegatronActor, MegatronConfig
-from vlm_models import tiny_config
+from trainers_fsdp import FsdpConfig, OptimConfig
+from trainers_fsdp.actor import FsdpActor
+from trainers_fsdp.synthetic import TINY_OVERRIDES, synthetic_batch
+from trainers_megatron import MegatronConfig
+from trainers_megatron.actor import MegatronActor
+from vlm_models.presets import tiny_config
 
 # Adam's first step moves every weight by about the LR, whatever its gradient's size, so a
 # gradient near 0 (where the backends' float32 roundings differ) moves by up to the LR on one

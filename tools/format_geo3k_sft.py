@@ -16,7 +16,8 @@ from pathlib import Path
 
 import datasets
 
-from vlm_data import DatasetLoadError, format_sft_messages, load_rows
+from vlm_data.loading import DatasetLoadError, load_rows
+from vlm_data.sft import format_sft_messages
 
 logger = logging.getLogger("format_geo3k_sft")
 

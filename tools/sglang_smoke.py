@@ -97,18 +97,18 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from rollout_sglang import (
-        GenerateRequest,
-        RequestLimits,
-        SamplingParams,
-        SGLangClient,
-        SGLangConfig,
-        SGLangEngine,
-        SGLangServer,
-        require_sglang,
-    )
-    from vlm_data import PromptBuilder, build_processor, load_rows
-    from weight_sync import CudaIpc, DistributedWeightSender, WeightNameCheck, sglang_param_name
+    from rollout_sglang.sglang_client.client import SGLangClient
+    from rollout_sglang.sglang_client.common import SGLangConfig, require_sglang
+    from rollout_sglang.sglang_client.engine import SGLangEngine
+    from rollout_sglang.sglang_client.server import SGLangServer
+    from rollout_sglang.types import GenerateRequest, SamplingParams
+    from rollout_sglang.validation import RequestLimits
+    from vlm_data.loading import load_rows
+    from vlm_data.processor import build_processor
+    from vlm_data.prompts import PromptBuilder
+    from weight_sync.cuda_ipc import CudaIpc
+    from weight_sync.nccl import DistributedWeightSender
+    from weight_sync.weight_names import WeightNameCheck, sglang_param_name
 
     try:
         require_sglang()

@@ -46,8 +46,8 @@ def parse_args() -> argparse.Namespace:
 def build_masters(preset: str, device: torch.device):
     """MasterWeights over a model of ``preset``'s shapes, materialised on ``device`` with
     random values (no checkpoint: only the shapes matter here)."""
-    from trainers_fsdp import MasterWeights
-    from vlm_models import build_model
+    from trainers_fsdp.master import MasterWeights
+    from vlm_models.build import build_model
 
     with torch.device("meta"):
         model = build_model(preset, dtype=torch.float32)
@@ -60,9 +60,14 @@ def build_masters(preset: str, device: torch.device):
 
 
 def time_config(args, device: torch.device, flat: bool) -> dict:
-    from trainers_fsdp import OptimConfig, build_optimizer
+    from trainers_fsdp import OptimConfig
     from trainers_fsdp.flat_adamw import FlatAdamW
-    from trainers_fsdp.optim import clip_coefficient, grad_norm, step_with_scaled_grads
+    from trainers_fsdp.optim import (
+        build_optimizer,
+        clip_coefficient,
+        grad_norm,
+        step_with_scaled_grads,
+    )
 
     masters = build_masters(args.preset, device)
     cfg = OptimConfig(lr=1e-6, weight_decay=0.01, max_grad_norm=1.0, flat_update=flat)

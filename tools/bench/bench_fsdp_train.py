@@ -179,13 +179,13 @@ def parse_args() -> argparse.Namespace:
 
 def model_overrides(preset: str) -> dict:
     """Tiny presets get a small vocabulary so the CPU run stays small."""
-    from trainers_fsdp import TINY_OVERRIDES
+    from trainers_fsdp.synthetic import TINY_OVERRIDES
 
     return dict(TINY_OVERRIDES) if preset.endswith("tiny") else {}
 
 
 def make_batch(args, config, n_samples: int, seed: int):
-    from trainers_fsdp import synthetic_batch
+    from trainers_fsdp.synthetic import synthetic_batch
 
     patch = config.vision_config.patch_size
     side = args.image_size // patch
@@ -251,7 +251,7 @@ def summarize(name: str, times: list[float], tokens_per_gpu: int, params: int, d
 
 def run_baseline(args, device: torch.device) -> tuple[dict, int]:
     """Plain transformers: bf16 model, padded batch + mask, labels loss, AdamW."""
-    from vlm_models import build_model
+    from vlm_models.build import build_model
 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -320,7 +320,7 @@ def ours_config(args, device: torch.device, **changes):
 
 
 def run_ours(args, device: torch.device, name: str = "ours", **changes) -> tuple[dict, int, int]:
-    from trainers_fsdp import FsdpActor
+    from trainers_fsdp.actor import FsdpActor
 
     actor = FsdpActor(ours_config(args, device, **changes))
     params = sum(p.numel() for p in actor.model.parameters())
@@ -733,7 +733,8 @@ def run_megatron(args, device: torch.device, name: str) -> tuple[dict, int, int]
     variant's :data:`MEGATRON` changes) on the same batch and token budget: the default backend
     against the FSDP actor, same process kind. ``compile`` is set either way, so that the
     variants are eager or compiled on any device."""
-    from trainers_megatron import MegatronActor, MegatronConfig
+    from trainers_megatron import MegatronConfig
+    from trainers_megatron.actor import MegatronActor
 
     actor = MegatronActor(
         MegatronConfig(

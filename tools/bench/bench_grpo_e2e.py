@@ -63,8 +63,9 @@ def build_hf_folder(shape: str, tokenizer: Path, out: Path, seed: int) -> Path:
 def _build_hf_folder(shape: str, tokenizer: Path, out: Path, seed: int) -> None:
     import torch
 
-    from vlm_data import build_processor
-    from vlm_models import build_model, preset_config
+    from vlm_data.processor import build_processor
+    from vlm_models.build import build_model
+    from vlm_models.presets import preset_config
 
     torch.manual_seed(seed)
     processor = build_processor(str(tokenizer))

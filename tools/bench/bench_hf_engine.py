@@ -41,8 +41,9 @@ from typing import Any
 import torch
 import transformers
 
-from rollout_sglang import GenerateRequest, HFEngine, SamplingParams
-from vlm_models import build_model
+from rollout_sglang.hf.engine import HFEngine
+from rollout_sglang.types import GenerateRequest, SamplingParams
+from vlm_models.build import build_model
 
 logger = logging.getLogger("bench_hf_engine")
 
@@ -93,7 +94,7 @@ def geo3k_requests(
     import pyarrow.parquet as pq
     from transformers import AutoProcessor
 
-    from vlm_data import PromptBuilder
+    from vlm_data.prompts import PromptBuilder
 
     parquet = Path(path) / "validation.parquet" if Path(path).is_dir() else Path(path)
     rows = pq.read_table(parquet).to_pylist()  # lists as lists (pandas gives arrays)

@@ -98,7 +98,7 @@ def main() -> None:
         from vlm_models.megatron import _cpu_compat
 
         _cpu_compat.apply()
-    from vlm_models import build_model, preset_config
+    from vlm_models.build import build_model
     from vlm_models.megatron import (
         Parallelism,
         build_megatron_model,
@@ -106,6 +106,7 @@ def main() -> None:
         load_hf_weights,
         rope_position_ids,
     )
+    from vlm_models.presets import preset_config
 
     torch.manual_seed(args.seed)
     initialize_model_parallel(Parallelism(), seed=args.seed)

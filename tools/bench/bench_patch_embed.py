@@ -35,7 +35,9 @@ except ImportError:  # run from a checkout without the workspace installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "packages" / "vlm-models" / "src"))
     import vlm_models
 
-from vlm_models import Conv3dPatchEmbed, LinearPatchEmbed, preset_config, select_classes
+from vlm_models.classes import select_classes
+from vlm_models.patch_embed import Conv3dPatchEmbed, LinearPatchEmbed
+from vlm_models.presets import preset_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from vlm_data import PromptBuilder, build_processor
+from vlm_data.processor import build_processor
+from vlm_data.prompts import PromptBuilder
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared"

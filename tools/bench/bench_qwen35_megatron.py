@@ -87,7 +87,7 @@ def preset_name(args: argparse.Namespace) -> str:
 
 def model_config(name: str, layers: int) -> Any:
     """The shape cut to ``layers`` decoder layers, its layer pattern kept."""
-    from vlm_models import preset_config
+    from vlm_models.presets import preset_config
 
     config = preset_config(name)
     text = config.text_config
@@ -197,7 +197,8 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
-    from trainers_megatron import MegatronActor, MegatronConfig
+    from trainers_megatron import MegatronConfig
+    from trainers_megatron.actor import MegatronActor
     from vlm_models.megatron import fla_available
     from vlm_models.megatron.gated_delta_net import fla_refusal
 

@@ -71,7 +71,7 @@ def zero_weights(engine: Any) -> None:
 
 
 def engine_fingerprints(engine: Any, wanted: dict[str, str]) -> dict[str, tuple[int, int]]:
-    from rollout_sglang import WeightLoader
+    from rollout_sglang.hf.weights import WeightLoader
 
     loader = WeightLoader(engine.model)
     return {
@@ -81,8 +81,8 @@ def engine_fingerprints(engine: Any, wanted: dict[str, str]) -> dict[str, tuple[
 
 
 def make_engine(folder: str, device: str) -> Any:
-    from rollout_sglang import HFEngine
-    from vlm_models import build_model
+    from rollout_sglang.hf.engine import HFEngine
+    from vlm_models.build import build_model
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = build_model(folder, attn_implementation="sdpa", dtype=dtype, device=device)
@@ -91,10 +91,12 @@ def make_engine(folder: str, device: str) -> Any:
 
 def make_trainer(backend: str, folder: str, device: str) -> Any:
     if backend == "megatron":
-        from trainers_megatron import MegatronActor, MegatronConfig
+        from trainers_megatron import MegatronConfig
+        from trainers_megatron.actor import MegatronActor
 
         return MegatronActor(MegatronConfig(model=folder, compile=False))  # no forward runs here
-    from trainers_fsdp import FsdpActor, FsdpConfig
+    from trainers_fsdp import FsdpConfig
+    from trainers_fsdp.actor import FsdpActor
 
     return FsdpActor(
         FsdpConfig(model=folder, device=device, attn_implementation="sdpa", compile=False)
@@ -106,7 +108,7 @@ def make_trainer(backend: str, folder: str, device: str) -> Any:
 
 def run_backend(args: argparse.Namespace, backend: str, folder: Path, truth: dict) -> dict:
     from rl_runtime import RolloutGroup, TrainGroup, create_placement, object_store
-    from weight_sync import CudaIpc
+    from weight_sync.cuda_ipc import CudaIpc
 
     use_gpu = args.device == "cuda"
     placement = create_placement(

@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_sglang import GenerateRequest
-from vlm_data import PromptBuilder, build_processor, load_rows
-from vlm_models import build_model, tiny_config
+from rollout_sglang.types import GenerateRequest
+from vlm_data.loading import load_rows
+from vlm_data.processor import build_processor
+from vlm_data.prompts import PromptBuilder
+from vlm_models.build import build_model
+from vlm_models.presets import tiny_config
 
 # 32 px per merged token side: 4..16 vision tokens per image keeps CPU tests fast.
 MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 16

@@ -13,10 +13,11 @@ from multiprocessing.connection import Listener
 import pytest
 import torch
 
-from rollout_sglang import HFEngine, WeightLoader
-from weight_sync import CudaIpc
+from rollout_sglang.hf.engine import HFEngine
+from rollout_sglang.hf.weights import WeightLoader
 from weight_sync.cuda_ipc import (
     ALIGN_BYTES,
+    CudaIpc,
     FlatBuffers,
     PackedBucket,
     load_packed_bucket,
@@ -71,7 +72,8 @@ def test_pack_then_unpack_gives_the_bucket_back_and_buffers_are_reused():
 
 
 def test_packed_message_names_every_tensor_and_loads_into_an_engine():
-    from vlm_models import build_model, tiny_config
+    from vlm_models.build import build_model
+    from vlm_models.presets import tiny_config
 
     torch.manual_seed(0)
     source = build_model(tiny_config())
@@ -103,7 +105,8 @@ class LocalLink:
 
 
 def test_transport_on_cpu_buffers_updates_every_engine_in_place():
-    from vlm_models import build_model, tiny_config
+    from vlm_models.build import build_model
+    from vlm_models.presets import tiny_config
     from weight_sync import iter_weight_buckets
 
     torch.manual_seed(0)
@@ -227,8 +230,9 @@ def test_real_cuda_ipc_handoff_between_two_processes():
 
 
 def test_transport_choice_follows_the_layout():
-    from rollout_sglang import choose_weight_transport
-    from weight_sync import Disk, Nccl
+    from rollout_sglang.launch import choose_weight_transport
+    from weight_sync.disk import Disk
+    from weight_sync.nccl import Nccl
 
     def pick(**kw):
         return choose_weight_transport(**{"sglang": False, "num_trainers": 1, **kw})

@@ -7,8 +7,9 @@ import copy
 import pytest
 import torch
 
-from rollout_sglang import Completion, GenerateRequest, HFEngine, RolloutEngine, SamplingParams
+from rollout_sglang.hf.engine import HFEngine
 from rollout_sglang.hf.sampling import counter_uniform, filter_top_k_top_p
+from rollout_sglang.types import Completion, GenerateRequest, RolloutEngine, SamplingParams
 from weight_sync import iter_weight_buckets
 
 
@@ -229,7 +230,7 @@ def test_request_larger_than_the_cache_fails_alone(tiny_model, requests_):
 
 
 def test_models_outside_the_graph_decode_use_the_transformers_loop():
-    from vlm_models import build_model
+    from vlm_models.build import build_model
 
     torch.manual_seed(0)
     model = build_model("qwen3.5-tiny")  # linear-attention layers: not in the graph decode
@@ -299,7 +300,8 @@ def test_max_new_tokens_clipped_to_context(tiny_model, requests_):
 
 
 def test_weight_update_changes_outputs_and_restores(requests_):
-    from vlm_models import build_model, tiny_config
+    from vlm_models.build import build_model
+    from vlm_models.presets import tiny_config
 
     torch.manual_seed(1)
     model = build_model(tiny_config())
@@ -336,7 +338,8 @@ def test_weight_update_rejects_unknown_names_and_shapes(tiny_model):
 
 
 def test_weight_update_accepts_a_flat_patch_embedding():
-    from vlm_models import build_model, tiny_config
+    from vlm_models.build import build_model
+    from vlm_models.presets import tiny_config
 
     model = build_model(tiny_config())
     name = "model.visual.patch_embed.proj.weight"

@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_sglang import GenerateRequest, HFEngine, SamplingParams
-from vlm_models import build_model, tiny_config
+from rollout_sglang.hf.engine import HFEngine
+from rollout_sglang.types import GenerateRequest, SamplingParams
+from vlm_models.build import build_model
+from vlm_models.presets import tiny_config
 
 pytestmark = [
     pytest.mark.gpu,

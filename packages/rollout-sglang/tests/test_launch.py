@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_sglang import HFEngine, RolloutConfig, engine_factory
-from vlm_models import tiny_config
+from rollout_sglang import RolloutConfig
+from rollout_sglang.hf.engine import HFEngine
+from rollout_sglang.launch import engine_factory
+from vlm_models.presets import tiny_config
 
 
 def _factory(dtype: str):

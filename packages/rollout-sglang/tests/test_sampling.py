@@ -3,13 +3,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_sglang import SamplingParams
 from rollout_sglang.hf.sampling import (
     counter_uniform,
     filter_top_k_top_p,
     sample_tokens,
     sample_with_uniform,
 )
+from rollout_sglang.types import SamplingParams
 
 
 def test_top_k_keeps_k_best():

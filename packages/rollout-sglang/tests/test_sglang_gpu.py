@@ -10,13 +10,9 @@ import os
 import pytest
 import torch
 
-from rollout_sglang import (
-    GenerateRequest,
-    SamplingParams,
-    SGLangConfig,
-    SGLangEngine,
-    sglang_available,
-)
+from rollout_sglang.sglang_client.common import SGLangConfig, sglang_available
+from rollout_sglang.sglang_client.engine import SGLangEngine
+from rollout_sglang.types import GenerateRequest, SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout_sglang import SGLangConfig, SGLangEngine
-from weight_sync import WeightNameCheck
+from rollout_sglang.sglang_client.common import SGLangConfig
+from rollout_sglang.sglang_client.engine import SGLangEngine
+from weight_sync.weight_names import WeightNameCheck
 
 
 @dataclass

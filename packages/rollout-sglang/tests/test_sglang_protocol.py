@@ -9,14 +9,14 @@ import pytest
 import torch
 from PIL import Image
 
-from rollout_sglang import (
-    GenerateRequest,
-    SamplingParams,
+from rollout_sglang.sglang_client.protocol import (
+    collapse_image_pads,
     generate_payload,
     parse_output,
     sampling_params_payload,
+    wire_input_ids,
 )
-from rollout_sglang.sglang_client.protocol import collapse_image_pads, wire_input_ids
+from rollout_sglang.types import GenerateRequest, SamplingParams
 
 IMAGE_PAD = 151655  # <|image_pad|> of Qwen3-VL
 

@@ -24,14 +24,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rollout_sglang import (
-    GenerateRequest,
-    SamplingParams,
-    SGLangConfig,
-    generate_payload,
-)
-from weight_sync import WeightNameCheck
+from rollout_sglang.sglang_client.common import SGLangConfig
+from rollout_sglang.sglang_client.protocol import generate_payload
+from rollout_sglang.types import GenerateRequest, SamplingParams
 from weight_sync.nccl import bucket_spec
+from weight_sync.weight_names import WeightNameCheck
 
 
 def _import_sglang() -> str | None:

@@ -19,21 +19,17 @@ import pytest
 import requests as http
 import torch
 
-from rollout_sglang import (
-    EngineRouter,
-    GenerateRequest,
-    HFEngine,
-    RequestLimits,
-    RolloutConfig,
-    SamplingParams,
-    SGLangClient,
-    SGLangConfig,
-    SGLangServer,
-    build_engine,
-    generate_payload,
-    sglang_available,
-)
-from weight_sync import DistributedWeightSender, WeightNameCheck
+from rollout_sglang import RolloutConfig, build_engine
+from rollout_sglang.hf.engine import HFEngine
+from rollout_sglang.router import EngineRouter
+from rollout_sglang.sglang_client.client import SGLangClient
+from rollout_sglang.sglang_client.common import SGLangConfig, sglang_available
+from rollout_sglang.sglang_client.protocol import generate_payload
+from rollout_sglang.sglang_client.server import SGLangServer
+from rollout_sglang.types import GenerateRequest, SamplingParams
+from rollout_sglang.validation import RequestLimits
+from weight_sync.nccl import DistributedWeightSender
+from weight_sync.weight_names import WeightNameCheck
 
 MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 16  # the bounds of conftest's processor
 SERVER_SCRIPT = Path(__file__).with_name("sglang_like_server.py")

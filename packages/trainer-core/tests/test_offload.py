@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from trainer_core import HostCopies
-from vlm_models import build_model
+from vlm_models.build import build_model
 
 CPU = torch.device("cpu")
 

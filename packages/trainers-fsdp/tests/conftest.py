@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainers_fsdp import TINY_OVERRIDES, FsdpConfig, OptimConfig, synthetic_batch
-from vlm_models import build_model, tiny_config
+from trainers_fsdp import FsdpConfig, OptimConfig
+from trainers_fsdp.synthetic import TINY_OVERRIDES, synthetic_batch
+from vlm_models.build import build_model
+from vlm_models.presets import tiny_config
 
 
 def tiny_actor_config(**kwargs) -> FsdpConfig:

@@ -15,7 +15,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import mixed_batch, tiny_actor_config
-from trainers_fsdp import FsdpActor, FsdpConfig, OptimConfig
+from trainers_fsdp import FsdpConfig, OptimConfig
+from trainers_fsdp.actor import FsdpActor
 
 
 def shard(n: int, rank: int, world: int) -> list[int]:

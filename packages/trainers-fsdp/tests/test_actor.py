@@ -8,7 +8,8 @@ import itertools
 import pytest
 import torch
 
-from trainers_fsdp import FsdpActor, apply_compile
+from trainers_fsdp.actor import FsdpActor
+from trainers_fsdp.parallelize import apply_compile
 
 AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
@@ -178,7 +179,7 @@ def test_device_side_clip_and_skip_equal_host_path(make_config, batch):
 
 def test_compile_default_is_dense_qwen3_vl_on_cuda(make_config):
     from trainers_fsdp.parallelize import compile_by_default
-    from vlm_models import preset_config
+    from vlm_models.presets import preset_config
 
     dense, moe = preset_config("qwen3-vl-tiny"), preset_config("qwen3-vl-moe-tiny")
     assert compile_by_default(torch.device("cuda"), dense)

@@ -6,8 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainers_fsdp import PackedSeqInfo
-from trainers_fsdp.attention import packed_attention_forward
+from trainers_fsdp.attention import PackedSeqInfo, packed_attention_forward
 
 
 class _Causal(torch.nn.Module):

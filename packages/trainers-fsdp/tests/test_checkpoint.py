@@ -10,7 +10,8 @@ import torch
 from safetensors import safe_open
 from transformers import Qwen3VLForConditionalGeneration
 
-from trainers_fsdp import FsdpActor, OptimConfig
+from trainers_fsdp import OptimConfig
+from trainers_fsdp.actor import FsdpActor
 
 
 class RunsCode:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlm_models import select_classes
-from vlm_models.classes import Swap
+from vlm_models.classes import Swap, select_classes
 from vlm_models.rms_norm import FusedRMSNorm
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainers_fsdp import FsdpActor
+from trainers_fsdp.actor import FsdpActor
 
 pytestmark = pytest.mark.gpu
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import trainers_fsdp.actor as actor_module
-from trainers_fsdp import FsdpActor
+from trainers_fsdp.actor import FsdpActor
 from vlm_models.presets import PRESETS
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainers_fsdp import FsdpActor, OptimConfig
+from trainers_fsdp import OptimConfig
+from trainers_fsdp.actor import FsdpActor
 
 BF16 = dict(param_dtype="bfloat16", max_tokens_per_gpu=64)  # several micro-batches per step
 # torch's AdamW per tensor over the masters: the arithmetic FSDP does, to compare bit for bit
@@ -121,8 +122,8 @@ def test_flat_update_keeps_torch_state_dict(make_config, batch):
 
 def test_scattered_groups_fall_back_to_torch(make_config, batch):
     """Groups that are not contiguous runs of the flat buffers step as torch's AdamW does."""
-    from trainers_fsdp import build_scheduler
     from trainers_fsdp.flat_adamw import FlatAdamW
+    from trainers_fsdp.optim import build_scheduler
 
     actor = FsdpActor(make_config(**BF16))
     params = list(actor._masters.module.parameters())

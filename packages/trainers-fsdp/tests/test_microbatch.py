@@ -7,8 +7,8 @@ import torch
 
 from rl_algos import LOSS_FIELDS
 from trainer_core import PinnedStaging, build_micro_batch
-from trainers_fsdp import TINY_OVERRIDES
-from vlm_models import tiny_config
+from trainers_fsdp.synthetic import TINY_OVERRIDES
+from vlm_models.presets import tiny_config
 
 CPU = torch.device("cpu")
 

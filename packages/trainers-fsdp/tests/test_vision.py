@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trainers_fsdp.vision import VisionInputs
-from vlm_models import select_classes
+from vlm_models.classes import select_classes
 
 
 def _two_images(batch):

@@ -19,7 +19,8 @@ from vlm_models.megatron import _cpu_compat
 if not torch.cuda.is_available():
     _cpu_compat.apply()
 
-from trainers_megatron import MegatronActor, MegatronConfig
+from trainers_megatron import MegatronConfig
+from trainers_megatron.actor import MegatronActor
 
 
 class RunsCode:

@@ -21,7 +21,8 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 from rl_algos import GrpoLossConfig, TrainBatch, aligned_logprobs, grpo_loss
-from vlm_models import build_model, tiny_config
+from vlm_models.build import build_model
+from vlm_models.presets import tiny_config
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("actor_worker.py")

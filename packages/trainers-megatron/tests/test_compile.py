@@ -9,8 +9,9 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 import torch
 
-from trainers_fsdp import TINY_OVERRIDES, synthetic_batch
-from trainers_megatron import MegatronActor, MegatronConfig
+from trainers_fsdp.synthetic import TINY_OVERRIDES, synthetic_batch
+from trainers_megatron import MegatronConfig
+from trainers_megatron.actor import MegatronActor
 
 
 def _actor(compile: bool) -> MegatronActor:

@@ -15,8 +15,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 from rl_algos import TrainBatch
-from vlm_models import tiny_config
-from vlm_models.presets import PRESETS
+from vlm_models.presets import PRESETS, tiny_config
 
 pytestmark = pytest.mark.skipif("qwen3.5-tiny" not in PRESETS, reason="needs Qwen3.5")
 IDS = dict(
@@ -82,7 +81,8 @@ def batch(geo3k_dir: Path, qwen3vl_dir: Path) -> TrainBatch:
 
 
 def _actor(preset: str = "qwen3.5-tiny", **kwargs):
-    from trainers_megatron import MegatronActor, MegatronConfig
+    from trainers_megatron import MegatronConfig
+    from trainers_megatron.actor import MegatronActor
 
     config = dict(model=tiny_config(preset, **IDS), lr=1e-3, weight_decay=0.0, seed=0)
     return MegatronActor(MegatronConfig(**config, **kwargs))

@@ -12,8 +12,10 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 import torch.distributed as dist
 
-from trainers_megatron import MegatronActor, MegatronConfig
-from vlm_models import ModelSourceError, tiny_config
+from trainers_megatron import MegatronConfig
+from trainers_megatron.actor import MegatronActor
+from vlm_models import ModelSourceError
+from vlm_models.presets import tiny_config
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,8 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 import torch
 
 from rl_algos import TrainBatch
-from trainers_megatron import MegatronActor, MegatronConfig
+from trainers_megatron import MegatronConfig
+from trainers_megatron.actor import MegatronActor
 from trainers_megatron.flat_masters import FlatMasters
 from trainers_megatron.optim import optimizers
 

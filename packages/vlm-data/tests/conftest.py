@@ -7,7 +7,8 @@ from pathlib import Path
 import datasets
 import pytest
 
-from vlm_data import build_processor, load_rows, tiny_processor
+from vlm_data.loading import load_rows
+from vlm_data.processor import build_processor, tiny_processor
 
 
 @pytest.fixture(scope="session")

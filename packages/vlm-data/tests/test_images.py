@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from vlm_data import ImageError, ImageLoader
+from vlm_data.images import ImageError, ImageLoader
 
 
 def _png(color=(10, 200, 30), size=(8, 6), mode="RGB") -> bytes:

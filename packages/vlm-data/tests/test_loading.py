@@ -8,7 +8,8 @@ import datasets
 import pytest
 from PIL import Image
 
-from vlm_data import DatasetLoadError, ImageLoader, load_rows
+from vlm_data.images import ImageLoader
+from vlm_data.loading import DatasetLoadError, load_rows
 
 
 def test_geo3k_folder_parquet_file_and_canonical_columns(geo3k_dir):
@@ -118,7 +119,8 @@ def test_errors_name_the_source_and_say_what_to_pass(tmp_path: Path, monkeypatch
 
 
 def test_custom_keys_work_before_and_after_load_rows_renames_them(tmp_path: Path, tiny):
-    from vlm_data import PromptBuilder, make_synthetic_rows
+    from vlm_data.prompts import PromptBuilder
+    from vlm_data.synthetic import make_synthetic_rows
 
     raw = [
         {"question": r["problem"], "label": r["answer"], "pics": r["images"]}

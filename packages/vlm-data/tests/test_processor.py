@@ -4,8 +4,13 @@ import pytest
 import torch
 from PIL import Image
 
-from vlm_data import build_processor, make_synthetic_rows, tiny_processor
-from vlm_data.processor import QWEN3VL_ADDED_TOKENS, QWEN3VL_SPECIAL_TOKENS
+from vlm_data.processor import (
+    QWEN3VL_ADDED_TOKENS,
+    QWEN3VL_SPECIAL_TOKENS,
+    build_processor,
+    tiny_processor,
+)
+from vlm_data.synthetic import make_synthetic_rows
 
 
 def test_tiny_processor_is_small_deterministic_and_has_qwen_special_tokens(tiny):

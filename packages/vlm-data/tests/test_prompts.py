@@ -6,15 +6,15 @@ import pytest
 import torch
 from PIL import Image
 
-from vlm_data import (
+from vlm_data.prompts import (
     PromptBuilder,
     SkipReason,
     SkipRow,
     apply_template,
     collate,
-    make_synthetic_rows,
     split_placeholders,
 )
+from vlm_data.synthetic import make_synthetic_rows
 
 
 def _png(size=(40, 30), color=(200, 0, 0)) -> bytes:

@@ -7,16 +7,10 @@ import datasets
 import pytest
 import torch
 
-from vlm_data import (
-    PromptBuilder,
-    SftSampleBuilder,
-    SkipReason,
-    SkipRow,
-    collate_sft,
-    format_sft_messages,
-    load_rows,
-    make_synthetic_rows,
-)
+from vlm_data.loading import load_rows
+from vlm_data.prompts import PromptBuilder, SkipReason, SkipRow
+from vlm_data.sft import SftSampleBuilder, collate_sft, format_sft_messages
+from vlm_data.synthetic import make_synthetic_rows
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vlm_data import PromptBuilder, make_synthetic_rows
+from vlm_data.prompts import PromptBuilder
+from vlm_data.synthetic import make_synthetic_rows
 
 
 def _count_blobs(image: Image.Image) -> int:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from vlm_models import build_model, select_classes, tiny_config
+from vlm_models.build import build_model
+from vlm_models.classes import select_classes
+from vlm_models.presets import tiny_config
 from vlm_models.vision_attention import FusedVisionAttention
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from weight_sync import Disk, DiskTransport, WeightTransport, read_bucket
+from weight_sync import WeightTransport
+from weight_sync.disk import Disk, DiskTransport, read_bucket
 
 
 class Engine:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from weight_sync import EngineTransport, weight_update_session
+from weight_sync.engine import EngineTransport, weight_update_session
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "weight_sync"
 

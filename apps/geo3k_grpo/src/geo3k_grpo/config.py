@@ -14,7 +14,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import vlm_models
 from rewards_math import RewardConfig
 from rl_algos import GrpoLossConfig
 from rl_runtime import (
@@ -39,7 +38,8 @@ from rl_runtime import (
     section,
     state_estimate,
 )
-from rollout_sglang import RolloutConfig, uses_sglang
+from rollout_sglang import RolloutConfig
+from rollout_sglang.launch import uses_sglang
 from trainers_fsdp import FsdpConfig
 from trainers_megatron import MegatronConfig
 from vlm_data import DataConfig
@@ -185,13 +185,15 @@ def _preset_layout(cfg: Geo3kGrpoConfig) -> str:
 
 def print_layout(cfg: Geo3kGrpoConfig) -> dict[str, Any]:
     """`--print-config`'s training layout and its memory estimate."""
+    from vlm_models.sources import shape_of  # transformers: only when asked
+
     report = layout_report(
         cfg.parallel,
         cfg.cluster,
         backend=cfg.run.backend,
         trainer=cfg.trainer,
         others=other_trainers(cfg.run.backend),
-        shape=vlm_models.shape_of(cfg.model, load=cfg.run.load) if cfg.cluster.use_gpu else None,
+        shape=shape_of(cfg.model, load=cfg.run.load) if cfg.cluster.use_gpu else None,
         model_name=cfg.model.model_name,
         longest_sample=longest_sample(cfg),
     )
@@ -217,6 +219,8 @@ def offload_train(cfg: Geo3kGrpoConfig) -> tuple[bool, str]:
     only where the trainer's state, kept on the GPU, would leave the engine's KV cache short of
     one rollout (``rl_runtime.keep_train_state_on_gpu``). SGLang sizes its pool once at start,
     so it keeps the recipes' offload. Returns the choice and why (for the log)."""
+    from vlm_models.sources import shape_of  # transformers: only when asked
+
     if cfg.loop.offload_train is not None:
         return cfg.loop.offload_train, "set"
     lay = layout(cfg.cluster, gpus_per_engine=cfg.rollout.tp_size)
@@ -224,7 +228,7 @@ def offload_train(cfg: Geo3kGrpoConfig) -> tuple[bool, str]:
         return True, "not colocated on GPUs"
     if uses_sglang(cfg.rollout, lay.use_gpu):
         return True, "SGLang engine"
-    shape = vlm_models.shape_of(cfg.model, load=cfg.run.load)
+    shape = shape_of(cfg.model, load=cfg.run.load)
     gpu = gpu_memory_bytes(cfg.parallel)
     estimate = state_estimate(cfg.parallel, cfg.cluster, trainer=cfg.trainer, shape=shape)
     if shape is None or gpu is None or estimate is None:

@@ -17,8 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import rollout_sglang
+import rollout_sglang.launch
+import rollout_sglang.types
 import vlm_data
+import vlm_data.sources
+import vlm_data.tokens
 import vlm_models
+import vlm_models.sources
 from geo3k_grpo.config import (
     ENV_ALIASES,
     PRESETS,
@@ -48,7 +53,7 @@ from rl_runtime import (
     user_errors,
     write_config,
 )
-from vlm_data import DatasetLoadError
+from vlm_data.loading import DatasetLoadError
 from vlm_models import ModelSourceError
 
 __all__ = ["PRESETS", "Geo3kGrpoConfig", "main", "parse", "run"]
@@ -60,11 +65,15 @@ DATASET = f"--dataset / {ENV_ALIASES['dataset'][0]}"  # how a dataset error name
 
 def warm_up(cfg: Geo3kGrpoConfig) -> Path:
     """A short SFT run, so that a random model learns the answer format; GRPO loads its folder."""
-    processor = vlm_data.load_processor(vlm_models.processor_source(cfg.model), cfg.data)
+    processor = vlm_data.sources.load_processor(
+        vlm_models.sources.processor_source(cfg.model), cfg.data
+    )
     w = cfg.warmup
     trainer = cfg.trainer.for_run(
         RunContext(
-            model=vlm_models.model_source(cfg.model, token_ids=vlm_data.model_token_ids(processor)),
+            model=vlm_models.sources.model_source(
+                cfg.model, token_ids=vlm_data.tokens.model_token_ids(processor)
+            ),
             seed=cfg.run.seed,
             use_gpu=cfg.cluster.use_gpu,
             layout=cfg.parallel.trainer_layout(),
@@ -75,7 +84,7 @@ def warm_up(cfg: Geo3kGrpoConfig) -> Path:
 
     def samples() -> Any:
         with as_config_error(DatasetLoadError, DATASET):
-            return vlm_data.sft_source(cfg.data, processor, seed=cfg.run.seed)
+            return vlm_data.sources.sft_source(cfg.data, processor, seed=cfg.run.seed)
 
     return sft_warmup(
         w,
@@ -94,11 +103,13 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
     check_backend(cfg.run.backend, cfg.trainer, use_gpu=cfg.cluster.use_gpu)
     lay = layout(cfg.cluster, gpus_per_engine=cfg.rollout.tp_size)
     try:  # colocated on a GPU: CUDA IPC; SGLang on GPUs of its own: NCCL; else Ray's store
-        rollout_sglang.check_engines(cfg.rollout, use_gpu=lay.use_gpu)
+        rollout_sglang.launch.check_engines(cfg.rollout, use_gpu=lay.use_gpu)
         kw = {"colocate": lay.colocate, "use_gpu": lay.use_gpu, "num_trainers": lay.num_trainers}
         # --weight-transport disk writes the buckets where the run's files are, to inspect
         disk_folder = str((Path(cfg.run.output_dir) / "weight-sync").resolve())
-        transport = rollout_sglang.weight_transport(cfg.rollout, **kw, disk_folder=disk_folder)
+        transport = rollout_sglang.launch.weight_transport(
+            cfg.rollout, **kw, disk_folder=disk_folder
+        )
     except ValueError as err:
         raise PreflightError(str(err)) from None
     load = cfg.run.load
@@ -109,8 +120,8 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
         cfg.run,
         trainer=cfg.trainer,
         others=other_trainers(cfg.run.backend),
-        shape_of=vlm_models.shape_of,
-        resolve=vlm_models.resolve_model,
+        shape_of=vlm_models.sources.shape_of,
+        resolve=vlm_models.sources.resolve_model,
         longest_sample=longest_sample(cfg),
     )
     cfg = dataclasses.replace(cfg, model=model, parallel=parallel)
@@ -122,17 +133,19 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
         load = str(warm_up(cfg))
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, load=load))
 
-    processor = vlm_data.load_processor(vlm_models.processor_source(cfg.model, load=load), cfg.data)
+    processor = vlm_data.sources.load_processor(
+        vlm_models.sources.processor_source(cfg.model, load=load), cfg.data
+    )
     d, seed = cfg.data, cfg.run.seed
     with as_config_error(DatasetLoadError, DATASET):
-        train_prompts = vlm_data.prompt_source(d, processor, d.train_split, seed=seed)
+        train_prompts = vlm_data.sources.prompt_source(d, processor, d.train_split, seed=seed)
         eval_prompts = None
         if cfg.loop.eval_interval:
-            eval_prompts = vlm_data.prompt_source(
+            eval_prompts = vlm_data.sources.prompt_source(
                 d, processor, d.eval_split, eval_split=True, seed=seed
             )
-    source = vlm_models.model_source(
-        cfg.model, load=load, token_ids=vlm_data.model_token_ids(processor)
+    source = vlm_models.sources.model_source(
+        cfg.model, load=load, token_ids=vlm_data.tokens.model_token_ids(processor)
     )
     trainer = cfg.trainer.for_run(
         RunContext(
@@ -148,11 +161,11 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
     )
     tok = processor.tokenizer
     try:
-        engines = rollout_sglang.engine_factory(
+        engines = rollout_sglang.launch.engine_factory(
             cfg.rollout,
             source=source,
             use_gpu=lay.use_gpu,
-            eos_token_ids=vlm_data.eos_token_ids(processor),
+            eos_token_ids=vlm_data.tokens.eos_token_ids(processor),
             pad_token_id=tok.pad_token_id or 0,
             min_pixels=d.min_pixels,
             max_pixels=d.max_pixels,
@@ -172,8 +185,8 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
         train = cluster.train_group(trainer, tp_size=cfg.parallel.tp_cp_size, wait=False)
         rollout = cluster.rollout_group(
             engines,
-            request_fn=rollout_sglang.GenerateRequest.from_prompt,
-            params_fn=rollout_sglang.SamplingParams,
+            request_fn=rollout_sglang.types.GenerateRequest.from_prompt,
+            params_fn=rollout_sglang.types.SamplingParams,
             transport=transport,
         )
         train.ready()
@@ -198,7 +211,7 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
             checkpoints=checkpoints,
             resume=cfg.run.resume,
             offload_between_phases=lay.colocate and lay.use_gpu,
-            forbidden_token_ids=frozenset(vlm_data.vision_token_ids(processor)),
+            forbidden_token_ids=frozenset(vlm_data.tokens.vision_token_ids(processor)),
         )
         rows = run_grpo(loop_cfg, parts)
         if parts.offload_between_phases and offload:

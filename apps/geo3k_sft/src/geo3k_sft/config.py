@@ -14,7 +14,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import vlm_models
 from rl_runtime import (
     ClusterConfig,
     ParallelConfig,
@@ -105,13 +104,15 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def print_layout(cfg: Geo3kSftConfig) -> dict[str, Any]:
     """`--print-config`'s training layout and its memory estimate (no engines)."""
+    from vlm_models.sources import shape_of  # transformers: only when asked
+
     report = layout_report(
         cfg.parallel,
         cfg.cluster,
         backend=cfg.run.backend,
         trainer=cfg.trainer,
         others=other_trainers(cfg.run.backend),
-        shape=vlm_models.shape_of(cfg.model, load=cfg.run.load) if cfg.cluster.use_gpu else None,
+        shape=shape_of(cfg.model, load=cfg.run.load) if cfg.cluster.use_gpu else None,
         model_name=cfg.model.model_name,
         with_engines=False,
     )

@@ -14,7 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import vlm_data
+import vlm_data.sources
+import vlm_data.tokens
 import vlm_models
+import vlm_models.sources
 from geo3k_sft.config import ENV_ALIASES, PRESETS, Geo3kSftConfig, other_trainers, parse
 from rl_runtime import (
     CheckpointManager,
@@ -30,7 +33,7 @@ from rl_runtime import (
     user_errors,
     write_config,
 )
-from vlm_data import DatasetLoadError
+from vlm_data.loading import DatasetLoadError
 from vlm_models import ModelSourceError
 
 __all__ = ["PRESETS", "Geo3kSftConfig", "main", "parse", "run"]
@@ -50,8 +53,8 @@ def run(cfg: Geo3kSftConfig) -> Path:
         cfg.run,
         trainer=cfg.trainer,
         others=other_trainers(cfg.run.backend),
-        shape_of=vlm_models.shape_of,
-        resolve=vlm_models.resolve_model,
+        shape_of=vlm_models.sources.shape_of,
+        resolve=vlm_models.sources.resolve_model,
         with_engines=False,
     )
     cfg = dataclasses.replace(cfg, model=model, parallel=parallel)
@@ -59,11 +62,13 @@ def run(cfg: Geo3kSftConfig) -> Path:
     checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.sft.sft_keep_checkpoints)
     start_step = resume_step(checkpoints, run_dir) if cfg.run.resume else None
     write_config(cfg, run_dir)
-    processor = vlm_data.load_processor(vlm_models.processor_source(cfg.model, load=load), cfg.data)
+    processor = vlm_data.sources.load_processor(
+        vlm_models.sources.processor_source(cfg.model, load=load), cfg.data
+    )
     with as_config_error(DatasetLoadError, f"--dataset / {ENV_ALIASES['dataset'][0]}"):
-        samples = vlm_data.sft_source(cfg.data, processor, seed=cfg.run.seed)
-    source = vlm_models.model_source(
-        cfg.model, load=load, token_ids=vlm_data.model_token_ids(processor)
+        samples = vlm_data.sources.sft_source(cfg.data, processor, seed=cfg.run.seed)
+    source = vlm_models.sources.model_source(
+        cfg.model, load=load, token_ids=vlm_data.tokens.model_token_ids(processor)
     )
     trainer = cfg.trainer.for_run(
         RunContext(

@@ -281,7 +281,7 @@ def build_engine(config: RolloutConfig, *, model: torch.nn.Module | None = None)
         from rollout_sglang.hf.engine import HFEngine  # imports transformers: only when built
 
         if model is None:
-            from vlm_models import build_model
+            from vlm_models.build import build_model
 
             dtype = getattr(torch, config.dtype)
             model = build_model(

@@ -86,7 +86,7 @@ def build_hf_engine(
     import torch
 
     from rollout_sglang.hf.engine import HFEngine
-    from vlm_models import build_model
+    from vlm_models.build import build_model
 
     gpu = torch.cuda.is_available()
     device = "cuda" if gpu else "cpu"

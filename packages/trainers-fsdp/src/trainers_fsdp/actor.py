@@ -68,11 +68,9 @@ from trainers_fsdp.parallelize import (
 )
 from trainers_fsdp.vision import VisionInputs
 from trainers_fsdp.weights import export_hf_folder, iter_hf_weight_buckets
-from vlm_models import (
-    build_model,
-    has_linear_attention,
-    supports_packed_forward,
-)
+from vlm_models.build import build_model
+from vlm_models.linear_attention import has_linear_attention
+from vlm_models.packing import supports_packed_forward
 
 logger = logging.getLogger(__name__)
 

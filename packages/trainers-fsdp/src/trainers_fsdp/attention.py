@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from vlm_models import HAS_FLASH_VARLEN, flash_varlen
+from vlm_models.varlen import HAS_FLASH_VARLEN, flash_varlen
 
 logger = logging.getLogger(__name__)
 

@@ -163,8 +163,9 @@ class FsdpConfig:
         """The actor this config builds (importing it loads torch.distributed and the model
         code, so a launcher parses the config without it)."""
         import trainers_fsdp
+        import trainers_fsdp.actor
 
-        return trainers_fsdp.FsdpActor
+        return trainers_fsdp.actor.FsdpActor
 
     def machine_refusal(self, *, use_gpu: bool) -> str | None:
         """Why a setting cannot work here (see ``rl_runtime.protocols.TrainerConfig``)."""

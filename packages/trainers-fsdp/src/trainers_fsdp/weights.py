@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from vlm_models import to_checkpoint_layout
+from vlm_models.weights import to_checkpoint_layout
 from weight_sync import iter_weight_buckets
 
 logger = logging.getLogger(__name__)

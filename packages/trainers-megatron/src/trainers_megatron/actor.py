@@ -57,12 +57,8 @@ from trainers_megatron.optim import (
     wrap_ddp,
 )
 from trainers_megatron.schedule import run_schedule, schedule_config
-from vlm_models import (
-    PRESETS,
-    build_model,
-    resolve_config,
-    resolve_model_source,
-)
+from vlm_models.build import build_model, resolve_config
+from vlm_models.hub import resolve_model_source
 from vlm_models.megatron import (
     Parallelism,
     Qwen3VLMegatronModel,
@@ -78,6 +74,7 @@ from vlm_models.megatron import (
     text_arch,
 )
 from vlm_models.megatron.context_parallel import reduce_over_cp
+from vlm_models.presets import PRESETS
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from torch import Tensor
 
 from trainers_megatron.config import MegatronConfig
 from trainers_megatron.optim import load_optimizer_state, optimizer_state
-from vlm_models import PRESETS
 from vlm_models.megatron import SafetensorsReader
+from vlm_models.presets import PRESETS
 
 if TYPE_CHECKING:
     from trainers_megatron.actor import MegatronActor

@@ -169,8 +169,9 @@ class MegatronConfig:
         """The actor this config builds (importing it loads megatron-core, so a launcher
         parses the config without it)."""
         import trainers_megatron
+        import trainers_megatron.actor
 
-        return trainers_megatron.MegatronActor
+        return trainers_megatron.actor.MegatronActor
 
     def machine_refusal(self, *, use_gpu: bool) -> str | None:
         """Why a setting cannot work here (see ``rl_runtime.protocols.TrainerConfig``)."""

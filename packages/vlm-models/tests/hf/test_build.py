@@ -4,15 +4,10 @@ import logging
 import pytest
 import torch
 
-from vlm_models import (
-    TINY_PRESETS,
-    ModelSourceError,
-    build_model,
-    count_parameters,
-    set_vision_trainable,
-    tiny_config,
-    vision_tower,
-)
+from vlm_models import ModelSourceError
+from vlm_models.build import build_model, set_vision_trainable, vision_tower
+from vlm_models.flops import count_parameters
+from vlm_models.presets import TINY_PRESETS, tiny_config
 
 
 def _labels(sample) -> torch.Tensor:

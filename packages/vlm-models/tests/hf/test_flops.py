@@ -3,19 +3,16 @@ import torch
 from torch import nn
 from transformers import AutoModelForImageTextToText
 
-from vlm_models import (
-    SHAPE_PRESETS,
-    TINY_PRESETS,
-    build_model,
+from vlm_models.build import build_model, vision_tower
+from vlm_models.flops import (
     count_parameters,
     flops_per_token,
     lm_matmul_params,
     parameter_counts,
-    preset_config,
     vision_flops,
     vision_matmul_params_per_patch,
-    vision_tower,
 )
+from vlm_models.presets import SHAPE_PRESETS, TINY_PRESETS, preset_config
 
 # the slime recipe's Qwen3.5 MoE, where transformers has Qwen3.5
 QWEN35 = ["qwen3.5-35b-a3b"] if "qwen3.5-35b-a3b" in SHAPE_PRESETS else []

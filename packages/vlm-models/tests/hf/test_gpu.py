@@ -5,7 +5,9 @@ import importlib.util
 import pytest
 import torch
 
-from vlm_models import Conv3dPatchEmbed, LinearPatchEmbed, build_model, packed_inputs
+from vlm_models.build import build_model
+from vlm_models.packing import packed_inputs
+from vlm_models.patch_embed import Conv3dPatchEmbed, LinearPatchEmbed
 
 pytestmark = pytest.mark.gpu
 

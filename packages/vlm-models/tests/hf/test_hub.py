@@ -10,7 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from vlm_models import ModelSourceError, resolve_model_source, tiny_config
+from vlm_models import ModelSourceError
+from vlm_models.hub import resolve_model_source
+from vlm_models.presets import tiny_config
 
 
 @pytest.fixture

@@ -7,16 +7,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vlm_models import (
-    build_model,
+from vlm_models.build import build_model
+from vlm_models.classes import select_classes
+from vlm_models.linear_attention import is_linear_attention, linear_attention_packs, varlen_kernels
+from vlm_models.packing import (
     cu_seqlens_from_lengths,
-    linear_attention_packs,
     packed_position_ids,
-    select_classes,
     supports_packed_forward,
     text_position_ids,
 )
-from vlm_models.linear_attention import is_linear_attention, varlen_kernels
 from vlm_models.presets import PRESETS
 
 pytestmark = pytest.mark.skipif("qwen3.5-tiny" not in PRESETS, reason="needs Qwen3.5")

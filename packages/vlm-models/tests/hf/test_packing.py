@@ -2,14 +2,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vlm_models import (
-    build_model,
+from vlm_models.build import build_model
+from vlm_models.packing import (
     packed_inputs,
     packed_position_ids,
     sample_position_ids,
     supports_packed_forward,
-    tiny_config,
 )
+from vlm_models.presets import tiny_config
 
 
 def _grids(samples):

@@ -3,14 +3,9 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from vlm_models import (
-    Conv3dPatchEmbed,
-    LinearPatchEmbed,
-    build_model,
-    select_classes,
-    vision_tower,
-)
-from vlm_models.patch_embed import GemmPatchEmbed
+from vlm_models.build import build_model, vision_tower
+from vlm_models.classes import select_classes
+from vlm_models.patch_embed import Conv3dPatchEmbed, GemmPatchEmbed, LinearPatchEmbed
 
 PATCH_DIM = 3 * 2 * 16 * 16
 

@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 import transformers
 
-from vlm_models import PRESETS, TINY_PRESETS, preset_config, resolve_config, tiny_config
+from vlm_models.build import resolve_config
+from vlm_models.presets import PRESETS, TINY_PRESETS, preset_config, tiny_config
 
 TEXT_KEYS = [
     "hidden_size",

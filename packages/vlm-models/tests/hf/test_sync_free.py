@@ -5,8 +5,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from vlm_models import build_model, select_classes
-from vlm_models.classes import Swap
+from vlm_models.build import build_model
+from vlm_models.classes import Swap, select_classes
 from vlm_models.sync_free import (
     HostSyncRecorder,
     PlaceholderMask,

@@ -4,7 +4,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vlm_models import build_model, hf_named_tensors, load_named_tensors, to_checkpoint_layout
+from vlm_models.build import build_model
+from vlm_models.weights import hf_named_tensors, load_named_tensors, to_checkpoint_layout
 from weight_sync import iter_weight_buckets
 
 

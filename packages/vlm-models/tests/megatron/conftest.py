@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 
 def perturbed_hf_model(config, seed: int = 0) -> torch.nn.Module:
     """The HF reference model with every parameter moved off its init, deterministically."""
-    from vlm_models import build_model
+    from vlm_models.build import build_model
 
     model = build_model(config).eval()
     gen = torch.Generator().manual_seed(seed)
@@ -67,7 +67,7 @@ def geo3k_inputs(geo3k_dir: Path, qwen3vl_dir: Path, n: int = 2) -> dict[str, to
 @pytest.fixture(scope="session")
 def tiny_setup(geo3k_dir: Path, qwen3vl_dir: Path):
     """(config, HF model, processor batch) shared by the Megatron tests."""
-    from vlm_models import tiny_config
+    from vlm_models.presets import tiny_config
 
     config = tiny_config()
     return config, perturbed_hf_model(config), geo3k_inputs(geo3k_dir, qwen3vl_dir)
@@ -75,8 +75,8 @@ def tiny_setup(geo3k_dir: Path, qwen3vl_dir: Path):
 
 def megatron_inputs(config, batch: dict[str, torch.Tensor]) -> dict[str, dict]:
     """The batch as Megatron inputs: padded ``sbhd`` and packed ``thd`` (samples unpadded)."""
-    from vlm_models import cu_seqlens_from_lengths, packed_position_ids
     from vlm_models.megatron import rope_position_ids
+    from vlm_models.packing import cu_seqlens_from_lengths, packed_position_ids
 
     ids, mask, grids = batch["input_ids"], batch["attention_mask"].bool(), batch["image_grid_thw"]
     sbhd = dict(

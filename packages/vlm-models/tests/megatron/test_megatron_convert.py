@@ -11,7 +11,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vlm_models import tiny_config
 from vlm_models.megatron import (
     Parallelism,
     SafetensorsReader,
@@ -30,6 +29,7 @@ from vlm_models.megatron import (
     text_arch,
     transformer_config,
 )
+from vlm_models.presets import tiny_config
 from weight_sync import iter_weight_buckets
 
 REPO = Path(__file__).resolve().parents[4]

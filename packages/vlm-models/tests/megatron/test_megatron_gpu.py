@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 
 @torch.no_grad()
 def test_bf16_logits_close_to_hf_on_cuda(tiny_setup, to_megatron_inputs):
-    from vlm_models import build_model
+    from vlm_models.build import build_model
     from vlm_models.megatron import (
         Parallelism,
         build_megatron_model,

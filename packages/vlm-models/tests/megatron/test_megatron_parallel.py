@@ -82,7 +82,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def run(tiny_setup, to_megatron_inputs, make_hf_model, tmp_path_factory):
     """Launch the two ranks once; return (reference, per-rank results)."""
-    from vlm_models import tiny_config
+    from vlm_models.presets import tiny_config
 
     config, hf_model, batch = tiny_setup
     moe_config = tiny_config("qwen3-vl-moe-tiny")

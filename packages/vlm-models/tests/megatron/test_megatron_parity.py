@@ -10,7 +10,6 @@ import pytest
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from vlm_models import tiny_config
 from vlm_models.megatron import (
     Parallelism,
     build_megatron_model,
@@ -19,6 +18,7 @@ from vlm_models.megatron import (
     initialize_model_parallel,
     load_hf_weights,
 )
+from vlm_models.presets import tiny_config
 
 ATOL = 1e-5
 

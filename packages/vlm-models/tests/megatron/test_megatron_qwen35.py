@@ -11,7 +11,6 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from safetensors.torch import load_file, save_file
 
-from vlm_models import tiny_config
 from vlm_models.megatron import (
     Parallelism,
     SafetensorsReader,
@@ -26,7 +25,7 @@ from vlm_models.megatron import (
     transformer_config,
 )
 from vlm_models.megatron.gated_delta_net import PackedGatedDeltaNet, packs_samples
-from vlm_models.presets import PRESETS
+from vlm_models.presets import PRESETS, tiny_config
 
 pytestmark = pytest.mark.skipif("qwen3.5-tiny" not in PRESETS, reason="needs Qwen3.5")
 

@@ -38,7 +38,7 @@ from rollout_sglang.hf.weights import WeightLoader
 from rollout_sglang.types import Completion, GenerateRequest, NamedTensors, SamplingParams
 from rollout_sglang.validation import RequestLimits, request_error
 from trainer_core import HostCopies
-from vlm_models import sample_position_ids
+from vlm_models.packing import sample_position_ids
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from rollout_sglang.hf.sampling import sample_tokens
 from rollout_sglang.hf.weights import WeightLoader
 from rollout_sglang.types import Completion, GenerateRequest, NamedTensors, SamplingParams
 from rollout_sglang.validation import RequestLimits, request_error
-from vlm_models import packed_position_ids
+from vlm_models.packing import packed_position_ids
 
 logger = logging.getLogger(__name__)
 
