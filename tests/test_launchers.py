@@ -335,12 +335,12 @@ def test_preflight_stops_without_gpus(tmp_path, monkeypatch):
 
 def test_megatron_backend_is_checked_before_anything_starts(tmp_path, monkeypatch):
     """Without a Megatron actor the launcher stops at once and points at the FSDP backend."""
-    import trainers_megatron
+    import trainers_megatron.actor
 
     cfg = parse_grpo(
         ["--preset", "tiny", "--backend", "megatron", "--output-dir", str(tmp_path)], env={}
     )
-    monkeypatch.delattr(trainers_megatron, "MegatronActor", raising=False)
+    monkeypatch.delattr(trainers_megatron.actor, "MegatronActor")
     with pytest.raises(PreflightError, match="fsdp"):
         run_grpo(cfg)
     assert not (tmp_path / "metrics.jsonl").exists()

@@ -4,10 +4,10 @@ weight loader's renaming.
 
 Marked ``sglang``; skipped where ``sglang.srt`` cannot be imported. To run them on a CPU
 machine (sglang itself is not installed there), put the wheel's source and its light
-dependencies on PYTHONPATH, as docs/architecture.md ("SGLang contract") describes::
+dependencies on PYTHONPATH, as the rollout-sglang README ("The SGLang contract") describes::
 
     pip download --no-deps sglang==0.5.23 -d /tmp/sgl && unzip -q /tmp/sgl/sglang-*.whl -d /tmp/sgl/src
-    pip install --no-deps --target /tmp/sgl/deps <the packages docs/architecture.md lists>
+    pip install --no-deps --target /tmp/sgl/deps <the packages that README lists>
     PYTHONPATH=/tmp/sgl/src:/tmp/sgl/deps uv run pytest -m sglang packages/rollout-sglang
 
 On a GPU machine, ``uv sync --extra gpu`` installs sglang and they run as they are.

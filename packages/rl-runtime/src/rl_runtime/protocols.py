@@ -15,7 +15,7 @@ from rl_algos.run_context import ModelShape, ParallelLayout, RunContext, StateBy
 
 @runtime_checkable
 class TrainActor(Protocol):
-    """One trainer rank (docs/architecture.md, "Actors")."""
+    """One trainer rank: what rl-runtime calls on each (both trainer packages implement it)."""
 
     def compute_logprobs(self, batch: Any, *, reference: bool = False) -> list[Tensor]: ...
 

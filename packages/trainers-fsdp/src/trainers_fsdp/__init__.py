@@ -1,6 +1,6 @@
 """trainers_fsdp: the FSDP2 actor for GRPO and SFT on vision-language models.
 
-``FsdpActor(FsdpConfig(...))`` implements the trainer protocol of ``docs/architecture.md``:
+``FsdpActor(FsdpConfig(...))`` implements the trainer protocol (``rl_runtime.protocols.TrainActor``):
 ``compute_logprobs``, ``train_step``, ``iter_hf_weights``, ``save_checkpoint`` /
 ``load_checkpoint`` / ``export_hf`` and ``offload`` / ``onload``. The parallelism is applied to
 a plain transformers model by the small functions of :mod:`trainers_fsdp.parallelize`.

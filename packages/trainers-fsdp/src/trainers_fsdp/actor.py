@@ -1,6 +1,6 @@
 """The FSDP2 actor: log-probs, GRPO / SFT optimizer steps, weight export, checkpoints, offload.
 
-It implements the trainer protocol of ``docs/architecture.md``. One actor runs in each rank's
+It implements the trainer protocol (``rl_runtime.protocols.TrainActor``). One actor runs in each rank's
 process; every method is collective (all ranks call it, each with its own part of the batch).
 The model is a plain transformers model (``vlm_models.build_model``) with parallelism applied
 by :mod:`trainers_fsdp.parallelize`. In a world of one there is nothing to shard: the model

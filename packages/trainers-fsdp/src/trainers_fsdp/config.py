@@ -162,10 +162,9 @@ class FsdpConfig:
     def actor_class(self) -> type:
         """The actor this config builds (importing it loads torch.distributed and the model
         code, so a launcher parses the config without it)."""
-        import trainers_fsdp
-        import trainers_fsdp.actor
+        from trainers_fsdp.actor import FsdpActor
 
-        return trainers_fsdp.actor.FsdpActor
+        return FsdpActor
 
     def machine_refusal(self, *, use_gpu: bool) -> str | None:
         """Why a setting cannot work here (see ``rl_runtime.protocols.TrainerConfig``)."""

@@ -1,6 +1,6 @@
 """The Megatron-Core actor: log-probs, GRPO / SFT optimizer steps, weight export, checkpoints.
 
-It implements the trainer protocol of ``docs/architecture.md`` on
+It implements the trainer protocol (``rl_runtime.protocols.TrainActor``) on
 :mod:`vlm_models.megatron` (native Megatron decoder + HF vision tower). One actor runs in each
 rank's process; every method is collective. Ranks of one model replica (its tensor- and
 pipeline-parallel ranks) work on the same samples (the replica's first rank's batch is

@@ -168,10 +168,9 @@ class MegatronConfig:
     def actor_class(self) -> type:
         """The actor this config builds (importing it loads megatron-core, so a launcher
         parses the config without it)."""
-        import trainers_megatron
-        import trainers_megatron.actor
+        from trainers_megatron.actor import MegatronActor
 
-        return trainers_megatron.actor.MegatronActor
+        return MegatronActor
 
     def machine_refusal(self, *, use_gpu: bool) -> str | None:
         """Why a setting cannot work here (see ``rl_runtime.protocols.TrainerConfig``)."""
