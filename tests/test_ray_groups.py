@@ -279,3 +279,39 @@ def test_a_trainer_group_started_without_waiting_reports_its_failure_at_ready(ra
         group.ready()  # once reported, not waited for again
     finally:
         placement.remove()
+
+
+class _SlowTrainer:
+    """A trainer whose start-up takes a few seconds (a large model loading)."""
+
+    def __init__(self) -> None:
+        import time
+
+        time.sleep(2.5)
+
+
+def test_a_trainer_group_that_is_slow_to_start_says_so_naming_the_rank(
+    ray_local, monkeypatch, caplog
+):
+    """A start-up that hangs names itself: while `ready()` waits, a note every
+    `STARTUP_NOTE_S` names the ranks still starting (the Qwen3.5 launcher once waited 400 s
+    with nothing logged)."""
+    import logging
+
+    from rl_runtime import actor_group
+
+    monkeypatch.setattr(actor_group, "STARTUP_NOTE_S", 1.0)
+    placement = create_placement(
+        num_trainers=1, num_engines=0, colocate=False, use_gpu=False, cpus_per_bundle=0.25
+    )
+    try:
+        group = TrainGroup(
+            _SlowTrainer, world_size=1, placement=placement, num_cpus=0.25, wait=False
+        )
+        with caplog.at_level(logging.WARNING, logger="rl_runtime.actor_group"):
+            group.ready()
+        notes = [r.getMessage() for r in caplog.records if "still starting" in r.getMessage()]
+        assert notes and all(n.startswith("trainer group: trainer rank 0 still") for n in notes)
+        assert "the last start-up phase each rank logged" in notes[0]
+    finally:
+        placement.remove()

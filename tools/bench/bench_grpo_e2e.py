@@ -15,6 +15,8 @@ Instruct`` (every Qwen3-VL size shares its tokenizer and processor) and ``data/g
     # CPU smoke run: a tiny model, 2 steps
     uv run python tools/bench/bench_grpo_e2e.py --shape qwen3-vl-tiny --num-gpus 0 --steps 2 \
         --rollout-batch-size 2 --n-samples 2 --max-response-len 8
+    # H200: the slime recipe's Qwen3.5-35B-A3B cut to 8 layers, on the Megatron backend
+    python3 tools/bench/bench_grpo_e2e.py --shape qwen3.5-35b-a3b --layers 8 --backends megatron
 """
 
 from __future__ import annotations
@@ -46,13 +48,15 @@ def shared_dir() -> Path:
     return Path(os.environ.get("GLIMPSE_SHARED", ROOT.parent / "shared")).resolve()
 
 
-def build_hf_folder(shape: str, tokenizer: Path, out: Path, seed: int) -> Path:
+def build_hf_folder(
+    shape: str, tokenizer: Path, out: Path, seed: int, layers: int | None = None
+) -> Path:
     """A loadable HF folder: the preset's config with random weights, and the real processor.
     Built in a child process, so this one holds no GPU memory while the runs go (it held
     5 GiB through every run: the engine's KV cache is sized from what is free)."""
     if not (out / "config.json").is_file():
         ctx = multiprocessing.get_context("spawn")
-        child = ctx.Process(target=_build_hf_folder, args=(shape, tokenizer, out, seed))
+        child = ctx.Process(target=_build_hf_folder, args=(shape, tokenizer, out, seed, layers))
         child.start()
         child.join()
         if child.exitcode != 0:
@@ -60,7 +64,7 @@ def build_hf_folder(shape: str, tokenizer: Path, out: Path, seed: int) -> Path:
     return out
 
 
-def _build_hf_folder(shape: str, tokenizer: Path, out: Path, seed: int) -> None:
+def _build_hf_folder(shape: str, tokenizer: Path, out: Path, seed: int, layers: int | None) -> None:
     import torch
 
     from vlm_data.processor import build_processor
@@ -69,7 +73,8 @@ def _build_hf_folder(shape: str, tokenizer: Path, out: Path, seed: int) -> None:
 
     torch.manual_seed(seed)
     processor = build_processor(str(tokenizer))
-    config = preset_config(shape)
+    # a recipe shape cut to `layers` decoder layers (Qwen3.5 keeps its layer pattern)
+    config = preset_config(shape, **({"num_hidden_layers": layers} if layers else {}))
     device = "cuda" if torch.cuda.is_available() else None  # random init on the GPU: seconds
     model = build_model(config, dtype=torch.bfloat16, device=device)
     model.save_pretrained(out)
@@ -219,6 +224,9 @@ def run_backend(args: argparse.Namespace, backend: str, model: Path) -> dict[str
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shape", default="qwen3-vl-2b", help="vlm_models shape or tiny preset")
+    p.add_argument(
+        "--layers", type=int, help="cut the shape to this many decoder layers (MoE, Qwen3.5)"
+    )
     p.add_argument("--backends", default="fsdp,megatron")
     p.add_argument("--num-gpus", type=int, default=1)
     p.add_argument("--steps", type=int, default=5)
@@ -242,7 +250,8 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     tokenizer = shared_dir() / "models" / "Qwen3-VL-4B-Instruct"
     t0 = time.perf_counter()
-    model = build_hf_folder(args.shape, tokenizer, work / f"model_{args.shape}", args.seed)
+    name = f"model_{args.shape}" + (f"_{args.layers}l" if args.layers else "")
+    model = build_hf_folder(args.shape, tokenizer, work / name, args.seed, args.layers)
     print(f"model folder {model} ready in {time.perf_counter() - t0:.1f} s", flush=True)
     results = []
     for backend in (b for b in args.backends.split(",") if b):
@@ -275,7 +284,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def write_json(path: Path, args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
-    meta = {"shape": args.shape, "python": platform.python_version(), "argv": sys.argv}
+    meta = {
+        "shape": args.shape,
+        "layers": args.layers,
+        "python": platform.python_version(),
+        "argv": sys.argv,
+    }
     try:
         import torch
 

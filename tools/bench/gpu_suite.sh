@@ -93,11 +93,14 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
           packages/rollout-sglang/tests/test_cuda_ipc.py
         [ "$last_rc" = 0 ] || ipc_ok=0 ;;
       e2e)  # the launcher, 5 colocated GRPO steps per backend (issue #19 / #22 harness); if the
-        # IPC probe failed, the weights go through the object store so the other phases still time
+        # IPC probe failed, the weights go through the object store so the other phases still time.
+        # E2E_BENCH_ARGS: more bench options (--shape qwen3.5-35b-a3b --layers 8); E2E_ARGS:
+        # launcher flags
         transport=(); [ "$ipc_ok" = 1 ] || transport=(--weight-transport object-store)
         run e2e "${E2E_TIMEOUT:-540}" python3 tools/bench/bench_grpo_e2e.py --steps "${E2E_STEPS:-5}" \
           --backends "${E2E_BACKENDS:-fsdp,megatron}" --timeout "${E2E_BACKEND_TIMEOUT:-240}" \
-          --after-last-step 20 --work-dir /tmp/e2e --out "$OUT/e2e.json" -- ${E2E_ARGS:-} "${transport[@]}"
+          --after-last-step 20 --work-dir /tmp/e2e --out "$OUT/e2e.json" ${E2E_BENCH_ARGS:-} \
+          -- ${E2E_ARGS:-} "${transport[@]}"
         for f in /tmp/e2e/*.log; do [ -f "$f" ] && tail -c 400000 "$f" >"$OUT/e2e_$(basename "$f")"; done ;;
       qwen35)  # Qwen3.5-35B-A3B cut to 4 layers, GRPO steps on Megatron: fla vs the torch
         # gated delta net, packed vs one sample per micro-batch (needs fla-core in .whl/, and

@@ -34,9 +34,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+#: the logger a trainer writes its start-up phases to (`trainer_core.startup`): shown at INFO
+#: whatever the workers' level, a few lines per rank that name where a slow start-up is
+STARTUP_LOGGER = "glimpse.startup"
+
+
 def _configure_worker_logging(level: str) -> None:
     """Worker logs reach the driver's console through Ray; keep them to what matters."""
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    startup = logging.getLogger(STARTUP_LOGGER)
+    startup.setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
 
 
 class TrainWorker:
@@ -212,6 +219,8 @@ def _lost_note(nodes: Sequence[str], wait_s: float = 0.0) -> str:
 
 #: How long to wait, after an actor became unreachable, for Ray to tell whether its node died.
 NODE_LOSS_S = 30.0
+#: seconds between the notes of a trainer group that is still starting
+STARTUP_NOTE_S = 60.0
 POLL_S = 5.0
 
 
@@ -285,7 +294,17 @@ class TrainGroup:
         if self._starting is None:
             return
         futures, self._starting = self._starting, None
-        gather(futures, [f"trainer rank {r}" for r in range(len(futures))], "start")
+
+        def still_starting(seconds: float, ranks: list[str]) -> None:
+            log.warning(
+                "trainer group: %s still starting after %.0f s (the last start-up phase each "
+                "rank logged is where it is)",
+                ", ".join(ranks),
+                seconds,
+            )
+
+        names = [f"trainer rank {r}" for r in range(len(futures))]
+        gather(futures, names, "start", still_waiting=still_starting, every_s=STARTUP_NOTE_S)
         self.nodes = actor_nodes(self.workers)  # where each rank runs (a lost node is named)
         log.info("trainer group: %d rank(s) ready", self.world_size)
 

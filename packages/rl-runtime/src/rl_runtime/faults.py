@@ -10,6 +10,7 @@ collective whose partner died never returns on its own).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -62,6 +63,9 @@ def gather(
     names: Sequence[str],
     what: str,
     while_waiting: Callable[[int, Any], None] | None = None,
+    *,
+    still_waiting: Callable[[float, list[str]], None] | None = None,
+    every_s: float = 60.0,
 ) -> list[Any]:
     """`ray.get` over one call per actor, in order, that fails as soon as an actor dies.
 
@@ -72,12 +76,21 @@ def gather(
     raises :class:`WorkerDied` naming it (peers that failed because of it are left out of the
     blame); if the call failed because an actor *it* called died (a trainer pushing weights to
     a dead engine), raises :class:`RunStopped`; otherwise re-raises the first error as it came.
+
+    ``still_waiting(seconds, names)`` is called every ``every_s`` seconds without a result, with
+    the names of the calls still running (a start-up that hangs says so, and who).
     """
     index = {ref: i for i, ref in enumerate(futures)}
     results: list[Any] = [None] * len(futures)
     pending = list(futures)
+    start = time.monotonic()
     while pending:
-        ready, pending = ray.wait(pending, num_returns=1)
+        timeout = every_s if still_waiting is not None else None
+        ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+        if not ready:
+            assert still_waiting is not None
+            still_waiting(time.monotonic() - start, [names[index[r]] for r in pending])
+            continue
         try:
             results[index[ready[0]]] = ray.get(ready[0])
         except Exception as first:

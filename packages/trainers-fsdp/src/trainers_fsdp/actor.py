@@ -40,6 +40,7 @@ from rl_algos import (
 )
 from rl_algos import train_step as core
 from trainer_core import MicroBatch, PinnedStaging, build_micro_batch
+from trainer_core.startup import StartupLog
 from trainers_fsdp.attention import PACKED_ATTENTION, PackedSeqInfo, register_packed_attention
 from trainers_fsdp.checkpoint import load_checkpoint, save_checkpoint
 from trainers_fsdp.config import FsdpConfig
@@ -98,8 +99,12 @@ class FsdpActor:
         self.config = config
         self.device = resolve_device(config.device)
         self._owns_process_group = not dist.is_initialized()
-        self.rank, self.world_size = init_distributed(self.device, timeout_s=config.dist_timeout_s)
-        self.mesh = build_mesh(self.device)
+        startup = StartupLog(f"fsdp trainer rank {os.environ.get('RANK', 0)}")
+        with startup.phase("process group"):
+            self.rank, self.world_size = init_distributed(
+                self.device, timeout_s=config.dist_timeout_s
+            )
+            self.mesh = build_mesh(self.device)
         default_dtype = "bfloat16" if self.device.type == "cuda" else None
         self.param_dtype = _dtype(config.param_dtype or default_dtype)
         self.compile = config.compile  # None: decided by the model built (compile_by_default)
@@ -107,8 +112,12 @@ class FsdpActor:
         self._masters: MasterWeights | None = None  # one rank, low-precision compute
         # reused pinned host buffers: each micro-batch reaches the GPU in one copy (PinnedStaging)
         self._staging = PinnedStaging() if self.device.type == "cuda" else None
-        self.model = self._build(trainable=True)
-        self.ref_model = self._build(trainable=False) if config.reference_model else None
+        with startup.phase("model (build, load, shard)"):
+            self.model = self._build(trainable=True)
+        self.ref_model = None
+        if config.reference_model:
+            with startup.phase("reference model"):
+                self.ref_model = self._build(trainable=False)
         # Linear-attention layers get the sample boundaries too (their state resets there).
         self._linear_attention = has_linear_attention(self.model.config)
         self._one_per_micro_batch = not all(
@@ -120,8 +129,12 @@ class FsdpActor:
                 "reset at sample boundaries); running one sample per micro-batch",
                 type(self.model).__name__,
             )
-        self.optimizer = build_optimizer(self._trained, config.optim, self.device, self._masters)
-        self.scheduler = build_scheduler(self.optimizer, config.optim)
+        with startup.phase("optimizer"):
+            self.optimizer = build_optimizer(
+                self._trained, config.optim, self.device, self._masters
+            )
+            self.scheduler = build_scheduler(self.optimizer, config.optim)
+        startup.done()
         self.step = 0
         self._offloaded = False
         self._grads_averaged = True  # replicate: nothing accumulated since the last average

@@ -46,6 +46,7 @@ from rl_algos import (
 )
 from rl_algos import train_step as core
 from trainer_core import MicroBatch, PinnedStaging, build_micro_batch
+from trainer_core.startup import StartupLog
 from trainers_megatron.checkpoint import export_hf, load_checkpoint, save_checkpoint
 from trainers_megatron.config import MegatronConfig
 from trainers_megatron.context_parallel import RowSplit, split_row
@@ -169,7 +170,9 @@ class MegatronActor:
         parallel = Parallelism(
             tp=config.tp, pp=config.pp, ep=config.ep, sp=config.sp, etp=config.etp, cp=config.cp
         )
-        initialize_model_parallel(parallel, seed=config.seed)
+        startup = StartupLog(f"megatron trainer rank {os.environ.get('RANK', 0)}")
+        with startup.phase("process groups"):
+            initialize_model_parallel(parallel, seed=config.seed)
         self.rank = dist.get_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -186,9 +189,10 @@ class MegatronActor:
         if config.pipeline_first_stage_layers is not None:
             overrides["num_layers_in_first_pipeline_stage"] = config.pipeline_first_stage_layers
         gdn = dict(gdn_path=config.linear_attention_kernels)
-        self.module: Qwen3VLMegatronModel = build_megatron_model(
-            self.hf_config, parallel, params_dtype=self.dtype, **gdn, **overrides
-        )
+        with startup.phase("model"):
+            self.module: Qwen3VLMegatronModel = build_megatron_model(
+                self.hf_config, parallel, params_dtype=self.dtype, **gdn, **overrides
+            )
         # a packed row must keep its samples apart in every layer (Qwen3.5's gated delta net
         # resets its state at sample boundaries); a model that cannot runs one per row
         self.one_sample_per_micro_batch = not self.module.packs_samples
@@ -198,7 +202,8 @@ class MegatronActor:
                 "one sample per micro-batch",
                 type(self.module).__name__,
             )
-        self._load_initial_weights()
+        with startup.phase("initial weights"):
+            self._load_initial_weights()
         self.compiled = config.compile
         if self.compiled is None:
             self.compiled = self.device.type == "cuda" and compiles_by_default(self.hf_config)
@@ -208,23 +213,26 @@ class MegatronActor:
             compile_vision_blocks(self.module, backend=backend)
         self.ref_model = None
         if config.reference_model:  # the initial policy, frozen: the KL penalty's reference
-            self.ref_model = build_megatron_model(
-                self.hf_config, parallel, params_dtype=self.dtype, **gdn, **overrides
-            )
-            self.ref_model.load_state_dict(self.module.state_dict())
-            self.ref_model.requires_grad_(False).eval()
+            with startup.phase("reference model"):
+                self.ref_model = build_megatron_model(
+                    self.hf_config, parallel, params_dtype=self.dtype, **gdn, **overrides
+                )
+                self.ref_model.load_state_dict(self.module.state_dict())
+                self.ref_model.requires_grad_(False).eval()
         # megatron-core's DDP (float32 gradient buffers) and optimizer (see trainers_megatron.optim)
-        self.model = wrap_ddp(self.module, distributed_optimizer=config.distributed_optimizer)
-        self.optimizer = build_optimizer(
-            self.model,
-            lr=config.lr,
-            min_lr=config.min_lr,
-            betas=config.betas,
-            eps=config.eps,
-            weight_decay=config.weight_decay,
-            distributed_optimizer=config.distributed_optimizer,
-        )
-        self._step = OptimizerStep(self.optimizer, flat=config.flat_masters)
+        with startup.phase("DDP and optimizer"):
+            self.model = wrap_ddp(self.module, distributed_optimizer=config.distributed_optimizer)
+            self.optimizer = build_optimizer(
+                self.model,
+                lr=config.lr,
+                min_lr=config.min_lr,
+                betas=config.betas,
+                eps=config.eps,
+                weight_decay=config.weight_decay,
+                distributed_optimizer=config.distributed_optimizer,
+            )
+            self._step = OptimizerStep(self.optimizer, flat=config.flat_masters)
+        startup.done()
         self.scheduler = _lr_scheduler(self.optimizer, config)
         self.step = 0
         self._offload = StorageOffload()

@@ -357,6 +357,11 @@ def apply_overrides(config: PretrainedConfig, overrides: dict[str, Any]) -> Pret
         else:
             raise ValueError(f"config override {key!r}: no such field on {type(config).__name__}")
         setattr(target, attr, value)
+        types = getattr(target, "layer_types", None)
+        if attr == "num_hidden_layers" and types and len(types) != value:
+            # a cut (or grown) Qwen3.5 keeps its pattern (three linear-attention layers, then
+            # a full one): transformers refuses a config whose layer_types miss the count
+            target.layer_types = [types[i % len(types)] for i in range(value)]
         if attr == "tie_word_embeddings" and target is config and hasattr(config, "text_config"):
             config.text_config.tie_word_embeddings = value
     return config

@@ -135,3 +135,18 @@ def test_a_config_only_folder_resolves_like_its_preset(qwen3vl_dir):
         assert getattr(from_folder.text_config, key) == getattr(preset.text_config, key), key
     for key in VISION_KEYS:
         assert getattr(from_folder.vision_config, key) == getattr(preset.vision_config, key), key
+
+
+@pytest.mark.parametrize("layers", [4, 8])
+def test_a_cut_qwen35_keeps_its_layer_pattern_and_loads(tmp_path, layers):
+    """The recipe shapes cut to a few layers for a GPU benchmark: Qwen3.5 keeps three
+    linear-attention layers then a full one, and the saved config loads again (transformers
+    refuses layer_types of another length)."""
+    from transformers import AutoConfig
+
+    config = preset_config("qwen3.5-35b-a3b", num_hidden_layers=layers)
+    config.save_pretrained(tmp_path)
+    text = AutoConfig.from_pretrained(tmp_path).text_config
+    assert text.num_hidden_layers == layers
+    pattern = ["linear_attention"] * 3 + ["full_attention"]
+    assert text.layer_types == pattern * (layers // 4)

@@ -195,3 +195,28 @@ def test_fla_backward_refusal_follows_fla_rule():
     assert fla_backward_refusal(9, "3.3.1", tilelang=False) is None
     assert fla_backward_refusal(8, "3.6.0", tilelang=False) is None  # Ampere is not affected
     assert fla_refusal(torch.device("cpu")) == "fla runs on CUDA only"
+
+
+def test_per_expert_files_are_stacked_once_per_layer(tp1, make_hf_model, tmp_path, monkeypatch):
+    """Qwen3.5-MoE folders hold one tensor per expert; the maps ask for a layer's two expert
+    stacks once per local expert, in turn. Each stack is built once, not once per expert (at
+    256 experts a 35B-A3B cut to 4 layers built 2,048 stacks of 256 and its trainer never
+    finished starting), and the model loads the same weights."""
+    from vlm_models.megatron import checkpoint
+
+    config = qwen35_config("qwen3.5-moe-tiny")
+    hf_model = make_hf_model(config, seed=3)
+    hf_model.save_pretrained(tmp_path / "hf")
+    builds = []
+    stack = checkpoint.stack_experts
+    monkeypatch.setattr(checkpoint, "stack_experts", lambda parts: builds.append(1) or stack(parts))
+    model = build_megatron_model(config, Parallelism()).eval()
+    with SafetensorsReader(tmp_path / "hf") as reader:
+        assert reader.per_expert_layout()
+        load_hf_weights(model, reader)
+    moe_layers = config.text_config.num_hidden_layers
+    assert len(builds) == 2 * moe_layers
+    expected = _megatron(config, hf_model).state_dict()
+    for name, tensor in model.state_dict().items():
+        if isinstance(tensor, torch.Tensor):
+            assert torch.equal(tensor, expected[name]), name

@@ -74,8 +74,11 @@ class SafetensorsReader:
     def __init__(self, folder: str | Path) -> None:
         folder = Path(folder)
         self.arch = text_arch(AutoConfig.from_pretrained(folder))
-        # the last stacked-expert tensor read: the maps ask for it once per local expert
-        self._last: tuple[str, Tensor] | None = None
+        # the stacked-expert tensors of the layer being read: the maps ask for each once per
+        # local expert, alternating gate_up and down; keeping only the last one rebuilt both
+        # stacks for every expert (from per-expert files: 2 x 256 stacks of 256 experts a
+        # layer for Qwen3.5-35B-A3B, a start-up that did not finish in 400 s on an H200)
+        self._stacks: dict[str, Tensor] = {}
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{folder}: no *.safetensors files (only safetensors is read)")
@@ -94,8 +97,8 @@ class SafetensorsReader:
         return {n: self._where[n].get_tensor(n) for n in self._where if n.startswith(MTP_PREFIX)}  # type: ignore[attr-defined]
 
     def __call__(self, name: str) -> Tensor:
-        if self._last is not None and self._last[0] == name:
-            return self._last[1]
+        if name in self._stacks:
+            return self._stacks[name]
         handle = self._where.get(name)
         if handle is not None:
             tensor = from_file_layout(name, handle.get_tensor(name), self.arch)  # type: ignore[attr-defined]
@@ -105,7 +108,9 @@ class SafetensorsReader:
         else:
             raise KeyError(f"tensor {name!r} is not in the checkpoint")
         if name.endswith(_EXPERT_STACKS):
-            self._last = (name, tensor)
+            layer = name.rsplit(".mlp.experts.", 1)[0]
+            self._stacks = {n: t for n, t in self._stacks.items() if n.startswith(layer + ".")}
+            self._stacks[name] = tensor
         return tensor
 
     def _raw(self, name: str) -> Tensor:
