@@ -68,13 +68,19 @@ def _build_hf_folder(shape: str, tokenizer: Path, out: Path, seed: int, layers: 
     import torch
 
     from vlm_data.processor import build_processor
+    from vlm_data.tokens import model_token_ids
     from vlm_models.build import build_model
-    from vlm_models.presets import preset_config
+    from vlm_models.presets import apply_overrides, preset_config
 
     torch.manual_seed(seed)
     processor = build_processor(str(tokenizer))
     # a recipe shape cut to `layers` decoder layers (Qwen3.5 keeps its layer pattern)
     config = preset_config(shape, **({"num_hidden_layers": layers} if layers else {}))
+    # the image placeholders the processor writes (Qwen3.5's own tokenizer numbers them
+    # otherwise; the shape's vocabulary, which holds them, stays)
+    ids = model_token_ids(processor)
+    vision = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    config = apply_overrides(config, {k: ids[k] for k in vision})
     device = "cuda" if torch.cuda.is_available() else None  # random init on the GPU: seconds
     model = build_model(config, dtype=torch.bfloat16, device=device)
     model.save_pretrained(out)
