@@ -25,14 +25,38 @@ def hf_named_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
             yield (f"{module_name}.{name}" if module_name else name), buf
 
 
+#: transformers' stacked MoE experts (in memory ``[E, 2I, H]`` and ``[E, H, I]``)
+EXPERT_STACKS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
+def released_expert_transpose(model: nn.Module) -> bool:
+    """Whether the wire holds this model's stacked experts transposed (Qwen3-VL-MoE: released
+    files are ``[E, H, 2I]`` / ``[E, I, H]``, which SGLang's ``qwen3_vl_moe.py`` loader
+    transposes back unconditionally)."""
+    return getattr(getattr(model, "config", None), "model_type", None) == "qwen3_vl_moe"
+
+
 def to_checkpoint_layout(model: nn.Module, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Undo transformers' load-time conversions (e.g. Qwen3-VL-MoE stores experts transposed in
-    memory) so names and shapes are those of the checkpoint files, as ``save_pretrained`` writes."""
+    """In-memory tensors in the wire layout of weight sync: the checkpoint files' names and
+    shapes as SGLang's loaders read them from disk. transformers' ``revert_weight_conversion``
+    undoes its load-time conversions (Qwen3.5-MoE: stacked experts back to one tensor per
+    expert); Qwen3-VL-MoE's experts are transposed here, explicitly, since transformers 5.19's
+    revert keeps them in memory's layout (its ``Transpose(check_dims=True)`` compares against
+    the parameter of the same name) while released files and SGLang's loader have them
+    transposed."""
+    stacks: dict[str, Tensor] = {}
+    if released_expert_transpose(model):
+        stacks = {
+            n: t.transpose(1, 2).contiguous()
+            for n, t in tensors.items()
+            if n.endswith(EXPERT_STACKS)
+        }
+        tensors = {n: t for n, t in tensors.items() if n not in stacks}
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # older transformers: in-memory layout is the checkpoint layout
-        return tensors
-    return revert_weight_conversion(model, tensors)
+        return {**tensors, **stacks}
+    return {**revert_weight_conversion(model, tensors), **stacks}
 
 
 @torch.no_grad()
