@@ -37,13 +37,21 @@ def released_expert_transpose(model: nn.Module) -> bool:
 
 
 def to_checkpoint_layout(model: nn.Module, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    """In-memory tensors in the wire layout of weight sync: the checkpoint files' names and
-    shapes as SGLang's loaders read them from disk. transformers' ``revert_weight_conversion``
-    undoes its load-time conversions (Qwen3.5-MoE: stacked experts back to one tensor per
-    expert); Qwen3-VL-MoE's experts are transposed here, explicitly, since transformers 5.19's
-    revert keeps them in memory's layout (its ``Transpose(check_dims=True)`` compares against
-    the parameter of the same name) while released files and SGLang's loader have them
-    transposed."""
+    """Undo transformers' load-time conversions (Qwen3.5-MoE: stacked experts back to one
+    tensor per expert) so names and shapes are what ``save_pretrained`` writes."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # older transformers: in-memory layout is the checkpoint layout
+        return tensors
+    return revert_weight_conversion(model, tensors)
+
+
+def to_wire_layout(model: nn.Module, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """In-memory tensors in the one wire layout of weight sync: the checkpoint files' names and
+    shapes as SGLang's loaders read them from disk. That is :func:`to_checkpoint_layout`, except
+    Qwen3-VL-MoE's stacked experts, transposed here as in the released files: transformers 5.19
+    writes them in memory's layout (its reverted ``Transpose(check_dims=True)`` compares against
+    the parameter of the same name), while SGLang's loader transposes them unconditionally."""
     stacks: dict[str, Tensor] = {}
     if released_expert_transpose(model):
         stacks = {
@@ -52,11 +60,7 @@ def to_checkpoint_layout(model: nn.Module, tensors: dict[str, Tensor]) -> dict[s
             if n.endswith(EXPERT_STACKS)
         }
         tensors = {n: t for n, t in tensors.items() if n not in stacks}
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # older transformers: in-memory layout is the checkpoint layout
-        return {**tensors, **stacks}
-    return {**revert_weight_conversion(model, tensors), **stacks}
+    return {**to_checkpoint_layout(model, tensors), **stacks}
 
 
 @torch.no_grad()

@@ -1,7 +1,7 @@
 """Weight sync on the receiving side: HF-named tensors, in buckets, into a live model.
 
 The trainer streams ``(name, tensor)`` pairs in the one wire layout: the checkpoint files'
-names and shapes as SGLang's loaders read them (``vlm_models.weights.to_checkpoint_layout``).
+names and shapes as SGLang's loaders read them (``vlm_models.weights.to_wire_layout``).
 Mostly that is how the transformers model names its parameters (the fast patch embedding of
 ``vlm_models`` keeps the Conv3d parameter, so ``...patch_embed.proj.weight`` lands with its
 5-D shape); MoE experts differ, and are converted here into transformers' stacked experts:
