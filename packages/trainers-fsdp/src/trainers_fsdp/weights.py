@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from vlm_models.weights import to_checkpoint_layout
+from vlm_models.weights import to_checkpoint_layout, to_wire_layout
 from weight_sync import iter_weight_buckets
 
 logger = logging.getLogger(__name__)
@@ -63,12 +63,15 @@ def iter_hf_weight_buckets(
     dtype: torch.dtype | None = None,
     device="cpu",
     state: dict[str, Tensor] | None = None,
+    *,
+    wire: bool = True,
 ) -> Iterator[list[tuple[str, Tensor]]]:
-    """Size-bounded buckets of full HF-named tensors in the checkpoint layout."""
+    """Size-bounded buckets of full HF-named tensors in the wire layout of weight sync, or
+    (``wire=False``, for an HF folder) in the layout ``save_pretrained`` writes."""
     yield from iter_weight_buckets(
         iter_full_tensors(model, dtype, device, state),
         bucket_bytes,
-        convert=functools.partial(to_checkpoint_layout, model),
+        convert=functools.partial(to_wire_layout if wire else to_checkpoint_layout, model),
     )
 
 
@@ -89,7 +92,9 @@ def export_hf_folder(
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     files: list[tuple[str, list[str]]] = []
-    for i, bucket in enumerate(iter_hf_weight_buckets(model, shard_bytes, dtype, state=state)):
+    for i, bucket in enumerate(
+        iter_hf_weight_buckets(model, shard_bytes, dtype, state=state, wire=False)
+    ):
         if rank != 0:
             continue
         name = f"model-{i + 1:05d}.safetensors"

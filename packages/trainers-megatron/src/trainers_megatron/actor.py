@@ -498,14 +498,15 @@ class MegatronActor:
 
     # ----------------------------------------------------------------------------- weights
     def iter_hf_weights(
-        self, bucket_bytes: int = 1 << 30, *, device: str | None = "cpu"
+        self, bucket_bytes: int = 1 << 30, *, device: str | None = "cpu", wire: bool = True
     ) -> Iterator[list[tuple[str, Tensor]]]:
         """Full HF-named tensors (``export_dtype``, on ``device``; None: the weights' own) in
         buckets, on every rank; collective over TP, PP (each stage broadcasts its part) and EP
-        (each rank's experts gathered)."""
+        (each rank's experts gathered). In the checkpoint files' layout, the one wire layout
+        every engine's loader reads (``wire=False``: transformers' in-memory layout)."""
         self._require_onloaded()
         dtype = getattr(torch, self.config.export_dtype)
-        for bucket in iter_hf_weights(self.module, bucket_bytes):
+        for bucket in iter_hf_weights(self.module, bucket_bytes, file_layout=wire):
             yield [(n, t.to(device=device, dtype=dtype)) for n, t in bucket]
 
     def export_hf(self, path: str | os.PathLike) -> None:

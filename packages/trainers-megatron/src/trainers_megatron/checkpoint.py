@@ -50,7 +50,7 @@ def export_hf(actor: MegatronActor, path: str | os.PathLike) -> None:
     A Qwen3.5 MTP head of the source folder (not trained here) is copied along as read."""
     path = Path(path)
     tensors: dict[str, Tensor] = {}
-    for bucket in actor.iter_hf_weights():
+    for bucket in actor.iter_hf_weights(wire=False):  # the layout it wrote before
         if actor.rank == 0:
             tensors.update(bucket)
     source = actor.config.model

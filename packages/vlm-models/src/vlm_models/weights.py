@@ -25,14 +25,42 @@ def hf_named_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
             yield (f"{module_name}.{name}" if module_name else name), buf
 
 
+#: transformers' stacked MoE experts (in memory ``[E, 2I, H]`` and ``[E, H, I]``)
+EXPERT_STACKS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
+def released_expert_transpose(model: nn.Module) -> bool:
+    """Whether the wire holds this model's stacked experts transposed (Qwen3-VL-MoE: released
+    files are ``[E, H, 2I]`` / ``[E, I, H]``, which SGLang's ``qwen3_vl_moe.py`` loader
+    transposes back unconditionally)."""
+    return getattr(getattr(model, "config", None), "model_type", None) == "qwen3_vl_moe"
+
+
 def to_checkpoint_layout(model: nn.Module, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Undo transformers' load-time conversions (e.g. Qwen3-VL-MoE stores experts transposed in
-    memory) so names and shapes are those of the checkpoint files, as ``save_pretrained`` writes."""
+    """Undo transformers' load-time conversions (Qwen3.5-MoE: stacked experts back to one
+    tensor per expert) so names and shapes are what ``save_pretrained`` writes."""
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # older transformers: in-memory layout is the checkpoint layout
         return tensors
     return revert_weight_conversion(model, tensors)
+
+
+def to_wire_layout(model: nn.Module, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """In-memory tensors in the one wire layout of weight sync: the checkpoint files' names and
+    shapes as SGLang's loaders read them from disk. That is :func:`to_checkpoint_layout`, except
+    Qwen3-VL-MoE's stacked experts, transposed here as in the released files: transformers 5.19
+    writes them in memory's layout (its reverted ``Transpose(check_dims=True)`` compares against
+    the parameter of the same name), while SGLang's loader transposes them unconditionally."""
+    stacks: dict[str, Tensor] = {}
+    if released_expert_transpose(model):
+        stacks = {
+            n: t.transpose(1, 2).contiguous()
+            for n, t in tensors.items()
+            if n.endswith(EXPERT_STACKS)
+        }
+        tensors = {n: t for n, t in tensors.items() if n not in stacks}
+    return {**to_checkpoint_layout(model, tensors), **stacks}
 
 
 @torch.no_grad()

@@ -29,7 +29,7 @@ def iter_weight_buckets(
     A tensor larger than the budget gets a bucket of its own. The input is consumed lazily, so
     a generator that gathers sharded parameters one at a time keeps at most one bucket alive.
     ``convert`` rewrites each bucket before it is yielded (e.g. to the checkpoint layout:
-    ``functools.partial(vlm_models.to_checkpoint_layout, model)``).
+    ``functools.partial(vlm_models.weights.to_wire_layout, model)``).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")

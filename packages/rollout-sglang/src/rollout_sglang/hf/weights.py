@@ -1,18 +1,29 @@
 """Weight sync on the receiving side: HF-named tensors, in buckets, into a live model.
 
-The trainer streams ``(name, tensor)`` pairs named as in the HF checkpoint (that is also how
-the transformers model names its parameters; the fast patch embedding of ``vlm_models`` keeps
-the Conv3d parameter, so ``...patch_embed.proj.weight`` arrives and lands with its 5-D shape).
-Buckets are made on the sending side by ``weight_sync.iter_weight_buckets``.
+The trainer streams ``(name, tensor)`` pairs in the one wire layout: the checkpoint files'
+names and shapes as SGLang's loaders read them (``vlm_models.weights.to_wire_layout``).
+Mostly that is how the transformers model names its parameters (the fast patch embedding of
+``vlm_models`` keeps the Conv3d parameter, so ``...patch_embed.proj.weight`` lands with its
+5-D shape); MoE experts differ, and are converted here into transformers' stacked experts:
+Qwen3.5-MoE sends ``experts.{e}.gate_proj/up_proj/down_proj.weight``, copied into expert
+``e``'s rows of ``gate_up_proj`` (gate first, as transformers' ``MergeModulelist`` +
+``Concatenate(dim=1)`` builds it) and ``down_proj``; Qwen3-VL-MoE sends the released
+transposed stacks, transposed back. transformers' own loading conversion is not used: it needs
+every expert of a layer at once (a bucket may end anywhere) and its ``Transpose(check_dims)``
+cannot tell a square expert's two layouts apart. Buckets are made on the sending side by
+``weight_sync.iter_weight_buckets``.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
+
+from vlm_models.weights import EXPERT_STACKS, released_expert_transpose
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +33,8 @@ _PREFIX_ALIASES = (
     ("model.", "model.language_model."),
     ("visual.", "model.visual."),
 )
+# one expert's tensor of a per-expert checkpoint (Qwen3.5-MoE)
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 class WeightLoader:
@@ -36,6 +49,7 @@ class WeightLoader:
         self.model = model
         self._targets: dict[str, Tensor] = dict(model.named_parameters(remove_duplicate=False))
         self._targets.update(dict(model.named_buffers(remove_duplicate=False)))
+        self._transpose_experts = released_expert_transpose(model)
 
     def target(self, name: str) -> Tensor:
         if name in self._targets:
@@ -45,13 +59,27 @@ class WeightLoader:
                 return self._targets[alias]
         raise KeyError(f"weight update: {name!r} is not a parameter or buffer of the rollout model")
 
+    def destination(self, name: str, tensor: Tensor) -> tuple[Tensor, Tensor]:
+        """(the tensor or view of one to copy into, the source in its layout) for one wire
+        tensor: an expert's slice of a stacked parameter, a transposed stack, or as sent."""
+        if (match := _PER_EXPERT.match(name)) and name not in self._targets:
+            base, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+            if proj == "down_proj":
+                return self.target(f"{base}.down_proj")[expert], tensor
+            stacked = self.target(f"{base}.gate_up_proj")[expert]
+            half = stacked.shape[0] // 2
+            return (stacked[:half] if proj == "gate_proj" else stacked[half:]), tensor
+        dst = self.target(name)
+        if self._transpose_experts and name.endswith(EXPERT_STACKS):
+            return dst, tensor.transpose(1, 2)
+        return dst, tensor
+
     @torch.no_grad()
     def load(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
         """Load one bucket; returns how many tensors were copied."""
         count = 0
         for name, tensor in named_tensors:
-            dst = self.target(name)
-            src = tensor
+            dst, src = self.destination(name, tensor)
             if src.shape != dst.shape:
                 # Only a patch embedding may arrive flat (a Linear-style export of the Conv3d);
                 # anything else with a different shape would load scrambled, so it fails.

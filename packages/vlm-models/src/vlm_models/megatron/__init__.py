@@ -52,6 +52,7 @@ from vlm_models.megatron.convert import (
     split_qkv,
     stage_layouts,
     stage_param_maps,
+    to_checkpoint_tensors,
     to_file_layout,
 )
 from vlm_models.megatron.gated_delta_net import (
@@ -124,6 +125,7 @@ __all__ = [
     "stage_layouts",
     "stage_param_maps",
     "text_arch",
+    "to_checkpoint_tensors",
     "to_file_layout",
     "transformer_config",
 ]

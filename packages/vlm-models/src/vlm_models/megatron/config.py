@@ -78,6 +78,8 @@ class TextArch:
     linear_num_key_heads: int | None = None
     linear_num_value_heads: int | None = None
     shared_expert_intermediate_size: int | None = None
+    #: Qwen3.5-MoE: checkpoint files hold one tensor per expert (transformers stacks on load)
+    per_expert_files: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -156,6 +158,7 @@ def text_arch(hf_config: PretrainedConfig) -> TextArch:
         linear_value_head_dim=getattr(text, "linear_value_head_dim", None) if qwen3_5 else None,
         linear_num_key_heads=getattr(text, "linear_num_key_heads", None) if qwen3_5 else None,
         linear_num_value_heads=getattr(text, "linear_num_value_heads", None) if qwen3_5 else None,
+        per_expert_files=qwen3_5 and bool(num_experts),
         shared_expert_intermediate_size=(
             getattr(text, "shared_expert_intermediate_size", None) if num_experts else None
         ),

@@ -439,6 +439,16 @@ def to_file_layout(name: str, tensor: Tensor, *, released: bool = True) -> Tenso
     return tensor
 
 
+def to_checkpoint_tensors(name: str, tensor: Tensor, arch: TextArch) -> list[tuple[str, Tensor]]:
+    """An in-memory tensor as ``save_pretrained`` writes it and SGLang reads it (the wire layout
+    of weight sync): Qwen3.5-MoE experts one per tensor, Qwen3-VL-MoE's transposed."""
+    if not name.endswith(_EXPERT_STACKS):
+        return [(name, tensor)]
+    if arch.per_expert_files:
+        return split_experts(name, tensor)
+    return [(name, to_file_layout(name, tensor))]
+
+
 def per_expert_names(name: str, num_experts: int) -> list[tuple[str, ...]]:
     """The per-expert file names of stacked tensor ``name`` (Qwen3.5-MoE files, which
     transformers stacks on load: ``experts.{e}.gate_proj`` / ``up_proj`` -> ``gate_up_proj``,

@@ -23,7 +23,7 @@ from vlm_models.megatron.convert import (
     StageLayout,
     shard,
     stage_param_maps,
-    to_file_layout,
+    to_checkpoint_tensors,
     unshard,
 )
 from vlm_models.megatron.model import Qwen3VLMegatronModel
@@ -114,8 +114,10 @@ def iter_hf_weights(
     Must be called on all ranks of the TP x PP group together. Buckets are made by
     :func:`weight_sync.iter_weight_buckets` (at most ``bucket_bytes``; a single larger tensor
     makes a bucket of its own), as for the FSDP trainer. Tensors are
-    in transformers' in-memory layout, or with ``file_layout`` in the released checkpoint files'
-    layout (MoE experts transposed), which is what engines loading released files expect.
+    in transformers' in-memory layout, or with ``file_layout`` in the model type's checkpoint
+    layout (:func:`~vlm_models.megatron.convert.to_checkpoint_tensors`: Qwen3-VL-MoE experts
+    transposed, Qwen3.5-MoE experts one tensor each), the wire layout of weight sync, which is
+    what engines loading the checkpoint files expect.
     """
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -161,7 +163,10 @@ def iter_hf_weights(
             ):
                 continue  # tied: the first stage's embedding is the HF tensor
             for name, full in full_tensors(pmap, stacker):
-                yield name, to_file_layout(name, full) if file_layout else full
+                if file_layout:
+                    yield from to_checkpoint_tensors(name, full, model.arch)
+                else:
+                    yield name, full
 
     def local_buckets() -> Iterator[list[tuple[str, Tensor]]]:
         # the one bucketer of weight sync, shared with the FSDP trainer
