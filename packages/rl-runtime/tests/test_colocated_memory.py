@@ -54,7 +54,7 @@ class Trainer:
         return {"loss": 0.0, "grad_norm": 1.0}
 
     def push_weights(self, rollout, bucket_bytes):
-        assert self.on and rollout.resumed, "weights pushed without both sides on the GPU"
+        assert self.on and "weights" not in rollout.released, "push without both sides' weights"
         rollout.weights_version += 1
 
     def release_cache(self):
@@ -77,11 +77,19 @@ class Trainer:
 
 
 class Engine:
-    """The RolloutGroup surface: generation needs its memory resumed."""
+    """The RolloutGroup surface: generation needs its memory resumed. Weights and KV cache
+    come back by parts, as SGLang's tags do; resuming a part not released fails, as SGLang's
+    does."""
 
-    def __init__(self, gpu: Gpu) -> None:
-        self.gpu, self.resumed, self.weights_version = gpu, True, 0
-        gpu.book("engine", ENGINE, "engine built")
+    def __init__(self, gpu: Gpu, weights: float = ENGINE, kv_cache: float = 0.0) -> None:
+        self.gpu, self.weights_version = gpu, 0
+        self.parts = {"weights": weights, "kv_cache": kv_cache}
+        self.released: set[str] = set()
+        gpu.book("engine", weights + kv_cache, "engine built")
+
+    @property
+    def resumed(self) -> bool:
+        return not self.released
 
     def generate(self, prompts, *, n, seed, **sampling):
         assert self.resumed, "generate after release_memory"
@@ -96,12 +104,15 @@ class Engine:
         ]
 
     def release_memory(self):
-        self.resumed = False
+        self.released = set(self.parts)
         self.gpu.book("engine", 0.0, "release_memory")
 
-    def resume_memory(self):
-        self.resumed = True
-        self.gpu.book("engine", ENGINE, "resume_memory")
+    def resume_memory(self, tags=None):
+        wanted = {t for t in (tags or self.parts) if t in self.parts}
+        assert wanted <= self.released, f"resume of {wanted - self.released}: not released"
+        self.released -= wanted
+        held = sum(v for k, v in self.parts.items() if k not in self.released)
+        self.gpu.book("engine", held, f"resume_memory {sorted(wanted)}")
 
 
 class Prompts:
@@ -122,11 +133,11 @@ class Prompts:
         return 0
 
 
-def _parts(tmp_path, gpu: Gpu) -> GrpoParts:
+def _parts(tmp_path, gpu: Gpu, engine: Engine | None = None) -> GrpoParts:
     calls = iter(range(1_000_000))
     return GrpoParts(
         train=Trainer(gpu),
-        rollout=Engine(gpu),
+        rollout=engine or Engine(gpu),
         train_prompts=Prompts(),
         decode=lambda ids: " ".join(map(str, ids)),
         # alternate 0 / 1 so each group has a learning signal and the train phase runs
@@ -155,8 +166,8 @@ def test_colocated_steps_fit_one_gpu(tmp_path):
     rows = run_grpo(_small_run(), parts)
     assert len(rows) == 3
     assert parts.rollout.weights_version == 4  # the first push, then one per step
-    # every sync found the trainer's cache released before the engine came back
-    resumes = [e for e in gpu.events if e.startswith("resume_memory")]
+    # every sync found the trainer's cache released before the engine's weights came back
+    resumes = [e for e in gpu.events if e.startswith("resume_memory ['weights']")]
     assert len(resumes) == 3
     assert all("'trainer': 32.0" in e for e in resumes), resumes
 
@@ -182,3 +193,23 @@ def test_no_offload_train_keeps_the_state_on_the_gpu(tmp_path):
     assert len(rows) == 3 and parts.train.on
     assert not [e for e in gpu.events if e.startswith(("offload", "onload"))]
     assert len([e for e in gpu.events if e.startswith("release_memory")]) == 3
+
+
+def test_the_kv_cache_comes_back_after_the_trainer_state_left(tmp_path):
+    """slime's order, for a trainer state and an engine that do not fit at once (SGLang's KV
+    pool on the 35B-A3B preset: 32 + 8 + 100 = 140 GiB of 139). SGLang sizes its pool from the
+    memory free at its start, so the engines start first and release before the trainers load
+    (`engines_released`); the first push and every sync take the engine's weights back, and
+    its KV cache only once the trainer's state has left the GPU."""
+    gpu = Gpu(CAPACITY)
+    engine = Engine(gpu, weights=8.0, kv_cache=100.0)
+    engine.release_memory()
+    parts = _parts(tmp_path, gpu, engine)  # the trainer loads beside the released engine
+    parts.engines_released = True
+    rows = run_grpo(_small_run(), parts)
+    assert len(rows) == 3 and engine.weights_version == 4 and engine.resumed
+    resumes = [e for e in gpu.events if e.startswith("resume_memory")]
+    weights = [e for e in resumes if e.startswith("resume_memory ['weights']")]
+    kv = [e for e in resumes if e.startswith("resume_memory ['kv_cache']")]
+    assert len(weights) == len(kv) == 4  # the first push, then one sync per step
+    assert all("'trainer': 0.0" in e for e in kv), kv

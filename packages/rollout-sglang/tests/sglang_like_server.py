@@ -21,7 +21,8 @@ wheel, ``pip download --no-deps sglang==0.5.23``):
   ``/end_weight_update`` session; a second begin, or an end without begin, is refused too.
   ``/update_weights_from_tensor`` here cannot open the tensors (no CUDA): it records the call.
 - ``/flush_cache`` answers plain text (200, or 400 while requests run);
-  ``/release_memory_occupation`` and ``/resume_memory_occupation`` answer ``null``; release
+  ``/release_memory_occupation`` and ``/resume_memory_occupation`` answer ``null`` and take
+  ``tags`` (memory types; none: all), resuming a type not released is an error; release
   asserts an idle server (here: HTTP 400 ``{"error": {"message": ...}}`` as
   ``_create_error_response`` writes).
 - ``/health`` answers 200 with an empty body; ``/get_weights_by_name`` the values as a list.
@@ -65,7 +66,7 @@ class State:
         self.requests = 0
         self.calls = 0
         self.running = 0
-        self.released = False
+        self.offloaded: set[str] = set()  # the memory types released (SGLang's offload_tags)
         self.session = False
         self.updates = 0
         self.load_formats: list[str | None] = []
@@ -85,6 +86,9 @@ class State:
 
 
 STATE = State()
+#: sglang 0.5.23's GPU memory types (constants.py: GPU_MEMORY_ALL_TYPES), released and resumed
+#: by tag; no tags means all of them
+MEMORY_TYPES = ("kv_cache", "weights", "cuda_graph")
 
 
 def image_tokens(url: str) -> int:
@@ -177,7 +181,8 @@ class Handler(BaseHTTPRequestHandler):
                         "requests": STATE.requests,
                         "calls": STATE.calls,
                         "running": STATE.running,
-                        "released": STATE.released,
+                        "released": bool(STATE.offloaded),
+                        "offloaded": sorted(STATE.offloaded),
                         "session": STATE.session,
                         "updates": STATE.updates,
                         "refused_updates": STATE.refused_updates,
@@ -243,11 +248,18 @@ class Handler(BaseHTTPRequestHandler):
             message = "release_memory_occupation should be called only when server is idle."
             self._reply(400, {"error": {"message": message}})
             return
-        STATE.released = True
+        STATE.offloaded |= set(body.get("tags") or MEMORY_TYPES)
         self._reply(200, None)
 
     def post_resume_memory_occupation(self, body: dict) -> None:
-        STATE.released = False
+        # sglang 0.5.23 takes each tag off its offload_tags with set.remove
+        # (managers/scheduler_components/weight_updater.py): a type not released is an error
+        tags = body.get("tags") or MEMORY_TYPES
+        missing = [t for t in tags if t not in STATE.offloaded]
+        if missing:
+            self._reply(400, {"error": {"message": f"KeyError: {missing[0]!r}"}})
+            return
+        STATE.offloaded -= set(tags)
         self._reply(200, None)
 
     def post_flush_cache(self, body: dict) -> None:

@@ -28,7 +28,7 @@ class EngineLike:
 
     def __init__(self) -> None:
         self.session = False
-        self.calls: list[str] = []
+        self.calls: list[str | tuple] = []
         self.loaded: dict[str, torch.Tensor] = {}
         self.payloads: list[list[str]] = []
         self.running = 0
@@ -68,10 +68,10 @@ class EngineLike:
         return FlushCacheReqOutput(success=self.running == 0, message="requests running")
 
     def release_memory_occupation(self, tags=None):
-        return None
+        self.calls.append(("release", tags))
 
     def resume_memory_occupation(self, tags=None):
-        return None
+        self.calls.append(("resume", tags))
 
 
 def _engine(**kwargs) -> tuple[SGLangEngine, EngineLike]:
@@ -127,3 +127,25 @@ def test_smoke_script_help_runs_without_sglang():
         [sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0 and "--server-gpu" in done.stdout
+
+
+def test_memory_comes_back_by_parts():
+    """`resume_memory(tags)` reaches `sglang.Engine.resume_memory_occupation(tags=...)`: the
+    colocated loop takes the weights back for the push and the KV cache after the trainer's
+    state left the GPU (as slime does). Only released types are asked for (SGLang refuses the
+    others): an engine never released, or already resumed, is not asked again."""
+    engine, like = _engine()
+    engine.resume_memory(("kv_cache",))  # never released (a restarted engine): nothing asked
+    engine.release_memory()
+    engine.resume_memory(("weights",))
+    engine.resume_memory(("kv_cache", "cuda_graph"))
+    engine.resume_memory()  # all back already
+    engine.release_memory()
+    engine.resume_memory()
+    assert [c for c in like.calls if isinstance(c, tuple)] == [
+        ("release", None),
+        ("resume", ["weights"]),
+        ("resume", ["kv_cache", "cuda_graph"]),
+        ("release", None),
+        ("resume", ["kv_cache", "weights", "cuda_graph"]),
+    ]

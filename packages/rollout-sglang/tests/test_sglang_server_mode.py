@@ -236,6 +236,15 @@ def test_issue21_item3_flush_text_release_null_and_idle(servers):
     assert stats(url)["released"] is True
     client.resume_memory()
     assert stats(url)["released"] is False
+    # by parts, as the colocated loop resumes: the weights for the push, the cache after
+    client.release_memory()
+    client.resume_memory(("weights",))
+    assert stats(url)["offloaded"] == ["cuda_graph", "kv_cache"]
+    client.resume_memory(("kv_cache", "cuda_graph"))
+    assert stats(url)["offloaded"] == []
+    client.resume_memory(("kv_cache",))  # nothing released: not asked (SGLang would refuse)
+    answer = http.post(url + "/resume_memory_occupation", json={"tags": ["kv_cache"]}, timeout=10)
+    assert answer.status_code == 400 and "kv_cache" in answer.json()["error"]["message"]
     # a request in flight: SGLang refuses to release, and so does the client, before asking
     held = GenerateRequest(input_ids=[1, 2, 999996])
     worker = threading.Thread(target=client.generate, args=([held], PARAMS))

@@ -180,15 +180,25 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
     loop_cfg = dataclasses.replace(
         cfg.loop, use_ref_logprobs=cfg.loss.kl_coef > 0, offload_train=offload
     )
+    # SGLang sizes its KV pool from the GPU memory free when it starts: colocated, its engines
+    # start first and release their memory before the trainers load (as slime does); the
+    # transformers engine takes its cache at each rollout, so both load side by side
+    engines_first = (
+        lay.colocate and lay.use_gpu and rollout_sglang.launch.uses_sglang(cfg.rollout, lay.use_gpu)
+    )
     with cfg.reward.build() as scorer, Cluster(cfg.cluster, lay) as cluster:
-        # the trainer ranks and the engines load their models side by side
-        train = cluster.train_group(trainer, tp_size=cfg.parallel.tp_cp_size, wait=False)
+        train = None
+        if not engines_first:
+            train = cluster.train_group(trainer, tp_size=cfg.parallel.tp_cp_size, wait=False)
         rollout = cluster.rollout_group(
             engines,
             request_fn=rollout_sglang.types.GenerateRequest.from_prompt,
             params_fn=rollout_sglang.types.SamplingParams,
             transport=transport,
         )
+        if engines_first:
+            rollout.release_memory()
+            train = cluster.train_group(trainer, tp_size=cfg.parallel.tp_cp_size, wait=False)
         train.ready()
         cluster.record(run_dir)
         logger = RunLogger(
@@ -211,6 +221,7 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
             checkpoints=checkpoints,
             resume=cfg.run.resume,
             offload_between_phases=lay.colocate and lay.use_gpu,
+            engines_released=engines_first,
             forbidden_token_ids=frozenset(vlm_data.tokens.vision_token_ids(processor)),
         )
         rows = run_grpo(loop_cfg, parts)

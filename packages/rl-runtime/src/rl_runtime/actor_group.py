@@ -189,8 +189,8 @@ class EngineWorker:
     def release_memory(self) -> None:
         self.engine.release_memory()
 
-    def resume_memory(self) -> None:
-        self.engine.resume_memory()
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        self.engine.resume_memory(tags)
 
     def health(self) -> bool:
         return bool(self.engine.health())
@@ -421,8 +421,8 @@ class RolloutGroup:
         self.nodes = actor_nodes(self.workers)  # where each engine runs (a lost node is named)
         log.info("rollout group: %d engine(s) ready", num_engines)
 
-    def _call(self, method: str) -> list[Any]:
-        futures = [getattr(w, method).remote() for w in self.workers]
+    def _call(self, method: str, *args: Any) -> list[Any]:
+        futures = [getattr(w, method).remote(*args) for w in self.workers]
         return gather(futures, self._names(), method)
 
     def _names(self) -> list[str]:
@@ -550,8 +550,10 @@ class RolloutGroup:
     def release_memory(self) -> None:
         self._call("release_memory")
 
-    def resume_memory(self) -> None:
-        self._call("resume_memory")
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """The engines' memory back: all of it, or the parts ``tags`` name (``WEIGHTS``,
+        ``KV_CACHE``)."""
+        self._call("resume_memory", tags)
 
     def shutdown(self) -> None:
         for w in self.workers:

@@ -23,7 +23,7 @@ from rl_runtime.evaluation import eval_prompts, evaluate
 from rl_runtime.faults import NonFiniteStop, RestartingRollout, stop_with_checkpoint_note
 from rl_runtime.metrics import RunLogger
 from rl_runtime.progress import step_progress
-from rl_runtime.protocols import Decoder, PromptSource
+from rl_runtime.protocols import KV_CACHE, WEIGHTS, Decoder, PromptSource
 from rl_runtime.rollout_batch import ScoredGroups, build_train_batch
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,9 @@ class GrpoParts:
     eval_prompts: PromptSource | None = None
     resume: bool = False
     offload_between_phases: bool = False  # colocated on GPUs
+    # the engines were started before the trainers and released their memory (SGLang sizes
+    # its KV pool from the memory free at its start): the first push resumes them by parts
+    engines_released: bool = False
     # Ids a response must not contain (image / video placeholders): such a response cannot be
     # scored by the trainer (its image tokens would have no image), so it is dropped and counted.
     forbidden_token_ids: frozenset[int] = frozenset()
@@ -140,10 +143,14 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
     evals = eval_prompts(p.eval_prompts, cfg.eval_max_prompts) if p.eval_prompts else []
     sampling = dict(temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p)
     sampling["max_new_tokens"] = cfg.rollout_max_response_len
+    if p.engines_released:  # started before the trainers and released (SGLang, colocated)
+        p.rollout.resume_memory(WEIGHTS)
     p.train.push_weights(p.rollout, cfg.weight_bucket_mb << 20)  # engines start from the trainer
     if p.offload_between_phases:  # colocated: the first rollout needs the GPU memory
         p.train.release_cache()  # what the first push cached, the state kept or not
         _offload(p, cfg)
+    if p.engines_released:
+        p.rollout.resume_memory(KV_CACHE)
     engines = RestartingRollout(p.rollout, lambda: _resync(p, cfg), cfg.max_rollout_retries)
     if evals and cfg.eval_interval and cfg.eval_before_train and start == 0:
         # the curve's start, as miles evaluates at step 0: a row of its own, step 0
@@ -221,9 +228,12 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
                     if p.offload_between_phases:
                         # The trainer's allocator still caches the step's activations (over
                         # 100 GiB for Megatron on a 2B model); the engine needs that memory.
+                        # Its weights come back for the push, its KV cache only once the
+                        # trainer's state has left the GPU (slime's order: the trainer's state
+                        # and the engine's whole memory need not fit at once).
                         with timer("sync_resume"):
                             p.train.release_cache()
-                            p.rollout.resume_memory()
+                            p.rollout.resume_memory(WEIGHTS)
                     with timer("sync_push"):  # an engine that dies here is restarted
                         engines.sync(
                             lambda: p.train.push_weights(p.rollout, cfg.weight_bucket_mb << 20)
@@ -231,6 +241,7 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
                     if p.offload_between_phases:
                         with timer("sync_offload"):
                             _offload(p, cfg)
+                            p.rollout.resume_memory(KV_CACHE)
             else:
                 log.warning("step %d: no group with a learning signal; update skipped", step)
             # 6. Evaluation every eval_interval steps and at the end.
@@ -355,7 +366,14 @@ def _save(
     sampler: PromptPrefetch,
     rng: np.random.Generator,
 ) -> None:
+    # colocated, the trainer's state comes back for the save: the engine makes room first
+    # (its KV cache and the trainer's state need not fit at once) and returns after
+    room = _offloads(p, cfg)
+    if room:
+        p.rollout.release_memory()
     _onload(p, cfg)
     state = {"sampler": sampler.state_dict(), "rng": rng.bit_generator.state}
     p.checkpoints.save(step, state | p.extra_loop_state, p.train.save_checkpoint)
     _offload(p, cfg)
+    if room:
+        p.rollout.resume_memory()

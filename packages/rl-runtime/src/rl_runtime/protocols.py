@@ -89,6 +89,12 @@ class TrainerConfig(Protocol):
     def build(self) -> TrainActor: ...
 
 
+#: An engine's memory by part, as `resume_memory(tags)` takes it (SGLang's memory types): the
+#: weights, which a push needs, and the KV cache with the graphs, which the next rollout needs.
+WEIGHTS: tuple[str, ...] = ("weights",)
+KV_CACHE: tuple[str, ...] = ("kv_cache", "cuda_graph")
+
+
 class PromptSource(Protocol):
     """Indexable prompts. `get(i)` returns a prompt (a `vlm_data.PromptSample`-like object with
     `input_ids`, `pixel_values`, `image_grid_thw`, `mm_token_type_ids`, `answer`) or None when

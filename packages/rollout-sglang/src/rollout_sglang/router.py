@@ -142,8 +142,10 @@ class EngineRouter:
     def flush_cache(self) -> None:
         self._all("flush_cache")
 
-    def resume_memory(self) -> None:
-        self._all("resume_memory")
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        futures = [self._pool.submit(e.resume_memory, tags) for e in self.engines]
+        for future in futures:
+            future.result()
 
     def health(self) -> bool:
         return all(self._all("health"))

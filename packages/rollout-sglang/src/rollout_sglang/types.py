@@ -148,7 +148,12 @@ class RolloutEngine(Protocol):
         with nothing to free do nothing. Call it only when no generate call is running."""
         ...
 
-    def resume_memory(self) -> None: ...
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Take the released memory back: ``tags`` names the parts (SGLang's memory types:
+        ``weights``, ``kv_cache``, ``cuda_graph``; None: all), so a colocated loop can bring the
+        weights back for a push while the trainer still holds its state, and the KV cache only
+        after it left. Engines that take their cache lazily treat the cache tags as a no-op."""
+        ...
 
     def begin_weight_update(self) -> None:
         """Open a weight-update session (SGLang refuses weights outside one); engines that

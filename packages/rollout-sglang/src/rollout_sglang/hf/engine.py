@@ -387,9 +387,12 @@ class HFEngine:
                 torch.cuda.empty_cache()
         self._released = True
 
-    def resume_memory(self) -> None:
-        """Weights back on the device; the cache is taken again at the next generate (the
-        graphs are captured again as steps need them)."""
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Weights back on the device (unless ``tags`` leave ``weights`` out); the cache is
+        taken again at the next generate and the graphs captured as steps need them, so the
+        cache tags need nothing here."""
+        if tags and "weights" not in tags:
+            return
         if self._legacy is not None:
             self._legacy.resume_memory()
         elif self.device.type != "cpu":

@@ -367,7 +367,9 @@ class LegacyHFEngine:
                 torch.cuda.empty_cache()
         self._released = True
 
-    def resume_memory(self) -> None:
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        if tags and "weights" not in tags:
+            return  # no cache of its own to take back
         if self.device.type != "cpu":
             self.model.to(self.device)
         self._released = False

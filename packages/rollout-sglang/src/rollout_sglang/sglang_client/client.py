@@ -164,9 +164,13 @@ class SGLangClient(_CheckedGenerate):
         """``/release_memory_occupation`` answers ``null`` (an error: ``{"error": ...}``)."""
         self._require_idle("release_memory")
         self._post("/release_memory_occupation")
+        self._mark_released()
 
-    def resume_memory(self) -> None:
-        self._post("/resume_memory_occupation")
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """``/resume_memory_occupation`` for the released types among ``tags`` (None: all),
+        as its body's tags (`ResumeMemoryOccupationReqInput`)."""
+        if todo := self._to_resume(tags):
+            self._post("/resume_memory_occupation", {"tags": todo})
 
     def health(self) -> bool:
         try:

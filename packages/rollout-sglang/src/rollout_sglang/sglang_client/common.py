@@ -139,13 +139,32 @@ class SGLangConfig:
         )
 
 
+#: sglang 0.5.23's GPU memory types (``constants.GPU_MEMORY_ALL_TYPES``), released and resumed
+#: by tag
+MEMORY_TYPES = ("kv_cache", "weights", "cuda_graph")
+
+
 class _CheckedGenerate:
     """Shared by the SGLang engines: reject bad requests locally, send the rest as one batch,
-    and if SGLang refuses the batch, retry one by one so the culprit fails alone."""
+    and if SGLang refuses the batch, retry one by one so the culprit fails alone; and keep
+    which memory types are released."""
 
     limits: RequestLimits | None
     _in_flight: int = 0
     _in_flight_lock = threading.Lock()
+    _released: frozenset[str] = frozenset()
+
+    def _mark_released(self) -> None:
+        self._released = frozenset(MEMORY_TYPES)
+
+    def _to_resume(self, tags: Sequence[str] | None) -> list[str]:
+        """The types of ``tags`` (None: all) that are released, marked as resumed. SGLang
+        refuses to resume a type it did not release (``offload_tags.remove`` in
+        ``managers/scheduler_components/weight_updater.py``): an engine restarted mid-sync,
+        never released, must not be asked to."""
+        wanted = [t for t in (tags or MEMORY_TYPES) if t in self._released]
+        self._released = self._released - set(wanted)
+        return wanted
 
     @property
     def image_token_id(self) -> int | None:

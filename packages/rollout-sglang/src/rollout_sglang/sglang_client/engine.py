@@ -130,9 +130,12 @@ class SGLangEngine(_CheckedGenerate):
     def release_memory(self) -> None:
         self._require_idle("release_memory")
         self.engine.release_memory_occupation()  # answers None (ReleaseMemoryOccupationReqOutput)
+        self._mark_released()
 
-    def resume_memory(self) -> None:
-        self.engine.resume_memory_occupation()
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """The released types among ``tags`` (None: all) back, by SGLang's tags."""
+        if todo := self._to_resume(tags):
+            self.engine.resume_memory_occupation(tags=todo)
 
     def health(self) -> bool:
         try:
