@@ -80,6 +80,7 @@ def test_config_maps_qwen35_onto_megatron_fields():
     assert config.linear_attention_freq == [1, 1, 1, 0]  # 3 gated-delta-net layers, 1 attention
     assert config.attention_output_gate and config.layernorm_zero_centered_gamma
     assert config.moe_shared_expert_intermediate_size == 32 and config.moe_shared_expert_gate
+    assert config.moe_router_dtype == "fp32"  # as slime's Qwen3.5 MoE script
     assert text_arch(qwen35_config("qwen3.5-tiny")).rotary_dim == 16  # a quarter of head_dim 64
     with pytest.raises(ValueError, match="num_key_value_heads 1 not divisible by tp=2"):
         transformer_config(qwen35_config("qwen3.5-tiny"), Parallelism(tp=2))

@@ -268,6 +268,11 @@ def transformer_config(
             moe_router_load_balancing_type="none",
             moe_grouped_gemm=False,
             moe_aux_loss_coeff=0.0,
+            # routing logits, softmax and the weighted sum of expert outputs in float32, as
+            # slime runs Qwen3 / Qwen3.5 MoE (scripts/models/qwen3.5-35B-A3B.sh,
+            # `--moe-router-dtype fp32`); in bf16 near-equal logits of 128-256 experts can swap
+            # the top-k (megatron-core warns of it)
+            moe_router_dtype="fp32",
         )
     if arch.hybrid:
         kwargs.update(
