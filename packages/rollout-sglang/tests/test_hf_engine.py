@@ -229,12 +229,13 @@ def test_request_larger_than_the_cache_fails_alone(tiny_model, requests_):
         assert c.ok or ("KV-cache tokens" in c.error and f"request {i}" in c.error)
 
 
-def test_models_outside_the_graph_decode_use_the_transformers_loop():
+def test_legacy_decode_setting_uses_the_transformers_loop():
     from vlm_models.build import build_model
 
     torch.manual_seed(0)
-    model = build_model("qwen3.5-tiny")  # linear-attention layers: not in the graph decode
-    engine = HFEngine(model)
+    model = build_model("qwen3.5-tiny")  # in the decode step, but legacy asked for
+    assert HFEngine(model)._legacy is None
+    engine = HFEngine(model, legacy_decode=True)
     assert engine._legacy is not None
     text_only = [GenerateRequest(input_ids=torch.arange(100, 100 + n)) for n in (5, 9)]
     out = engine.generate(text_only, greedy(3))

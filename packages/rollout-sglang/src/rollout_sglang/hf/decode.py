@@ -6,7 +6,10 @@ This step is a fixed sequence of tensor ops over fixed-shape buffers (a batch bu
 KV-length bucket), so it can be captured once as a CUDA graph and replayed with one launch.
 
 What it reads: the HF modules' parameters themselves (never copies), so in-place weight
-updates are seen by eager steps and by captured graphs alike. What it computes is the same as
+updates are seen by eager steps and by captured graphs alike. Four families: Qwen3-VL,
+Qwen3-VL-MoE (the MoE block: :mod:`~rollout_sglang.hf.moe`), Qwen3.5 and Qwen3.5-MoE
+(gated-delta-net layers with per-slot state and gated full attention:
+:mod:`~rollout_sglang.hf.linear_attention_decode`). What it computes is the same as
 transformers' Qwen3-VL text layer for a text token: RMSNorm, q/k RMSNorm per head, rotary
 embedding at the request's own position (for text tokens the three M-RoPE rows are equal, which
 makes interleaved M-RoPE plain RoPE), grouped-query attention over the slot's cached keys
@@ -29,6 +32,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rollout_sglang.hf.kv_cache import KVCache
+from rollout_sglang.hf.linear_attention_decode import (
+    LinearStates,
+    gated_attention_pre,
+    gated_delta_net_step,
+    is_linear_attention,
+    rms_norm_zero_centred,
+)
+from rollout_sglang.hf.moe import grouped_mm_available, is_moe, moe_forward
 from rollout_sglang.hf.sampling import counter_uniform, sample_with_uniform
 
 logger = logging.getLogger(__name__)
@@ -53,21 +64,39 @@ def _text_parts(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     return text, head
 
 
+def _is_attention(layer: nn.Module) -> bool:
+    attn = getattr(layer, "self_attn", None)
+    return (
+        attn is not None
+        and all(hasattr(attn, n) for n in ("q_proj", "q_norm", "k_norm"))
+        and getattr(attn.q_proj, "bias", None) is None
+    )
+
+
+def _is_dense_mlp(mlp: nn.Module | None) -> bool:
+    return mlp is not None and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
+
+
+def is_qwen3_5(text: nn.Module) -> bool:
+    """Qwen3.5 (dense or MoE) text stack: zero-centred norms, gated attention, linear layers."""
+    return str(getattr(text.config, "model_type", "")).startswith("qwen3_5")
+
+
 def supports(model: nn.Module) -> bool:
-    """True for dense Qwen3(-VL) text stacks (attention + SwiGLU in every layer). Qwen3.5's
-    linear-attention layers and MoE MLPs are not written here; those models decode through
-    transformers (:mod:`rollout_sglang.hf.legacy`)."""
+    """True for the four recipe families: Qwen3-VL and Qwen3-VL-MoE (attention in every layer),
+    Qwen3.5 and Qwen3.5-MoE (gated-delta-net and gated full-attention layers); each layer's MLP
+    a SwiGLU or a sparse MoE block. Anything else decodes through transformers
+    (:mod:`rollout_sglang.hf.legacy`)."""
     parts = _text_parts(model)
     if parts is None:
         return False
     text, _ = parts
+    hybrid = is_qwen3_5(text)
     for layer in getattr(text, "layers", []):
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if attn is None or not all(hasattr(attn, n) for n in ("q_proj", "q_norm", "k_norm")):
+        if not (_is_attention(layer) or (hybrid and is_linear_attention(layer))):
             return False
-        if mlp is None or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
-            return False
-        if getattr(attn.q_proj, "bias", None) is not None:
+        mlp = getattr(layer, "mlp", None)
+        if not (_is_dense_mlp(mlp) or (mlp is not None and is_moe(mlp))):
             return False
     config = text.config
     return getattr(config, "hidden_act", "silu") == "silu" and len(text.layers) > 0
@@ -124,25 +153,45 @@ def _post_attention(
 
 
 class TextDecoder:
-    """The decode step over a Qwen3-VL model's text layers and a :class:`KVCache`.
+    """The decode step over a model's text layers and a :class:`KVCache`.
 
     ``attention``: "sdpa" (torch's fused kernels; the query heads of a KV head are its query
     rows, so no KV repeat) or "matmul" (two batched matmuls and a float32 softmax over the
-    same strided cache views). ``compile=True`` runs the two per-layer blocks (everything but the cache write and the
-    attention read) through ``torch.compile`` with dynamic batch size, fusing their ~40 small
-    kernels per layer; the graph then replays the fused kernels.
+    same strided cache views). ``compile=True`` runs the two per-layer blocks of dense Qwen3-VL
+    layers (everything but the cache write and the attention read) through ``torch.compile``
+    with dynamic batch size, fusing their ~40 small kernels per layer; the graph then replays
+    the fused kernels. MoE layers (:mod:`~rollout_sglang.hf.moe`; ``moe``: "auto" picks the
+    grouped GEMM on CUDA, the dense form elsewhere) and Qwen3.5's layers
+    (:mod:`~rollout_sglang.hf.linear_attention_decode`) run eagerly (or in the graph).
+    Only attention layers own KV-cache layers (``kv_layers``: their model indices); Qwen3.5's
+    gated-delta-net layers keep per-slot states (:meth:`linear_states`, held by the cache).
     """
 
-    def __init__(self, model: nn.Module, *, compile: bool = False, attention: str = "sdpa") -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        compile: bool = False,
+        attention: str = "sdpa",
+        moe: str = "auto",
+    ) -> None:
         if attention not in ("sdpa", "matmul"):
             raise ValueError(f"decode attention {attention!r}: 'sdpa' or 'matmul'")
+        if moe not in ("auto", "dense", "grouped"):
+            raise ValueError(f"decode moe {moe!r}: 'auto', 'dense' or 'grouped'")
         self.attention = attention
         parts = _text_parts(model)
         if parts is None or not supports(model):
-            raise ValueError(f"{type(model).__name__}: not a dense Qwen3 text stack")
+            raise ValueError(f"{type(model).__name__}: text layers the decode step does not cover")
         self.text, self.head = parts
         config = self.text.config
-        self.num_layers = len(self.text.layers)
+        layers = list(self.text.layers)
+        self.hybrid = is_qwen3_5(self.text)
+        self.kv_layers = [i for i, layer in enumerate(layers) if not is_linear_attention(layer)]
+        self.linear_layers = [i for i, layer in enumerate(layers) if is_linear_attention(layer)]
+        self._kv_index = {layer: j for j, layer in enumerate(self.kv_layers)}
+        self._linear_index = {layer: j for j, layer in enumerate(self.linear_layers)}
+        self.num_layers = len(self.kv_layers)  # KV-cache layers
         self.num_heads = int(config.num_attention_heads)
         self.kv_heads = int(config.num_key_value_heads)
         self.head_dim = int(
@@ -152,6 +201,10 @@ class TextDecoder:
         self.scaling = self.head_dim**-0.5
         rotary = self.text.rotary_emb
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        self.moe_renormalise = getattr(config, "norm_topk_prob", None) is not False
+        self.moe_grouped = moe == "grouped" or (
+            moe == "auto" and grouped_mm_available(self.head.weight.device)
+        )
         self._pre: Callable[..., Any] = _pre_attention
         self._post: Callable[..., Any] = _post_attention
         self.compiled = compile
@@ -162,6 +215,22 @@ class TextDecoder:
     def disable_compile(self) -> None:
         """Back to the eager blocks (a compile failure must not stop a rollout)."""
         self._pre, self._post, self.compiled = _pre_attention, _post_attention, False
+
+    def linear_states(self, device: torch.device) -> LinearStates | None:
+        """Per-slot states of the gated-delta-net layers (None without any)."""
+        if not self.linear_layers:
+            return None
+        attn = self.text.layers[self.linear_layers[0]].linear_attn
+        return LinearStates(
+            num_layers=len(self.linear_layers),
+            conv_dim=int(attn.conv_dim),
+            kernel=int(attn.conv_kernel_size),
+            v_heads=int(attn.num_v_heads),
+            k_dim=int(attn.head_k_dim),
+            v_dim=int(attn.head_v_dim),
+            dtype=self.dtype,
+            device=device,
+        )
 
     def _attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
         """``q`` [B, kv_heads, group, D] over the live keys ``[B, kv_heads, kv_len, D]`` (views
@@ -174,20 +243,127 @@ class TextDecoder:
         probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(values.dtype)
         return torch.matmul(probs, values)
 
+    def _cache_attend(
+        self,
+        cache: KVCache,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lengths: Tensor,
+        kv_len: int,
+        mask: Tensor,
+    ) -> Tensor:
+        """Write this token's K/V at each row's ``length``, attend over ``0..length``:
+        ``[B, heads * head_dim]``."""
+        assert cache.keys is not None and cache.values is not None
+        batch = q.shape[0]
+        rows = torch.arange(batch, device=q.device)
+        keys, values = cache.keys[self._kv_index[layer]], cache.values[self._kv_index[layer]]
+        keys[rows, :, lengths] = k
+        values[rows, :, lengths] = v
+        group = self.num_heads // self.kv_heads
+        out = self._attend(
+            q.reshape(batch, self.kv_heads, group, self.head_dim),
+            keys[:batch, :, :kv_len],
+            values[:batch, :, :kv_len],
+            mask,
+        )
+        return out.reshape(batch, self.num_heads * self.head_dim)
+
+    def _mlp(self, mlp: nn.Module, x: Tensor) -> Tensor:
+        """A layer's MLP on the normed ``x``: sparse MoE block or SwiGLU."""
+        if is_moe(mlp):
+            return moe_forward(mlp, x, grouped=self.moe_grouped, renormalise=self.moe_renormalise)
+        return F.linear(
+            F.silu(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight),
+            mlp.down_proj.weight,
+        )
+
     @property
     def dtype(self) -> torch.dtype:
         return self.head.weight.dtype
 
     def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos and signed sin (see :func:`_rotate`) ``[B, 1, head_dim]`` at each row's
+        """cos and signed sin (see :func:`_rotate`) ``[B, 1, rotary_dim]`` at each row's
         position, as transformers computes them (float32 angles, scaled, cast to the
-        activation dtype)."""
+        activation dtype). ``rotary_dim`` is ``head_dim`` but for partial rotary (Qwen3.5)."""
         inv_freq = self.text.rotary_emb.inv_freq.to(positions.device, torch.float32)
         freqs = positions.float()[:, None] * inv_freq[None, :]
         cos = (freqs.cos() * self.rope_scale).to(dtype)
         sin = (freqs.sin() * self.rope_scale).to(dtype)
         signed_sin = torch.cat((-sin, sin), dim=-1)[:, None, :]
         return torch.cat((cos, cos), dim=-1)[:, None, :], signed_sin
+
+    def _qwen3_layer(
+        self,
+        i: int,
+        layer: nn.Module,
+        h: Tensor,
+        cache: KVCache,
+        rope: tuple[Tensor, Tensor],
+        lengths: Tensor,
+        kv_len: int,
+        mask: Tensor,
+    ) -> Tensor:
+        """A Qwen3-VL(-MoE) layer: the dense path is the original compiled-block one."""
+        attn, mlp = layer.self_attn, layer.mlp
+        q, k, v = self._pre(
+            h,
+            layer.input_layernorm.weight,
+            attn.q_proj.weight,
+            attn.k_proj.weight,
+            attn.v_proj.weight,
+            attn.q_norm.weight,
+            attn.k_norm.weight,
+            *rope,
+            self.eps,
+            self.head_dim,
+        )
+        out = self._cache_attend(cache, i, q, k, v, lengths, kv_len, mask)
+        if is_moe(mlp):
+            h = h + F.linear(out, attn.o_proj.weight)
+            return h + self._mlp(mlp, _rms_norm(h, layer.post_attention_layernorm.weight, self.eps))
+        return self._post(
+            h,
+            out,
+            attn.o_proj.weight,
+            layer.post_attention_layernorm.weight,
+            mlp.gate_proj.weight,
+            mlp.up_proj.weight,
+            mlp.down_proj.weight,
+            self.eps,
+        )
+
+    def _qwen3_5_layer(
+        self,
+        i: int,
+        layer: nn.Module,
+        h: Tensor,
+        cache: KVCache,
+        rope: tuple[Tensor, Tensor],
+        lengths: Tensor,
+        kv_len: int,
+        mask: Tensor,
+    ) -> Tensor:
+        """A Qwen3.5(-MoE) layer: gated-delta-net over the slot states, or gated attention."""
+        batch = h.shape[0]
+        x = rms_norm_zero_centred(h, layer.input_layernorm.weight, self.eps)
+        if i in self._linear_index:
+            states = cache.states
+            assert states is not None and states.conv is not None
+            assert states.recurrent is not None
+            j = self._linear_index[i]
+            h = h + gated_delta_net_step(
+                layer.linear_attn, x, states.conv[j, :batch], states.recurrent[j, :batch]
+            )
+        else:
+            attn = layer.self_attn
+            q, k, v, gate = gated_attention_pre(attn, x, *rope, _rotate, self.eps, self.head_dim)
+            out = self._cache_attend(cache, i, q, k, v, lengths, kv_len, mask)
+            h = h + F.linear(out * torch.sigmoid(gate), attn.o_proj.weight)
+        x = rms_norm_zero_centred(h, layer.post_attention_layernorm.weight, self.eps)
+        return h + self._mlp(layer.mlp, x)
 
     def step(
         self,
@@ -209,50 +385,18 @@ class TextDecoder:
         bounds the keys read (a bucket >= every ``length + 1``). Returns (next tokens,
         their log-probs), [B] each. No host sync: capturable as a CUDA graph.
         """
-        assert cache.keys is not None and cache.values is not None
-        batch = tokens.shape[0]
-        group = self.num_heads // self.kv_heads
-        rows = torch.arange(batch, device=tokens.device)
         h = F.embedding(tokens, self.text.embed_tokens.weight)
-        cos, signed_sin = self._rope(positions, h.dtype)
+        rope = self._rope(positions, h.dtype)
         mask = (torch.arange(kv_len, device=tokens.device)[None, :] <= lengths[:, None])[
             :, None, None, :
         ]
+        run_layer = self._qwen3_5_layer if self.hybrid else self._qwen3_layer
         for i, layer in enumerate(self.text.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            q, k, v = self._pre(
-                h,
-                layer.input_layernorm.weight,
-                attn.q_proj.weight,
-                attn.k_proj.weight,
-                attn.v_proj.weight,
-                attn.q_norm.weight,
-                attn.k_norm.weight,
-                cos,
-                signed_sin,
-                self.eps,
-                self.head_dim,
-            )
-            keys, values = cache.keys[i], cache.values[i]
-            keys[rows, :, lengths] = k
-            values[rows, :, lengths] = v
-            out = self._attend(
-                q.reshape(batch, self.kv_heads, group, self.head_dim),
-                keys[:batch, :, :kv_len],
-                values[:batch, :, :kv_len],
-                mask,
-            )
-            h = self._post(
-                h,
-                out.reshape(batch, self.num_heads * self.head_dim),
-                attn.o_proj.weight,
-                layer.post_attention_layernorm.weight,
-                mlp.gate_proj.weight,
-                mlp.up_proj.weight,
-                mlp.down_proj.weight,
-                self.eps,
-            )
-        h = _rms_norm(h, self.text.norm.weight, self.eps)
+            h = run_layer(i, layer, h, cache, rope, lengths, kv_len, mask)
+        if self.hybrid:
+            h = rms_norm_zero_centred(h, self.text.norm.weight, self.eps)
+        else:
+            h = _rms_norm(h, self.text.norm.weight, self.eps)
         logits = F.linear(h, self.head.weight).float()
         return sample_logits(logits, seeds, counters, sampling)
 

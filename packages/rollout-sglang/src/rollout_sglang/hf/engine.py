@@ -7,8 +7,10 @@ preallocated per-slot KV cache (:mod:`~rollout_sglang.hf.kv_cache`); decode runs
 over the same weights (:mod:`~rollout_sglang.hf.decode`), captured once per (batch bucket,
 KV-length bucket) as a CUDA graph, with sampling and log-probs inside the graph; continuous
 batching (:mod:`~rollout_sglang.hf.scheduler`) refills a finished sequence's slot at once.
-Models whose text layers the decode step does not cover (Qwen3.5's linear attention, MoE)
-fall back to the transformers loop of :mod:`~rollout_sglang.hf.legacy`.
+The decode step covers Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE; other models, or
+``legacy_decode=True``, use the transformers loop of :mod:`~rollout_sglang.hf.legacy` (slow: a
+reference and an escape hatch). Qwen3.5's prompts are prefilled in groups of equal length: a
+padded row would run its pads through the gated-delta-net recurrence and spoil its state.
 
 Each request samples with its own seed (``GenerateRequest.seed``, else ``SamplingParams.seed``
 plus its position) through a counter-based draw: its uniforms depend on its seed and token index
@@ -73,6 +75,10 @@ class HFEngine:
         admit_fraction: admit waiting requests while others decode once this share of the
             slots is free (one prefill forward per group of arrivals).
         prune_fraction: only for models on the transformers fallback loop.
+        decode_moe: MoE experts in the decode step: "auto" (grouped GEMM on CUDA, dense
+            elsewhere), "dense" or "grouped" (see :mod:`~rollout_sglang.hf.moe`).
+        legacy_decode: decode through the transformers loop (:mod:`~rollout_sglang.hf.legacy`)
+            even where the decode step covers the model.
     """
 
     name = "hf"
@@ -95,6 +101,8 @@ class HFEngine:
         decode_attention: str = "sdpa",
         admit_fraction: float = 0.125,
         prune_fraction: float = 0.25,
+        decode_moe: str = "auto",
+        legacy_decode: bool = False,
     ) -> None:
         self.model = model.eval()
         self.device = (
@@ -122,7 +130,7 @@ class HFEngine:
         self._legacy: LegacyHFEngine | None = None
         self.cache: KVCache | None = None
         self.runner: DecodeRunner | None = None
-        if not supports(model):
+        if legacy_decode or not supports(model):
             self._legacy = LegacyHFEngine(
                 model,
                 device=self.device,
@@ -133,12 +141,15 @@ class HFEngine:
                 prune_fraction=prune_fraction,
             )
             logger.info(
-                "rollout engine: transformers HFEngine, generic loop (%s has text layers the "
-                "graph decode does not cover)",
-                type(model).__name__,
+                "rollout engine: transformers HFEngine, generic loop (%s)",
+                "legacy_decode=True"
+                if legacy_decode
+                else f"{type(model).__name__} has text layers the graph decode does not cover",
             )
             return
-        self.decoder = TextDecoder(model, compile=compile, attention=decode_attention)
+        self.decoder = TextDecoder(
+            model, compile=compile, attention=decode_attention, moe=decode_moe
+        )
         bytes_per_token = KVCache.bytes_per_token(
             self.decoder.num_layers,
             self.decoder.kv_heads,
@@ -162,13 +173,19 @@ class HFEngine:
 
     def _ensure_cache(self) -> tuple[KVCache, DecodeRunner]:
         if self.cache is None:
+            states = self.decoder.linear_states(self.device)
             budget = self._cache_tokens or cache_budget_tokens(
                 device=self.device,
                 bytes_per_token=self._bytes_per_token,
                 mem_fraction=self._kv_cache_fraction,
                 cpu_tokens=65536,
             )
+            if states is not None and self._cache_tokens is None and self.device.type == "cuda":
+                # the slots' recurrent states come out of the same share (as if every slot ran)
+                reserve = self.max_batch_size * states.bytes_per_slot()
+                budget = max(budget - -(-reserve // self._bytes_per_token), 1)
             self.cache = KVCache(
+                states=states,
                 num_layers=self.decoder.num_layers,
                 kv_heads=self.decoder.kv_heads,
                 head_dim=self.decoder.head_dim,
@@ -339,28 +356,52 @@ class HFEngine:
     def _prefill(
         self, seqs: list[SeqState], slots: list[int], sampling: SamplingKey
     ) -> list[tuple[int, float]]:
-        """Prompts through the transformers model; K/V into ``slots``; the first tokens."""
+        """Prompts through the transformers model; K/V (and linear-attention states) into
+        ``slots``; the first tokens."""
         assert self.cache is not None
         distinct, owner = self._distinct(seqs)
-        inputs = self._prefill_inputs(distinct)
+        if self.decoder.linear_layers:  # no padding: equal lengths per forward
+            by_length: dict[int, list[int]] = {}
+            for j, seq in enumerate(distinct):
+                by_length.setdefault(seq.prompt_length, []).append(j)
+            groups = list(by_length.values())
+        else:
+            groups = [list(range(len(distinct)))]
+        hidden: list[Tensor | None] = [None] * len(distinct)
+        for group in groups:
+            members = [distinct[j] for j in group]
+            out = self.model.model(**self._prefill_inputs(members), use_cache=True)
+            last = torch.tensor([s.prompt_length - 1 for s in members], device=self.device)
+            rows = out.last_hidden_state[torch.arange(len(members), device=self.device), last]
+            for r, j in enumerate(group):
+                hidden[j] = rows[r]
+            # the sequences whose prompt is in this group, and their rows in its output
+            place = {j: r for r, j in enumerate(group)}
+            mine = [(slot, place[o]) for slot, o in zip(slots, owner, strict=True) if o in place]
+            slot_index = torch.tensor([m[0] for m in mine], device=self.device)
+            row_index = torch.tensor([m[1] for m in mine], device=self.device)
+            self._store_prefill(out.past_key_values, slot_index, row_index)
         for seq, j in zip(seqs, owner, strict=True):
             seq.rope_next = distinct[j].rope_next
-        out = self.model.model(**inputs, use_cache=True)
-        rows = torch.arange(len(distinct), device=self.device)
-        last = torch.tensor([s.prompt_length - 1 for s in distinct], device=self.device)
-        hidden = out.last_hidden_state[rows, last]
         owner_index = torch.tensor(owner, device=self.device)
-        logits = self.model.lm_head(hidden).float()[owner_index]
-        slot_index = torch.tensor(slots, device=self.device)
-        shared = len(distinct) < len(seqs)
-        for layer in range(self.decoder.num_layers):
-            keys, values = _layer_kv(out.past_key_values, layer)
-            if shared:
-                keys, values = keys[owner_index], values[owner_index]
-            self.cache.write_prefill(layer, slot_index, keys, values)
+        logits = self.model.lm_head(torch.stack(hidden)).float()[owner_index]  # type: ignore[arg-type]
         seeds = torch.tensor([s.seed for s in seqs], device=self.device)
         tokens, logprobs = sample_logits(logits, seeds, torch.zeros_like(seeds), sampling)
         return list(zip(tokens.tolist(), logprobs.tolist(), strict=True))
+
+    def _store_prefill(self, past: Any, slots: Tensor, rows: Tensor) -> None:
+        """Rows ``rows`` of a prefill's transformers cache into cache slots ``slots``: K/V of
+        the attention layers, conv and recurrent states of the gated-delta-net layers."""
+        assert self.cache is not None
+        for j, layer in enumerate(self.decoder.kv_layers):
+            keys, values = _layer_kv(past, layer)
+            self.cache.write_prefill(j, slots, keys[rows], values[rows])
+        states = self.cache.states
+        for j, layer in enumerate(self.decoder.linear_layers):
+            cached = past.layers[layer]
+            states.write_prefill(
+                j, slots, cached.conv_states[0][rows], cached.recurrent_states[0][rows]
+            )
 
     # ---------------------------------------------------------------- weights and memory
 

@@ -13,6 +13,7 @@ layout and its graphs.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -37,7 +38,11 @@ def cache_budget_tokens(
 
 class KVCache:
     """Keys and values of every language-model layer, for ``slots`` sequences of up to
-    ``seq_cap`` tokens. ``keys[layer]`` is ``[slots, kv_heads, seq_cap, head_dim]``."""
+    ``seq_cap`` tokens. ``keys[layer]`` is ``[slots, kv_heads, seq_cap, head_dim]``.
+
+    ``states``: per-slot states of layers that keep no keys (Qwen3.5's gated-delta-net:
+    :class:`~rollout_sglang.hf.linear_attention_decode.LinearStates`), sized, moved and
+    released with the slots."""
 
     def __init__(
         self,
@@ -48,6 +53,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         budget_tokens: int,
+        states: Any = None,
     ) -> None:
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.dtype, self.device = dtype, device
@@ -57,6 +63,7 @@ class KVCache:
         self.seq_cap = 0
         self.keys: Tensor | None = None
         self.values: Tensor | None = None
+        self.states = states
 
     @staticmethod
     def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -86,6 +93,8 @@ class KVCache:
         """Give the memory back (colocated training); :meth:`allocate` takes it again."""
         self._storage = self.keys = self.values = None
         self.slots = self.seq_cap = 0
+        if self.states is not None:
+            self.states.release()
 
     def fit(self, seq_cap: int, max_slots: int) -> bool:
         """Make room for sequences of ``seq_cap`` tokens (rounded up by the caller). Returns
@@ -105,6 +114,8 @@ class KVCache:
         self.keys = self._storage[:n].view(shape)
         self.values = self._storage[n : 2 * n].view(shape)
         self.slots, self.seq_cap = slots, seq_cap
+        if self.states is not None:
+            self.states.fit(slots)
         logger.info("KV cache layout: %d slots x %d tokens", slots, seq_cap)
         return True
 
@@ -123,3 +134,5 @@ class KVCache:
         assert self.keys is not None and self.values is not None
         self.keys[:, dst] = self.keys[:, src]
         self.values[:, dst] = self.values[:, src]
+        if self.states is not None:
+            self.states.move(src, dst)
