@@ -168,3 +168,11 @@ def test_grouped_experts_on_cuda_bf16():
     dense = experts_dense(x.float(), weights.float(), ids, gate_up.float(), down.float())
     grouped = experts_grouped(x, weights, ids, gate_up, down)
     torch.testing.assert_close(grouped.float(), dense, atol=5e-2, rtol=5e-2)
+
+
+def test_rollout_config_legacy_decode_keeps_the_transformers_loop(tiny_model):
+    from rollout_sglang.config import RolloutConfig, build_engine
+
+    assert build_engine(RolloutConfig(backend="hf"), model=tiny_model)._legacy is None
+    legacy = build_engine(RolloutConfig(backend="hf", legacy_decode=True), model=tiny_model)
+    assert legacy._legacy is not None

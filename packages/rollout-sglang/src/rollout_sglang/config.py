@@ -166,6 +166,9 @@ class RolloutConfig:
     kv_cache_fraction: float = 0.5
     cuda_graphs: bool = True
     compile_decode: bool = False
+    # decode through transformers' own loop (hf/legacy.py) instead of the engine's decode step,
+    # which covers Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE (a reference; slow)
+    legacy_decode: bool = False
     # how trainer rank 0 sends weights (`choose_weight_transport`)
     weight_transport: TransportKind = field(
         default="auto",
@@ -299,6 +302,7 @@ def build_engine(config: RolloutConfig, *, model: torch.nn.Module | None = None)
             kv_cache_fraction=config.kv_cache_fraction,
             cuda_graphs=config.cuda_graphs,
             compile=config.compile_decode,
+            legacy_decode=config.legacy_decode,
         )
 
     limits = _limits(config, getattr(model, "config", None))
