@@ -176,3 +176,27 @@ def test_rollout_config_legacy_decode_keeps_the_transformers_loop(tiny_model):
     assert build_engine(RolloutConfig(backend="hf"), model=tiny_model)._legacy is None
     legacy = build_engine(RolloutConfig(backend="hf", legacy_decode=True), model=tiny_model)
     assert legacy._legacy is not None
+
+
+def test_finished_slots_refill_and_compact_with_their_states(family):
+    """2 slots for 4 requests, two stopping early: later requests prefill into freed slots and
+    live ones move down (K/V and Qwen3.5's per-slot states together); log-probs still equal
+    the forward's."""
+    _, model, requests = family
+    # top-k 16: draws far from a boundary, so 2 slots sample what 4 did (logits round apart)
+    params = SamplingParams(temperature=1.0, top_k=16, max_new_tokens=6, seed=5, ignore_eos=True)
+    free = HFEngine(model, max_batch_size=4).generate(requests, params)
+    stops = tuple({free[0].token_ids[1], free[1].token_ids[1]})
+    stopping = SamplingParams(**{**vars(params), "stop_token_ids": stops})
+    for slots in (2, 4):
+        engine = HFEngine(model, max_batch_size=slots)
+        moves: list = []
+        original = engine._move
+        engine._move = lambda src, dst, o=original, m=moves: (m.append((src, dst)), o(src, dst))
+        stopped = engine.generate(requests, stopping)
+        assert [c.finish_reason for c in stopped[:2]] == ["stop", "stop"]
+        if slots == 2:
+            assert engine.last_stats["prefills"] >= 2  # the later requests took freed slots
+        else:
+            assert moves  # requests 2 and 3 moved down to slots 0 and 1
+        _assert_logprobs_match(model, requests, stopped)

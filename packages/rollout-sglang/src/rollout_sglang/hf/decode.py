@@ -203,7 +203,7 @@ class TextDecoder:
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
         self.moe_renormalise = getattr(config, "norm_topk_prob", None) is not False
         self.moe_grouped = moe == "grouped" or (
-            moe == "auto" and grouped_mm_available(self.head.weight.device)
+            moe == "auto" and grouped_mm_available(self.head.weight.device, self.dtype)
         )
         self._pre: Callable[..., Any] = _pre_attention
         self._post: Callable[..., Any] = _post_attention

@@ -10,9 +10,10 @@ graph. Here routing is a fixed sequence of tensor ops:
 * :func:`experts_dense` (CPU, and the reference): every expert evaluated for every row, each
   weighted by its routing probability (zero for the experts not chosen). Exact and capturable,
   ``E / k`` times the expert FLOPs of a sparse evaluation.
-* :func:`experts_grouped` (CUDA where ``torch._grouped_mm`` exists): the ``B * k`` (row, expert)
-  pairs sorted by expert, one grouped GEMM per projection with per-expert offsets from a
-  ``bincount`` (on the device: no host sync), scattered back and summed per row.
+* :func:`experts_grouped` (CUDA where ``torch._grouped_mm`` exists; ``auto`` takes it for bf16
+  weights, the kernel's dtype): the ``B * k`` (row, expert) pairs sorted by expert, one grouped
+  GEMM per projection with per-expert group ends from a ``searchsorted`` of the sorted ids (on
+  the device: no host sync), scattered back and summed per row.
 
 Both read ``experts.gate_up_proj`` ``[E, 2I, H]`` and ``experts.down_proj`` ``[E, H, I]``
 themselves (never copies), so in-place weight updates are seen. The shared expert (Qwen3.5-MoE:
@@ -38,9 +39,9 @@ def is_moe(mlp: nn.Module) -> bool:
     )
 
 
-def grouped_mm_available(device: torch.device) -> bool:
-    """The grouped-GEMM path runs on CUDA only (CPU takes the dense form, the reference)."""
-    return device.type == "cuda" and hasattr(torch, "_grouped_mm")
+def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """The grouped-GEMM path: CUDA and bf16 (CPU takes the dense form, the reference)."""
+    return device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
 
 def route(x: Tensor, router_weight: Tensor, top_k: int, renormalise: bool) -> tuple[Tensor, Tensor]:
@@ -73,9 +74,10 @@ def experts_grouped(
     empty group. Sizes are fixed (``B * k`` rows), so the step stays capturable."""
     batch, top_k = ids.shape
     num_experts = gate_up.shape[0]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    offs = torch.cumsum(torch.bincount(flat, minlength=num_experts), 0).to(torch.int32)
+    flat_sorted, order = torch.sort(ids.reshape(-1), stable=True)
+    # group ends: pairs with expert <= e (not bincount: on CUDA it reads the max on the host)
+    experts = torch.arange(num_experts, device=ids.device, dtype=flat_sorted.dtype)
+    offs = torch.searchsorted(flat_sorted, experts, right=True).to(torch.int32)
     rows = x[order // top_k]  # [B*k, H], grouped by expert
     gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     out = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)  # [B*k, H]
