@@ -7,16 +7,30 @@ end. Both sides sample at temperature 1 with no top-k/top-p; ours also returns t
 every token, and for ``--check`` of its completions per batch the bench recomputes them with a
 teacher-forced forward of prompt + response and reports the largest absolute difference.
 Each ``--variants`` entry is one engine setting (CUDA graphs on/off, torch.compile, decode
-attention), built once and reused, so captured graphs are not re-captured per run. Prints
-tokens/s, ms per decode step and the ratios; ``--out`` writes the figures as JSON.
+attention, ``legacy``: the transformers loop), built once and reused, so captured graphs are not
+re-captured per run. Prints tokens/s, ms per decode step and the ratios; ``--out`` writes the
+figures as JSON.
+
+A ratio to ``model.generate`` (host-bound, it moves 3x from day to day) flatters, so each side
+is also put against the physical limits (`roofline`): the HBM bandwidth measured in the same
+run (a 4 GiB device copy), the bytes a decode step must move (the language model's weights, of
+an MoE layer only the experts the batch's routing is expected to hit, the live KV cache,
+Qwen3.5's per-slot states) over its time per step (the engine's device time where it has one,
+else wall), as GB/s and a fraction of that bandwidth; and the prefill's FLOPs over its time as
+a fraction of ``--peak-tflops`` (MFU). On CPU the fractions read ``n/a``.
 
 Runs with only ``packages/*/src`` on PYTHONPATH (torch, transformers; no datasets):
 
     # GPU (H200): Qwen3-VL-2B shapes, batch 64 and 256, 400-token prompts, 256 new tokens
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python tools/bench/bench_hf_engine.py \
         --device cuda --variants graph,graph-matmul,graph-compile --out bench_hf_engine.json
+    # H200: the Qwen3.5-35B-A3B shape cut to 8 layers; decode step, legacy loop, generate
+    python tools/bench/bench_hf_engine.py --device cuda --preset qwen3.5-35b-a3b --layers 8 \
+        --batch-sizes 16,64,256 --variants graph,legacy --out bench_qwen35_moe.json
     # CPU smoke run (tiny model, small shapes)
     uv run python tools/bench/bench_hf_engine.py --device cpu
+    uv run python tools/bench/bench_hf_engine.py --device cpu --preset qwen3.5-moe-tiny \
+        --batch-sizes 2,4 --new-tokens 8 --repeats 1 --variants eager,legacy
     # the rollout as the GRPO loop sends it: Geometry3K prompts (real images, the real
     # processor, the "boxed" template), 16 prompts x 8 samples, 384 tokens, a seed per request
     python tools/bench/bench_hf_engine.py --device cuda --geo3k $GLIMPSE_SHARED/data/geo3k \
@@ -40,10 +54,19 @@ from typing import Any
 
 import torch
 import transformers
+from roofline import (
+    decode_step_bytes,
+    format_table,
+    mean_live_tokens,
+    measure_hbm_bandwidth,
+    prefill_flops,
+    roofline,
+)
 
 from rollout_sglang.hf.engine import HFEngine
 from rollout_sglang.types import GenerateRequest, SamplingParams
 from vlm_models.build import build_model
+from vlm_models.presets import apply_overrides, preset_config
 
 logger = logging.getLogger("bench_hf_engine")
 
@@ -132,7 +155,48 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "graph-matmul": {"decode_attention": "matmul"},
     "graph-compile": {"compile": True},
     "graph-compile-matmul": {"compile": True, "decode_attention": "matmul"},
+    "legacy": {"legacy_decode": True},  # the transformers loop: the engine's old decode
 }
+H200_BF16_TFLOPS = 989.0  # dense, no sparsity
+
+
+def processor_dir(args: argparse.Namespace) -> Path:
+    shared = Path(os.environ.get("GLIMPSE_SHARED", Path(__file__).parents[3] / "shared"))
+    return Path(args.processor or shared / "models" / "Qwen3-VL-4B-Instruct")
+
+
+def bench_config(args: argparse.Namespace, preset: str) -> Any:
+    """The preset's config, cut to ``--layers`` (Qwen3.5 keeps its layer pattern), with the
+    image placeholder ids of the processor where one is found (a Qwen3.5 shape numbers them
+    otherwise; ``--geo3k`` needs them to agree), as ``bench_grpo_e2e`` builds its folders."""
+    config = preset_config(preset, **({"num_hidden_layers": args.layers} if args.layers else {}))
+    folder = processor_dir(args)
+    if not (folder / "preprocessor_config.json").is_file():
+        if args.geo3k:
+            raise SystemExit(f"--geo3k needs a processor: none at {folder}")
+        logger.info("no processor at %s: the preset's image token ids stay", folder)
+        return config
+    from vlm_data.processor import build_processor
+    from vlm_data.tokens import model_token_ids
+
+    ids = model_token_ids(build_processor(str(folder)))
+    vision = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return apply_overrides(config, {k: ids[k] for k in vision})
+
+
+def limits(
+    model: Any,
+    requests: list[GenerateRequest],
+    new_tokens: int,
+    dtype: torch.dtype,
+) -> tuple[dict[str, float], float]:
+    """(bytes a decode step of these requests must move, split; FLOPs of their prefill)."""
+    lengths = [r.prompt_length for r in requests]
+    live = mean_live_tokens(lengths, new_tokens)
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    step = decode_step_bytes(model.config, len(requests), live, dtype_bytes)
+    grids = [g for r in requests if r.image_grid_thw is not None for g in r.image_grid_thw.tolist()]
+    return step, prefill_flops(model.config, lengths, grids)
 
 
 def run_ours(engine: HFEngine, requests, new_tokens: int, device) -> tuple[float, list]:
@@ -235,6 +299,28 @@ def profile_decode(model, device, requests: list[GenerateRequest], path: str) ->
         f.write("\n".join(out))
 
 
+def side_roofline(
+    ours: dict[str, Any],
+    step_bytes: float,
+    bandwidth: float | None,
+    flops: float,
+    peak_tflops: float | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An engine side's roofline and table entry. The step time is the engine's device time
+    per decode step where it has one (CUDA), else its wall time per step (its own account,
+    else the bench's); the prefill time is the engine's prefill calls (each ends reading the
+    device), else the one-token run's wall time (the legacy loop keeps no account)."""
+    st = ours["engine_stats"]
+    steps = st.get("decode_steps") or 0
+    device_ms = 1e3 * st["decode_device_s"] / steps if steps and st["decode_device_s"] else None
+    wall_ms = 1e3 * st["decode_s"] / steps if steps else ours["step_ms"]
+    step_s = (device_ms or wall_ms) / 1e3
+    prefill_s = st.get("prefill_s") or ours["prefill_s"]
+    roof = roofline(step_bytes, step_s, bandwidth, flops, prefill_s, peak_tflops)
+    entry = {"step_ms": ours["step_ms"], "device_ms": device_ms}
+    return roof, entry | {"time": "device" if device_ms else "wall", "roof": roof}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -243,7 +329,21 @@ def main() -> None:
     parser.add_argument(
         "--preset",
         default=None,
-        help="vlm_models preset (default: qwen3-vl-2b on cuda, qwen3-vl-tiny on cpu)",
+        help="vlm_models preset (default: qwen3-vl-2b on cuda, qwen3-vl-tiny on cpu), e.g. "
+        "qwen3-vl-30b-a3b, qwen3.5-35b-a3b, qwen3.5-moe-tiny",
+    )
+    parser.add_argument(
+        "--layers", type=int, default=None, help="cut the preset to N decoder layers"
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help=f"peak TFLOP/s for the prefill MFU (default {H200_BF16_TFLOPS:g} on cuda: H200 bf16 "
+        "dense; none on cpu)",
+    )
+    parser.add_argument(
+        "--bandwidth-gib", type=float, default=4.0, help="buffer of the HBM bandwidth copy"
     )
     parser.add_argument(
         "--batch-sizes", default=None, help="comma list (default: 64,256 on cuda; 2,4 on cpu)"
@@ -321,14 +421,22 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown --variants {unknown}: {', '.join(VARIANTS)}")
 
+    peak_tflops = args.peak_tflops or (H200_BF16_TFLOPS if gpu else None)
+    # before the model: the copy's buffers need twice --bandwidth-gib free
+    bandwidth = measure_hbm_bandwidth(device, gib=args.bandwidth_gib)
+    if bandwidth is None:
+        print("HBM bandwidth: not measured on cpu (bandwidth fractions n/a)", flush=True)
+    else:
+        print(f"HBM bandwidth: {bandwidth:.0f} GB/s measured (device copy)", flush=True)
+
     torch.manual_seed(0)
-    model = build_model(preset, dtype=dtype, attn_implementation=args.attn, device=device).eval()
+    config = bench_config(args, preset)
+    model = build_model(config, dtype=dtype, attn_implementation=args.attn, device=device).eval()
 
     def requests_for(batch: int) -> list[GenerateRequest]:
         if args.geo3k:
-            shared = Path(os.environ.get("GLIMPSE_SHARED", Path(__file__).parents[3] / "shared"))
-            processor = args.processor or str(shared / "models" / "Qwen3-VL-4B-Instruct")
-            return geo3k_requests(args.geo3k, processor, batch, args.samples, model.config)
+            folder = str(processor_dir(args))
+            return geo3k_requests(args.geo3k, folder, batch, args.samples, model.config)
         return synthetic_requests(model.config, batch, prompt_len, image_side, seed=batch)
 
     if args.profile:
@@ -340,6 +448,9 @@ def main() -> None:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "preset": preset,
+        "layers": args.layers,
+        "hbm_gb_s": bandwidth,
+        "peak_tflops": peak_tflops,
         "dtype": str(dtype).removeprefix("torch."),
         "prompt_len": prompt_len,
         "image_side": image_side,
@@ -353,7 +464,9 @@ def main() -> None:
     for batch in batch_sizes:
         requests = requests_for(batch)
         tokens = len(requests) * new_tokens
-        row: dict[str, Any] = {"batch": batch}
+        step_bytes, flops = limits(model, requests, new_tokens, dtype)
+        row: dict[str, Any] = {"batch": batch, "step_bytes": step_bytes, "prefill_flops": flops}
+        table: list[dict[str, Any]] = []
         # Per decode step: (time for N tokens - time for 1 token, i.e. prefill and the first
         # sample) / (N - 1). Best of --repeats for each.
         if not args.skip_baseline and not args.geo3k:
@@ -368,6 +481,14 @@ def main() -> None:
                 "prefill_s": first,
                 "step_ms": step_ms(full, first, new_tokens),
             }
+            g = row["generate"]  # host-bound: wall per step, prefill as the first token's run
+            g["roofline"] = roofline(
+                step_bytes["total"], g["step_ms"] / 1e3, bandwidth, flops, first, peak_tflops
+            )
+            table.append(
+                {"side": "model.generate", "step_ms": g["step_ms"], "device_ms": None}
+                | {"time": "wall", "roof": g["roofline"]}
+            )
             if gpu:
                 torch.cuda.empty_cache()
         for variant in variants:
@@ -406,6 +527,10 @@ def main() -> None:
                 if "generate" in row:
                     ours["ratio"] = row["generate"]["s"] / full
                     ours["step_ratio"] = row["generate"]["step_ms"] / ours["step_ms"]
+                ours["roofline"], entry = side_roofline(
+                    ours, step_bytes["total"], bandwidth, flops, peak_tflops
+                )
+                table.append({"side": variant, **entry})
             except Exception as exc:  # one failing setting still reports the others
                 logger.exception("variant %s at batch %d failed", variant, batch)
                 ours = {"error": f"{type(exc).__name__}: {exc}"}
@@ -448,6 +573,13 @@ def main() -> None:
                     f" {st['prefills']} prefills {st['prefill_s']:.2f} s",
                     flush=True,
                 )
+        print(
+            f"batch {batch:4d} limits: a decode step must move {step_bytes['total'] / 1e9:.4g} GB"
+            f" (weights {step_bytes['weights'] / 1e9:.4g}, KV {step_bytes['kv'] / 1e9:.4g},"
+            f" states {step_bytes['states'] / 1e9:.4g}); prefill {flops / 1e12:.4g} TFLOP",
+            flush=True,
+        )
+        print(format_table([{"batch": batch, **t} for t in table]), flush=True)
 
     if args.out:
         with open(args.out, "w") as f:

@@ -187,7 +187,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     bandwidth figures use) and a :func:`roofline` dict under ``roof``."""
     head = (
         f"{'batch':>5} {'side':<20} {'ms/step':>8} {'dev ms':>7} {'GB/step':>8} "
-        f"{'GB/s':>8} {'%BW':>6} {'(time)':>7} {'pf TFLOP/s':>10} {'MFU':>6}"
+        f"{'GB/s':>8} {'%BW':>6} {'time':>6} {'pf TFLOP/s':>10} {'MFU':>6}"
     )
     lines = [head]
     for r in rows:
@@ -196,8 +196,8 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
         mfu = None if roof["mfu"] is None else 100 * roof["mfu"]
         lines.append(
             f"{r['batch']:>5} {r['side']:<20} {_cell(r['step_ms'], '.2f'):>8} "
-            f"{_cell(r['device_ms'], '.2f'):>7} {roof['step_gb']:>8.3f} "
-            f"{_cell(roof['gb_s'], '.1f'):>8} {_cell(bw, '.1f'):>6} {r['time']:>7} "
-            f"{_cell(roof['prefill_tflops'], '.2f'):>10} {_cell(mfu, '.1f'):>6}"
+            f"{_cell(r['device_ms'], '.2f'):>7} {roof['step_gb']:>8.4g} "
+            f"{_cell(roof['gb_s'], '.4g'):>8} {_cell(bw, '.1f'):>6} {r['time']:>6} "
+            f"{_cell(roof['prefill_tflops'], '.3g'):>10} {_cell(mfu, '.1f'):>6}"
         )
     return "\n".join(lines)
