@@ -14,6 +14,7 @@ from rollout_sglang.hf.engine import HFEngine
 from rollout_sglang.hf.moe import experts_dense, experts_grouped, moe_forward, route
 from rollout_sglang.types import Completion, GenerateRequest, SamplingParams
 from vlm_models.build import build_model
+from vlm_models.weights import to_wire_layout
 from weight_sync import iter_weight_buckets
 
 PRESETS = ["qwen3-vl-tiny", "qwen3-vl-moe-tiny", "qwen3.5-tiny", "qwen3.5-moe-tiny"]
@@ -99,7 +100,9 @@ def test_in_place_weight_update_reaches_the_decode_step(family):
         for n, t in model.state_dict().items()
         if t.is_floating_point() and "visual" not in n
     }
-    engine.update_weights(iter_weight_buckets(perturbed.items(), bucket_bytes=1 << 20))
+    # Sent as a trainer sends them: the checkpoint's layout (vlm_models.weights).
+    wire = to_wire_layout(model, perturbed)
+    engine.update_weights(iter_weight_buckets(wire.items(), bucket_bytes=1 << 20))
     after = engine.generate(requests, params)
     assert engine.last_stats["decode_steps"] > 0
     assert [c.token_ids for c in after] != [c.token_ids for c in before]
