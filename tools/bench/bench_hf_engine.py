@@ -63,7 +63,7 @@ from roofline import (
     roofline,
 )
 
-from rollout_sglang.hf.engine import HFEngine
+from rollout_sglang.hf.engine import ENGINE_MODEL_OPTIONS, HFEngine
 from rollout_sglang.types import GenerateRequest, SamplingParams
 from vlm_models.build import build_model
 from vlm_models.presets import apply_overrides, preset_config
@@ -431,7 +431,9 @@ def main() -> None:
 
     torch.manual_seed(0)
     config = bench_config(args, preset)
-    model = build_model(config, dtype=dtype, attn_implementation=args.attn, device=device).eval()
+    model = build_model(
+        config, dtype=dtype, attn_implementation=args.attn, device=device, **ENGINE_MODEL_OPTIONS
+    ).eval()
 
     def requests_for(batch: int) -> list[GenerateRequest]:
         if args.geo3k:

@@ -4,7 +4,7 @@
 # (fill it with ../shared/tools/device-wheels). Each benchmark's JSON and one log go to $OUT.
 #
 #   bash tools/bench/gpu_suite.sh [logprobs] [patch_embed] [hf_engine] [fsdp_train] [fsdp_accum] [megatron_parity] [weight_sync] [qwen35]
-#     [megatron_train] [megatron_compiled] [megatron_profile] [megatron_accum] [megatron_flat] [hf_geo3k] [ipc_probe] [e2e] ...
+#     [hf_dense] [hf_families] [megatron_train] [megatron_compiled] [megatron_profile] [megatron_accum] [megatron_flat] [hf_geo3k] [ipc_probe] [e2e] ...
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -86,6 +86,16 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
           "$GLIMPSE_SHARED/data/geo3k" --batch-sizes 128 --profile "$OUT/hf_geo3k_profile.txt" ;;
       hf_profile) run hf_profile 200 python3 tools/bench/bench_hf_engine.py --device cuda --profile "$OUT/hf_profile.txt" ;;
       hf_engine) run hf_engine 540 python3 tools/bench/bench_hf_engine.py --device cuda --variants graph,graph-matmul,graph-compile --out "$OUT/hf_engine.json" ;;
+      hf_dense)  # the 2B shape at the GRPO step's batch and above, against the roofline
+        run hf_dense 300 python3 tools/bench/bench_hf_engine.py --device cuda --variants "${DENSE_VARIANTS:-graph}" \
+          --batch-sizes 128,256 --out "$OUT/hf_dense.json" ;;
+      hf_families)  # the MoE and Qwen3.5 shapes cut to FAMILY_LAYERS layers: the decode step
+        # against the transformers loop (legacy) and model.generate, one run each
+        for p in ${FAMILY_PRESETS:-qwen3-vl-30b-a3b qwen3.5-35b-a3b}; do
+          run "hf_$p" 270 python3 tools/bench/bench_hf_engine.py --device cuda --preset "$p" \
+            --layers "${FAMILY_LAYERS:-8}" --batch-sizes "${FAMILY_BATCHES:-128}" \
+            --new-tokens "${FAMILY_NEW_TOKENS:-128}" --variants graph,legacy --check 2 --out "$OUT/hf_$p.json"
+        done ;;
       weight_sync)  # colocated sync, object store vs CUDA IPC, FSDP and Megatron (GLIMPSE_SHARED: the processor)
         run weight_sync 540 python3 tools/bench/bench_weight_sync.py --out "$OUT/weight_sync.json" ;;
       ipc_probe)  # the real CUDA IPC handle exchange between two processes on this GPU

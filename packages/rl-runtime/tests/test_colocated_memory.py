@@ -213,3 +213,54 @@ def test_the_kv_cache_comes_back_after_the_trainer_state_left(tmp_path):
     kv = [e for e in resumes if e.startswith("resume_memory ['kv_cache']")]
     assert len(weights) == len(kv) == 4  # the first push, then one sync per step
     assert all("'trainer': 0.0" in e for e in kv), kv
+
+
+class RecordingTrainer(Trainer):
+    """Keeps each batch it trains on, and counts the log-prob forwards."""
+
+    def __init__(self, gpu: Gpu) -> None:
+        super().__init__(gpu)
+        self.batches: list = []
+        self.logprob_calls = 0
+
+    def compute_logprobs(self, batch, *, reference=False):
+        self.logprob_calls += 1
+        return [torch.full((len(ids),), -2.0) for ids in batch.input_ids]
+
+    def train_step(self, batch, *, loss="grpo"):
+        self.batches.append(batch)
+        return super().train_step(batch, loss=loss)
+
+
+@pytest.mark.parametrize("use_rollout_logprobs", [False, True])
+def test_use_rollout_logprobs_skips_the_old_logprob_forward(tmp_path, use_rollout_logprobs):
+    """Off, the trainer recomputes the old log-probs (its -2.0); on, the engine's (-1.0 on the
+    response, 0 on the prompt) are trained on and the trainer's forward never runs."""
+    gpu = Gpu(CAPACITY)
+    parts = _parts(tmp_path, gpu)
+    parts.train = trainer = RecordingTrainer(gpu)
+    run_grpo(_small_run(use_rollout_logprobs=use_rollout_logprobs), parts)
+    assert trainer.batches
+    assert trainer.logprob_calls == (0 if use_rollout_logprobs else len(trainer.batches))
+    old = trainer.batches[0].old_logprobs[0]
+    expected = [0.0] * 4 + [-1.0] * 3 if use_rollout_logprobs else [-2.0] * 7
+    assert old.tolist() == expected
+
+
+def test_use_rollout_logprobs_needs_the_engines_logprobs(tmp_path):
+    """An engine that returns no log-probs cannot stand in for the trainer's: the run says which
+    flag to drop instead of training on zeros."""
+
+    class NoLogprobs(Engine):
+        def generate(self, prompts, *, n, seed, **sampling):
+            groups = super().generate(prompts, n=n, seed=seed, **sampling)
+            for group in groups:
+                for c in group:
+                    c.logprobs = None
+            return groups
+
+    gpu = Gpu(CAPACITY)
+    parts = _parts(tmp_path, gpu)
+    parts.rollout = NoLogprobs(gpu)
+    with pytest.raises(RuntimeError, match="--use-rollout-logprobs"):
+        run_grpo(_small_run(use_rollout_logprobs=True), parts)

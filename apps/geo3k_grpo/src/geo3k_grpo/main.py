@@ -69,11 +69,11 @@ def warm_up(cfg: Geo3kGrpoConfig) -> Path:
         vlm_models.sources.processor_source(cfg.model), cfg.data
     )
     w = cfg.warmup
+    token_ids = vlm_data.tokens.model_token_ids(processor)
+    vlm_models.sources.check_token_ids(cfg.model, token_ids)
     trainer = cfg.trainer.for_run(
         RunContext(
-            model=vlm_models.sources.model_source(
-                cfg.model, token_ids=vlm_data.tokens.model_token_ids(processor)
-            ),
+            model=vlm_models.sources.model_source(cfg.model, token_ids=token_ids),
             seed=cfg.run.seed,
             use_gpu=cfg.cluster.use_gpu,
             layout=cfg.parallel.trainer_layout(),
@@ -144,9 +144,9 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
             eval_prompts = vlm_data.sources.prompt_source(
                 d, processor, d.eval_split, eval_split=True, seed=seed
             )
-    source = vlm_models.sources.model_source(
-        cfg.model, load=load, token_ids=vlm_data.tokens.model_token_ids(processor)
-    )
+    token_ids = vlm_data.tokens.model_token_ids(processor)
+    vlm_models.sources.check_token_ids(cfg.model, token_ids, load=load)
+    source = vlm_models.sources.model_source(cfg.model, load=load, token_ids=token_ids)
     trainer = cfg.trainer.for_run(
         RunContext(
             model=source,

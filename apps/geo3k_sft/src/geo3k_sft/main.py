@@ -67,9 +67,9 @@ def run(cfg: Geo3kSftConfig) -> Path:
     )
     with as_config_error(DatasetLoadError, f"--dataset / {ENV_ALIASES['dataset'][0]}"):
         samples = vlm_data.sources.sft_source(cfg.data, processor, seed=cfg.run.seed)
-    source = vlm_models.sources.model_source(
-        cfg.model, load=load, token_ids=vlm_data.tokens.model_token_ids(processor)
-    )
+    token_ids = vlm_data.tokens.model_token_ids(processor)
+    vlm_models.sources.check_token_ids(cfg.model, token_ids, load=load)
+    source = vlm_models.sources.model_source(cfg.model, load=load, token_ids=token_ids)
     trainer = cfg.trainer.for_run(
         RunContext(
             model=source,

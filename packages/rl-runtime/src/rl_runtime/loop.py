@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from rl_algos import compute_grpo_advantages, filter_zero_variance_groups
+from rl_algos.batch import TrainBatch
 from rl_runtime.checkpoint import CheckpointManager
 from rl_runtime.config_fields import ConfigError, option
 from rl_runtime.data import PromptPrefetch, PromptSampler
@@ -50,6 +51,12 @@ class GrpoLoopConfig:
     )
     dynamic_sampling: bool = option(False, "drop groups whose rewards are all equal (DAPO)")
     use_ref_logprobs: bool = option(False, "compute reference log-probs (needed for KL)")
+    use_rollout_logprobs: bool = option(
+        False,
+        "train on the engine's log-probs as the old log-probs and skip the trainer's forward "
+        "that recomputes them (slime's --use-rollout-logprobs); off: the trainer recomputes "
+        "them (docs/guide.md, 'Old log-probs': the measured gap)",
+    )
     eval_interval: int = option(20, "evaluate every N steps (0: never)", ge=0)
     eval_before_train: bool = option(
         True, "with --eval-interval: evaluate once before the first step too (step 0)"
@@ -211,7 +218,10 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
                         p.rollout.release_memory()
                         _onload(p, cfg)
                 with timer("logprobs"):
-                    batch.old_logprobs = p.train.compute_logprobs(batch)
+                    if cfg.use_rollout_logprobs:
+                        batch.old_logprobs = _engine_logprobs(batch)
+                    else:
+                        batch.old_logprobs = p.train.compute_logprobs(batch)
                     if cfg.use_ref_logprobs:
                         batch.ref_logprobs = p.train.compute_logprobs(batch, reference=True)
                 with timer("train"):
@@ -318,6 +328,16 @@ def _train(train, batch, global_batch_size: int, rng: np.random.Generator) -> di
 def _offloads(p: GrpoParts, cfg: GrpoLoopConfig) -> bool:
     """Whether the trainer's state leaves the GPU while the engines generate."""
     return p.offload_between_phases and cfg.offload_train is not False
+
+
+def _engine_logprobs(batch: TrainBatch) -> list[torch.Tensor]:
+    """The engine's log-probs as the old log-probs (``--use-rollout-logprobs``)."""
+    if batch.rollout_logprobs is None:
+        raise RuntimeError(
+            "--use-rollout-logprobs: the rollout engine returned no log-probs for this batch; "
+            "run without it (the trainer then recomputes them)"
+        )
+    return batch.rollout_logprobs
 
 
 def _onload(p: GrpoParts, cfg: GrpoLoopConfig) -> None:

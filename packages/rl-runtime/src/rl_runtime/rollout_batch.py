@@ -103,7 +103,8 @@ def build_train_batch(
     advantages: torch.Tensor,
 ) -> TrainBatch:
     """One sample per (prompt, completion) pair; `advantages[i]` goes on sample i's response."""
-    input_ids, loss_mask, adv, rollout_lp, pixels, grids, mm = [], [], [], [], [], [], []
+    input_ids, loss_mask, adv, pixels, grids, mm = [], [], [], [], [], []
+    rollout_lp: list[torch.Tensor] | None = []
     has_mm = all(getattr(p, "mm_token_type_ids", None) is not None for p in prompts)
     for prompt, comp, a in zip(prompts, completions, advantages.tolist(), strict=True):
         prompt_ids = torch.as_tensor(prompt.input_ids, dtype=torch.long).reshape(-1)
@@ -113,10 +114,11 @@ def build_train_batch(
         mask = torch.cat([torch.zeros(lp), torch.ones(lr)])
         loss_mask.append(mask)
         adv.append(mask * float(a))
-        logprobs = torch.as_tensor(list(comp.logprobs), dtype=torch.float32)
-        if logprobs.numel() != lr:  # an engine that reports no log-probs
-            logprobs = torch.zeros(lr)
-        rollout_lp.append(torch.cat([torch.zeros(lp), logprobs]))
+        logprobs = torch.as_tensor(list(comp.logprobs or ()), dtype=torch.float32)
+        if logprobs.numel() != lr:  # an engine that reports no log-probs: none for the batch
+            rollout_lp = None
+        if rollout_lp is not None:
+            rollout_lp.append(torch.cat([torch.zeros(lp), logprobs]))
         pixels.append(getattr(prompt, "pixel_values", None))
         grids.append(getattr(prompt, "image_grid_thw", None))
         if has_mm:

@@ -281,7 +281,8 @@ def build_engine(config: RolloutConfig, *, model: torch.nn.Module | None = None)
     from ``config.model_path`` with ``vlm_models.build_model`` when not given)."""
     backend = resolve_backend(config.backend)
     if backend == "hf":
-        from rollout_sglang.hf.engine import HFEngine  # imports transformers: only when built
+        # imports transformers: only when built
+        from rollout_sglang.hf.engine import ENGINE_MODEL_OPTIONS, HFEngine
 
         if model is None:
             from vlm_models.build import build_model
@@ -292,6 +293,7 @@ def build_engine(config: RolloutConfig, *, model: torch.nn.Module | None = None)
                 dtype=dtype,
                 attn_implementation=config.attn_implementation,
                 device=config.device,
+                **ENGINE_MODEL_OPTIONS,
             )
         if config.num_engines > 1:
             logger.warning("num_engines=%d ignored by the HF engine", config.num_engines)

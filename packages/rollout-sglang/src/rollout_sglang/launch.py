@@ -85,7 +85,7 @@ def build_hf_engine(
     which CPU kernels handle best and the CPU tests compare exactly."""
     import torch
 
-    from rollout_sglang.hf.engine import HFEngine
+    from rollout_sglang.hf.engine import ENGINE_MODEL_OPTIONS, HFEngine
     from vlm_models.build import build_model
 
     gpu = torch.cuda.is_available()
@@ -95,6 +95,7 @@ def build_hf_engine(
         dtype=getattr(torch, dtype) if gpu else torch.float32,
         attn_implementation="sdpa",
         device=device,
+        **ENGINE_MODEL_OPTIONS,
     )
     return HFEngine(
         model,

@@ -151,3 +151,42 @@ def shape_of(model: ModelConfig, *, load: str | None = None) -> dict[str, int] |
     """`model_shape` of the model's config where it is known without a download, else None."""
     config = model_config(model, load=load)
     return None if config is None else model_shape(config)
+
+
+_PLACEHOLDER_IDS = (
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+)
+
+
+def check_token_ids(
+    model: ModelConfig, token_ids: Mapping[str, int], *, load: str | None = None
+) -> None:
+    """Raise `ModelSourceError` where the model's config and the processor disagree on an image
+    placeholder id, or the processor has more tokens than the model's vocabulary: every prompt
+    would then fail the trainer's placeholder check (a tiny folder saved without the tiny
+    processor's ids, a shape preset with the tiny tokenizer). Tiny presets take the processor's
+    ids by construction; a config known only on the hub is not checked."""
+    if load is None and model.model_name in TINY_PRESETS:
+        return
+    config = model_config(model, load=load)
+    if config is None:
+        return
+    problems = [
+        f"{key} {getattr(config, key)} (processor: {token_ids[key]})"
+        for key in _PLACEHOLDER_IDS
+        if key in token_ids and getattr(config, key, token_ids[key]) != token_ids[key]
+    ]
+    vocab = getattr(config.get_text_config(), "vocab_size", None)
+    if vocab is not None and "vocab_size" in token_ids and vocab < token_ids["vocab_size"]:
+        problems.append(f"vocab_size {vocab} < the processor's {token_ids['vocab_size']} tokens")
+    if problems:
+        where = load or model.model_name
+        raise ModelSourceError(
+            f"the model ({where}) and its processor ({model.tokenizer or where}) disagree: "
+            f"{'; '.join(problems)}. Pass --tokenizer with the processor the model was built "
+            "for (a saved tiny model needs --tokenizer tiny and the tiny processor's ids: "
+            "build_model(preset, **vlm_data.tokens.model_token_ids(tiny_processor())))"
+        )

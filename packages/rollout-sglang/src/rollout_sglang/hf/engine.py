@@ -46,6 +46,11 @@ logger = logging.getLogger(__name__)
 
 _SEED_MASK = (1 << 63) - 1
 
+# ``vlm_models.build.build_model`` options of the engine's model: the prefill runs the vision
+# tower as the trainers do (all images in one varlen attention kernel, not one SDPA call per
+# image; F.rms_norm), so the engine's and the trainer's log-probs see the same vision features.
+ENGINE_MODEL_OPTIONS = {"fused_vision_attention": True, "fused_rms_norm": True}
+
 
 def _layer_kv(cache: Any, layer: int) -> tuple[Tensor, Tensor]:
     """Keys/values ``[B, kv_heads, W, head_dim]`` of one layer of a transformers cache."""
