@@ -186,6 +186,7 @@ class MegatronActor:
         self.first_stage = parallel_state.is_pipeline_first_stage()
         self.last_stage = parallel_state.is_pipeline_last_stage()
         overrides = dict(schedule_config(config.pp), **recompute_settings(config))
+        overrides["moe_grouped_gemm"] = config.moe_grouped_gemm
         if config.pipeline_first_stage_layers is not None:
             overrides["num_layers_in_first_pipeline_stage"] = config.pipeline_first_stage_layers
         gdn = dict(gdn_path=config.linear_attention_kernels)

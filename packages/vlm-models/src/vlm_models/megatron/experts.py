@@ -95,6 +95,8 @@ class GroupedExperts(SequentialMLP):
             or cfg.glu_linear_offset != 0.0
             or x.nelement() == 0
             or not grouped_mm_available(x)
+            # traced, the op's shape function takes bf16 (or fp16) only, on every device
+            or (torch.compiler.is_compiling() and x.dtype != torch.bfloat16)
         ):
             return False
         fc1 = self.local_experts[0].linear_fc1.weight
