@@ -33,17 +33,22 @@ def test_views_survive_an_offload_round_trip():
     assert torch.equal(shard, buffer[6:])
 
 
+def _host_ptrs(offload: StorageOffload) -> list[int]:
+    return [h.data_ptr() for _, h in offload._direct + offload._buckets]
+
+
 def test_the_next_offload_reuses_the_host_buffers():
     """A colocated run offloads the same storages every step: the host memory is taken once."""
     weight, state = torch.randn(6), torch.randn(4)
-    offload = StorageOffload()
+    offload = StorageOffload(direct_bytes=20)  # the weight alone, the state in a bucket
     offload.offload([weight, state])
-    first = [h.data_ptr() for _, h in offload._saved]
+    assert len(offload._direct) == 1 and len(offload._buckets) == 1
+    first = _host_ptrs(offload)
     offload.onload()
     weight.mul_(2.0)  # the training step changes the values in between
     expected = weight.clone()
     offload.offload([weight, state])
-    assert [h.data_ptr() for _, h in offload._saved] == first
+    assert _host_ptrs(offload) == first
     assert offload.host_bytes == (6 + 4) * 4
     offload.onload()
     assert torch.equal(weight, expected)
@@ -52,3 +57,33 @@ def test_the_next_offload_reuses_the_host_buffers():
     offload.offload([weight, bigger])
     assert offload.host_bytes == (6 + 8) * 4
     offload.onload()
+
+
+def test_small_storages_cross_in_buckets_and_dropped_ones_come_back_zero():
+    """Many small storages pack into a few buckets (one copy each), large ones go alone, and a
+    dropped storage (a gradient buffer between steps) is not copied but returns zero-filled;
+    every kept value comes back bit for bit, dtypes and views included."""
+    gen = torch.Generator().manual_seed(0)
+    small = [torch.randn(n, generator=gen) for n in (3, 5, 7, 11, 13)]  # 12 .. 52 bytes
+    small.append(torch.randint(0, 2**15, (9,), generator=gen, dtype=torch.int16))
+    small.append(torch.randn(4, generator=gen).to(torch.bfloat16))
+    large = torch.randn(64, generator=gen)  # 256 bytes: copied alone
+    view = large[10:20].view(2, 5)  # a view of a storage already listed
+    grads = torch.randn(32, generator=gen)
+    expected = [t.clone() for t in (*small, large)]
+
+    offload = StorageOffload(direct_bytes=100, bucket_bytes=64)
+    moved = offload.offload([*small, large, view, grads], drop=[grads])
+    assert moved == sum(t.untyped_storage().nbytes() for t in expected)  # grads not copied
+    assert len(offload._direct) == 1
+    assert 1 < len(offload._buckets) < len(small)  # several small storages per copy
+    assert all(b.nbytes <= 64 for b, _ in offload._buckets)
+    assert all(t.untyped_storage().nbytes() == 0 for t in (*small, large, grads))
+
+    assert offload.onload() == moved
+    assert not offload.offloaded
+    for got, want in zip((*small, large), expected, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert torch.equal(grads, torch.zeros(32))
+    large.add_(1.0)  # the view still shares the storage
+    assert torch.equal(view.reshape(-1), large[10:20])
