@@ -13,7 +13,13 @@ tokens after the 2 x 2 merge), at random init of a named shape (``--preset``).
   and log-prob kernels compiled on CUDA, fused AdamW, GRPO or SFT loss); ``--variants eager``
   measures it uncompiled, ``--variants fsdp_one_rank`` wrapped in FSDP on one GPU too;
 - ``--variants megatron``: the Megatron backend's ``MegatronActor.train_step`` (TP=1, same
-  batch and token budget), so the default backend is measured against both in one run.
+  batch and token budget), so the default backend is measured against both in one run
+  (``megatron-sequential``: MoE experts one GEMM pair each, megatron-core's ``SequentialMLP``,
+  instead of the grouped GEMMs; ``megatron-compiled``: decoder layers compiled).
+
+``--layers N`` cuts the shape to N decoder layers (``preset_config(name, num_hidden_layers=N)``,
+random weights): Qwen3-VL-30B-A3B's 48 MoE layers do not fit one GPU with their optimizer state,
+a few of them do, with every layer the same shape.
 
 Each configuration (baseline, ours, each ``--variants`` entry) runs in a fresh process of its own
 (``--same-process`` to run them in this one): in one process the first FSDP actor measured 20-27%
@@ -23,12 +29,17 @@ Steps run back to back, as in a training loop (no device sync between them: the 
 prepare the next step while the GPU finishes this one), with Python's garbage collection
 between steps as the trainer does it (``--python-gc``) and with torch's CPU threads as the
 launchers give the trainer (``--threads``); the step time is the run's wall time
-over its steps. MFU = 6 * params * tokens / time / 989e12 (H200 dense bf16 peak), per GPU. World size comes from
+over its steps. MFU = 6 * params * tokens / time / 989e12 (H200 dense bf16 peak), per GPU;
+``mfu_flops`` counts the model FLOPs of :mod:`vlm_models.flops` instead (the routed experts a
+token uses, attention over its sample, the vision tower on its images): the MFU of an MoE
+model, where 6 * params would count every expert for every token. World size comes from
 the environment, so ``torchrun --nproc-per-node N`` measures N GPUs (the baseline then runs on
 every GPU independently with the same per-GPU batch; ours shards one global batch of
 ``N * --batch`` samples). Prints both and the ratio; rank 0 writes ``--out`` JSON.
 
 CPU (small):  uv run python tools/bench/bench_fsdp_train.py --device cpu --out /tmp/fsdp.json
+MoE, both backends (H200): ... --preset qwen3-vl-30b-a3b --layers 4 --skip-baseline \\
+                  --variants megatron,megatron-sequential --out moe_train.json
 H200:         PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python tools/bench/bench_fsdp_train.py \\
                   --device cuda --out fsdp_train.json
 """
@@ -75,6 +86,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
         "--preset", default=None, help="model shape (default: qwen3-vl-2b on CUDA, tiny on CPU)"
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="cut the shape to this many decoder layers (preset_config(..., num_hidden_layers=N))",
     )
     p.add_argument(
         "--batch", type=int, default=None, help="samples per GPU (default 8 CUDA, 4 CPU)"
@@ -177,11 +194,26 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def model_overrides(preset: str) -> dict:
-    """Tiny presets get a small vocabulary so the CPU run stays small."""
+def model_overrides(args) -> dict:
+    """Tiny presets get a small vocabulary so the CPU run stays small; ``--layers`` cuts the
+    shape (the config of ``preset_config(preset, num_hidden_layers=N)``)."""
     from trainers_fsdp.synthetic import TINY_OVERRIDES
 
-    return dict(TINY_OVERRIDES) if preset.endswith("tiny") else {}
+    out = dict(TINY_OVERRIDES) if args.preset.endswith("tiny") else {}
+    if args.layers:
+        out["num_hidden_layers"] = args.layers
+    return out
+
+
+def model_flops_per_token(args, config) -> float:
+    """Training FLOPs per token of one bench sample (:mod:`vlm_models.flops`: the language
+    model's active matmuls and attention over the sample, plus the vision tower on its image),
+    averaged over the sample's tokens."""
+    from vlm_models.flops import flops_per_token, vision_flops
+
+    side = args.image_size // config.vision_config.patch_size
+    vision = vision_flops(config, [[1, side, side]]) / args.seq_len
+    return flops_per_token(config, args.seq_len) + vision
 
 
 def make_batch(args, config, n_samples: int, seed: int):
@@ -234,7 +266,9 @@ def tokens_per_step(args) -> int:
     return args.accum * args.batch * args.seq_len
 
 
-def summarize(name: str, times: list[float], tokens_per_gpu: int, params: int, device) -> dict:
+def summarize(
+    name: str, times: list[float], tokens_per_gpu: int, params: int, device, flops_per_token: float
+) -> dict:
     step = statistics.fmean(times)  # wall time of the run over its steps
     tps = tokens_per_gpu / step
     out = {
@@ -242,10 +276,18 @@ def summarize(name: str, times: list[float], tokens_per_gpu: int, params: int, d
         "step_times_s": times,
         "tokens_per_s_per_gpu": tps,
         "mfu": 6 * params * tps / H200_BF16_PEAK,
+        "mfu_flops": flops_per_token * tps / H200_BF16_PEAK,
     }
     if device.type == "cuda":
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    log.info("%-8s step %.3f s  %.0f tokens/s/GPU  MFU %.1f%%", name, step, tps, 100 * out["mfu"])
+    log.info(
+        "%-8s step %.3f s  %.0f tokens/s/GPU  MFU %.1f%% (model FLOPs %.1f%%)",
+        name,
+        step,
+        tps,
+        100 * out["mfu"],
+        100 * out["mfu_flops"],
+    )
     return out
 
 
@@ -260,7 +302,7 @@ def run_baseline(args, device: torch.device) -> tuple[dict, int]:
         dtype=dtype,
         attn_implementation="sdpa",
         fast_patch_embed=False,  # the original Conv3d: transformers' classes throughout
-        **model_overrides(args.preset),
+        **model_overrides(args),
     )
     model.to(device).train()
     model.config.use_cache = False
@@ -291,7 +333,8 @@ def run_baseline(args, device: torch.device) -> tuple[dict, int]:
         optimizer.zero_grad(set_to_none=True)
 
     times = time_steps(step, args, device)
-    result = summarize("baseline", times, tokens_per_step(args), params, device)
+    flops = model_flops_per_token(args, model.config)
+    result = summarize("baseline", times, tokens_per_step(args), params, device, flops)
     if args.profile:
         profile_step(step, args.profile / "profile_baseline.txt", device, model)
     model = optimizer = micro = None  # free before building ours
@@ -304,7 +347,7 @@ def ours_config(args, device: torch.device, **changes):
 
     cfg = dict(
         model=args.preset,
-        model_overrides=model_overrides(args.preset),
+        model_overrides=model_overrides(args),
         device=str(device),
         attn_implementation=args.attn,
         max_tokens_per_gpu=args.max_tokens_per_gpu,
@@ -333,7 +376,12 @@ def run_ours(args, device: torch.device, name: str = "ours", **changes) -> tuple
 
     phases = watch_host_phases(actor) if args.host_phases else None
     times = time_steps(step, args, device)
-    result = summarize(name, times, tokens_per_step(args), params, device)
+    flops = model_flops_per_token(args, actor.model.config)
+    result = summarize(name, times, tokens_per_step(args), params, device, flops)
+    # transformers' experts kernel of an MoE model ("grouped_mm": one grouped GEMM per projection)
+    result["experts_implementation"] = getattr(
+        actor.model.config.get_text_config(), "_experts_implementation", None
+    )
     if phases is not None:
         result["host_phases_ms"] = log_host_phases(phases[-args.steps :])
     result["last_metrics"] = metrics
@@ -739,7 +787,7 @@ def run_megatron(args, device: torch.device, name: str) -> tuple[dict, int, int]
     actor = MegatronActor(
         MegatronConfig(
             model=args.preset,
-            model_overrides=model_overrides(args.preset),
+            model_overrides=model_overrides(args),
             max_tokens_per_gpu=args.max_tokens_per_gpu,
             lr=1e-6,
             weight_decay=0.01,
@@ -756,7 +804,9 @@ def run_megatron(args, device: torch.device, name: str) -> tuple[dict, int, int]
 
     phases = watch_host_phases(actor) if args.host_phases else None
     times = time_steps(step, args, device)
-    result = summarize(name, times, tokens_per_step(args), params, device)
+    flops = model_flops_per_token(args, actor.hf_config)
+    result = summarize(name, times, tokens_per_step(args), params, device, flops)
+    result["config_changes"] = MEGATRON[name]
     if phases is not None:
         result["host_phases_ms"] = log_host_phases(phases[-args.steps :])
     result["last_metrics"] = metrics
@@ -773,6 +823,8 @@ MEGATRON = {
     "megatron-compiled": {"compile": True},  # the default on CUDA
     # megatron-core's own per-parameter masters, gradients and copies (before 2026-12-02)
     "megatron-per-param": {"compile": True, "flat_masters": False},
+    # MoE: megatron-core's SequentialMLP (one GEMM pair per expert), the trainer before #35
+    "megatron-sequential": {"compile": False, "moe_grouped_gemm": False},
 }
 
 
@@ -827,6 +879,7 @@ def main() -> None:
         "torch": torch.__version__,
         "world_size": world,
         "preset": args.preset,
+        "layers": args.layers,
         "params": params,
         "batch_per_gpu": args.batch,
         "accum": args.accum,
@@ -848,23 +901,27 @@ def main() -> None:
     if baseline:
         result["speedup"] = ours["tokens_per_s_per_gpu"] / baseline["tokens_per_s_per_gpu"]
     if rank == 0:
-        line = f"ours {ours['tokens_per_s_per_gpu']:.0f} tok/s/GPU, MFU {100 * ours['mfu']:.1f}%"
+        line = f"ours {ours['tokens_per_s_per_gpu']:.0f} tok/s/GPU, {_mfu(ours)}"
         if baseline:
             line = (
                 f"baseline {baseline['tokens_per_s_per_gpu']:.0f} tok/s/GPU "
-                f"(MFU {100 * baseline['mfu']:.1f}%) | {line} | ratio {result['speedup']:.2f}x"
+                f"({_mfu(baseline)}) | {line} | ratio {result['speedup']:.2f}x"
             )
         print(line)
         for name, v in variants.items():
             print(
-                f"  variant {name}: {v['tokens_per_s_per_gpu']:.0f} tok/s/GPU, "
-                f"MFU {100 * v['mfu']:.1f}%, x{v['tokens_per_s_per_gpu'] / ours['tokens_per_s_per_gpu']:.2f} vs ours"
+                f"  variant {name}: {v['tokens_per_s_per_gpu']:.0f} tok/s/GPU, {_mfu(v)}, "
+                f"x{v['tokens_per_s_per_gpu'] / ours['tokens_per_s_per_gpu']:.2f} vs ours"
             )
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=2))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def _mfu(row: dict) -> str:
+    return f"MFU {100 * row['mfu']:.1f}% (6N), {100 * row['mfu_flops']:.1f}% (model FLOPs)"
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ PHASES = ("rollout", "reward", "onload", "logprobs", "train", "sync")
 SYNC_PARTS = ("sync_resume", "sync_push", "sync_offload")
 # the engines' split of the rollout (rl_runtime.loop._engine_stats): seconds and counts
 ENGINE_KEYS = ("time_rollout_engine", "rollout_prefills", "rollout_decode_steps", "rollout_graph")
+# the trainer's state over the host link (trainer_core.offload.transfer_metrics): GB, s, GB/s
+TRANSFER_KEYS = tuple(f"perf/{d}_{u}" for d in ("onload", "offload") for u in ("gb", "s", "gbps"))
 
 
 def shared_dir() -> Path:
@@ -215,7 +217,13 @@ def run_backend(args: argparse.Namespace, backend: str, model: Path) -> dict[str
         if values:
             result[key] = round(statistics.median(values), 3)
     engine = sorted({k for r in steady for k in r if k.startswith(ENGINE_KEYS)})
-    for key in ("train_tokens_per_s", "rollout_tokens_per_s", "response_length_mean", *engine):
+    for key in (
+        "train_tokens_per_s",
+        "rollout_tokens_per_s",
+        "response_length_mean",
+        *TRANSFER_KEYS,
+        *engine,
+    ):
         values = [r[key] for r in steady if key in r]
         if values:
             result[key] = round(statistics.median(values), 2)
@@ -267,15 +275,24 @@ def main(argv: list[str] | None = None) -> None:
     header = f"{'backend':<9} {'rc':>3} {'steps':>5} {'step_s':>7} " + " ".join(
         f"{ph:>9}" for ph in PHASES
     )
-    print(header + f" {'train tok/s':>11} {'peak GiB':>8}")
+    print(header + f" {'train tok/s':>11} {'peak GiB':>8} {'on GB/s':>8} {'off GB/s':>8}")
     for r in results:
         phases = " ".join(f"{r.get(f'time_{ph}_s', float('nan')):9.2f}" for ph in PHASES)
         peak = r["peak_gpu_mib"] / 1024 if r["peak_gpu_mib"] else float("nan")
         print(
             f"{r['backend']:<9} {r['returncode']:>3} {r['steps_done']:>5} "
             f"{r.get('time_step_s', float('nan')):7.2f} {phases} "
-            f"{r.get('train_tokens_per_s', float('nan')):11.0f} {peak:8.1f}"
+            f"{r.get('train_tokens_per_s', float('nan')):11.0f} {peak:8.1f} "
+            f"{r.get('perf/onload_gbps', float('nan')):8.1f} "
+            f"{r.get('perf/offload_gbps', float('nan')):8.1f}"
         )
+        moved = ", ".join(
+            f"{d} {r[f'perf/{d}_gb']:.1f} GB in {r[f'perf/{d}_s']:.2f} s"
+            for d in ("onload", "offload")
+            if f"perf/{d}_gb" in r
+        )
+        if moved:
+            print(f"    {r['backend']} trainer state over the host link: {moved}")
         if "log_tail" in r:
             print(f"--- {r['backend']} failed; log tail:\n{r['log_tail']}")
         sync = ", ".join(f"{k} {r[f'time_{k}_s']:.2f}" for k in SYNC_PARTS if f"time_{k}_s" in r)

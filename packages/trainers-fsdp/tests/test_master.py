@@ -252,3 +252,43 @@ def test_move_rebuilds_weights_from_the_masters(make_config, batch):
     model_storage = next(actor.model.parameters()).untyped_storage().data_ptr()
     assert model_storage == masters.compute.untyped_storage().data_ptr()  # views re-pointed
     assert actor.train_step(batch, loss="sft")["update_skipped"] == 0.0
+
+
+def _optimizer_state(actor) -> dict[str, torch.Tensor]:
+    return {
+        f"{i}.{k}": v
+        for i, state in enumerate(actor.optimizer.state.values())
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor)
+    }
+
+
+def test_offload_round_trip_is_bit_exact_and_counts_its_bytes(make_config, batch):
+    """The actor's whole move out and back (float32 masters, AdamW's moments and steps, the
+    bf16 weights cast again) returns the state bit for bit and the next step equals that of a
+    twin actor that never moved. The CPU stands in for both ends: the masters cross through
+    their host buffers (counted: the bytes of the transfer rate); the optimizer's tensors are
+    already where they go, so they count only on a GPU (its round trip: tests/test_gpu.py)."""
+    config = make_config(param_dtype="bfloat16", max_tokens_per_gpu=4096)
+    moved, twin = FsdpActor(config), FsdpActor(config)
+    for actor in (moved, twin):
+        actor.train_step(batch, loss="sft")
+    masters = moved._masters
+    state = {k: v.clone() for k, v in _optimizer_state(moved).items()}
+    assert state
+    master = masters.master.clone()
+    expected = master.numel() * 4  # no float32 gradient after an update
+    cpu = torch.device("cpu")
+    assert moved._move(cpu, offload=True) == expected
+    masters.compute.fill_(float("nan"))  # unfilled while offloaded
+    assert moved._move(moved.device, offload=False) == expected
+    assert torch.equal(masters.master, master)
+    got = _optimizer_state(moved)
+    assert got.keys() == state.keys()
+    for key, value in state.items():
+        assert torch.equal(got[key], value), key
+    assert torch.equal(masters.compute, masters.master.to(torch.bfloat16))
+    after = moved.train_step(batch, loss="sft"), twin.train_step(batch, loss="sft")
+    for key in ("loss", "grad_norm", "lr"):
+        assert after[0][key] == after[1][key], key
+    assert torch.equal(masters.master, twin._masters.master)

@@ -99,11 +99,11 @@ class TrainWorker:
     def export_hf(self, path: str) -> None:
         self.actor.export_hf(path)
 
-    def offload(self) -> None:
-        self.actor.offload()
+    def offload(self) -> dict[str, float] | None:
+        return self.actor.offload()
 
-    def onload(self) -> None:
-        self.actor.onload()
+    def onload(self) -> dict[str, float] | None:
+        return self.actor.onload()
 
     def release_cache(self) -> None:
         self.actor.release_cache()
@@ -350,11 +350,13 @@ class TrainGroup:
     def export_hf(self, path: str | Path) -> None:
         self._call("export_hf", [str(path)] * len(self.workers))
 
-    def offload(self) -> None:
-        self._call("offload")
+    def offload(self) -> dict[str, float]:
+        """Every rank's state to the host; rank 0's copy metrics (each rank has its own link)."""
+        return self._call("offload")[0] or {}
 
-    def onload(self) -> None:
-        self._call("onload")
+    def onload(self) -> dict[str, float]:
+        """Every rank's state back; rank 0's copy metrics."""
+        return self._call("onload")[0] or {}
 
     def release_cache(self) -> None:
         self._call("release_cache")

@@ -216,7 +216,7 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
                 if p.offload_between_phases:
                     with timer("onload"):  # colocated: the engine gives the GPU to the trainer
                         p.rollout.release_memory()
-                        _onload(p, cfg)
+                        row.update(_onload(p, cfg))
                 with timer("logprobs"):
                     if cfg.use_rollout_logprobs:
                         batch.old_logprobs = _engine_logprobs(batch)
@@ -250,7 +250,7 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
                         )
                     if p.offload_between_phases:
                         with timer("sync_offload"):
-                            _offload(p, cfg)
+                            row.update(_offload(p, cfg))
                             p.rollout.resume_memory(KV_CACHE)
             else:
                 log.warning("step %d: no group with a learning signal; update skipped", step)
@@ -340,14 +340,14 @@ def _engine_logprobs(batch: TrainBatch) -> list[torch.Tensor]:
     return batch.rollout_logprobs
 
 
-def _onload(p: GrpoParts, cfg: GrpoLoopConfig) -> None:
-    if _offloads(p, cfg):
-        p.train.onload()
+def _onload(p: GrpoParts, cfg: GrpoLoopConfig) -> dict[str, float]:
+    """The trainer's state back (colocated); the copy's metrics (``perf/onload_gbps``...)."""
+    return (p.train.onload() or {}) if _offloads(p, cfg) else {}
 
 
-def _offload(p: GrpoParts, cfg: GrpoLoopConfig) -> None:
-    if _offloads(p, cfg):
-        p.train.offload()
+def _offload(p: GrpoParts, cfg: GrpoLoopConfig) -> dict[str, float]:
+    """The trainer's state to the host (colocated); the copy's metrics."""
+    return (p.train.offload() or {}) if _offloads(p, cfg) else {}
 
 
 def _resync(p: GrpoParts, cfg: GrpoLoopConfig) -> None:

@@ -34,9 +34,14 @@ class TrainActor(Protocol):
 
     def export_hf(self, path: str | Path) -> None: ...
 
-    def offload(self) -> None: ...
+    def offload(self) -> dict[str, float] | None:
+        """Move the trainer's state to the host; the copy's metrics (``perf/offload_gbps``...,
+        `trainer_core.offload.transfer_metrics`), or nothing."""
+        ...
 
-    def onload(self) -> None: ...
+    def onload(self) -> dict[str, float] | None:
+        """Bring the state back; the copy's metrics (``perf/onload_gbps``...), or nothing."""
+        ...
 
     def release_cache(self) -> None:
         """Return the accelerator's cached, unused memory (the last phase's activations) to the

@@ -16,8 +16,40 @@ tests, or a host short of lockable memory).
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor, nn
+
+
+def transfer_metrics(direction: str, nbytes: int, seconds: float) -> dict[str, float]:
+    """A step's metrics for one offload or onload (``direction``): ``perf/{direction}_gb``,
+    ``perf/{direction}_s`` (the copies, from the first queued to the last landed) and
+    ``perf/{direction}_gbps``, the host link's rate (about 50 GB/s each way for pinned memory
+    on a PCIe 5 x16 link; far below it means pageable memory or per-tensor overheads)."""
+    gb = nbytes / 1e9
+    return {
+        f"perf/{direction}_gb": gb,
+        f"perf/{direction}_s": seconds,
+        f"perf/{direction}_gbps": gb / seconds if seconds > 0 else 0.0,
+    }
+
+
+@contextlib.contextmanager
+def timed_copies(device: torch.device) -> Iterator[list[float]]:
+    """Seconds of the copies queued inside (``[seconds]``, set on exit): the device is
+    synchronised on entry (earlier work is not counted) and on exit (every copy landed)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    out = [0.0]
+    start = time.perf_counter()
+    yield out
+    if cuda:
+        torch.cuda.synchronize(device)
+    out[0] = time.perf_counter() - start
 
 
 class HostCopies:
@@ -27,6 +59,8 @@ class HostCopies:
     def __init__(self, *, pin: bool | None = None) -> None:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self._host: dict[str, Tensor] = {}
+        #: bytes copied either way since the last :meth:`take_moved`
+        self.moved = 0
 
     def to_host(self, key: str, tensor: Tensor) -> Tensor:
         """``tensor``'s values in ``key``'s host buffer (made on first use, or when the shape or
@@ -37,13 +71,19 @@ class HostCopies:
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pin)
             self._host[key] = host
         host.copy_(tensor, non_blocking=self.pin)
+        self.moved += tensor.numel() * tensor.element_size()
         return host
 
-    @staticmethod
-    def to_device(host: Tensor, device: torch.device) -> Tensor:
+    def to_device(self, host: Tensor, device: torch.device) -> Tensor:
         """A device copy of a host buffer (queued: the buffer is written again only by a later
         ``to_host``, which the same stream orders after it)."""
+        self.moved += host.numel() * host.element_size()
         return host.to(device, non_blocking=True)
+
+    def take_moved(self) -> int:
+        """Bytes copied since the last call (for the step's transfer rate)."""
+        moved, self.moved = self.moved, 0
+        return moved
 
     def move(self, key: str, tensor: Tensor, device: torch.device) -> Tensor:
         """``tensor`` on ``device``: into ``key``'s host buffer when ``device`` is the CPU,

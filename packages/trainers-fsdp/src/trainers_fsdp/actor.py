@@ -40,6 +40,7 @@ from rl_algos import (
 )
 from rl_algos import train_step as core
 from trainer_core import MicroBatch, PinnedStaging, build_micro_batch
+from trainer_core.offload import timed_copies, transfer_metrics
 from trainer_core.startup import StartupLog
 from trainers_fsdp.attention import PACKED_ATTENTION, PackedSeqInfo, register_packed_attention
 from trainers_fsdp.checkpoint import load_checkpoint, save_checkpoint
@@ -496,15 +497,26 @@ class FsdpActor:
         return nullcontext() if self._masters is None else self._masters.grads_detached()
 
     # ----------------------------------------------------------------------------- offload
-    def offload(self) -> None:
-        """Move parameters, gradients and optimizer state to CPU (frees the GPU for rollout)."""
-        self._move(torch.device("cpu"))
-        self._offloaded = self.device.type != "cpu"
+    def offload(self) -> dict[str, float]:
+        """Move parameters, gradients and optimizer state to CPU (frees the GPU for rollout).
+        Returns the copy's metrics (:func:`trainer_core.offload.transfer_metrics`; none on a
+        CPU)."""
+        if self.device.type == "cpu":
+            return {}
+        with timed_copies(self.device) as seconds:
+            moved = self._move(torch.device("cpu"), offload=True)
+        torch.cuda.empty_cache()
+        self._offloaded = True
+        return transfer_metrics("offload", moved, seconds[0])
 
-    def onload(self) -> None:
-        """Bring everything :meth:`offload` moved back to the GPU."""
-        self._move(self.device)
+    def onload(self) -> dict[str, float]:
+        """Bring everything :meth:`offload` moved back to the GPU; returns the copy's metrics."""
+        if self.device.type == "cpu":
+            return {}
+        with timed_copies(self.device) as seconds:
+            moved = self._move(self.device, offload=False)
         self._offloaded = False
+        return transfer_metrics("onload", moved, seconds[0])
 
     def release_cache(self) -> None:
         """Give the allocator's cached, unused blocks back to the device (a colocated engine
@@ -513,20 +525,38 @@ class FsdpActor:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
-    def _move(self, device: torch.device) -> None:
-        if self.device.type == "cpu":
-            return
+    def _move(self, device: torch.device, *, offload: bool) -> int:
+        """Everything to ``device`` (the copies queued, not waited for); bytes copied.
+        ``offload``: the bf16 weights are left unfilled (nothing runs until they come back).
+
+        On one GPU the state is a few flat buffers (float32 masters, AdamW's two moments,
+        an accumulated gradient), each one copy through reused pinned host buffers
+        (:class:`trainer_core.HostCopies`); the bf16 weights are cast again from the masters.
+        """
+        moved = 0
         if self._masters is not None:  # the flat buffers first: model.to then keeps the views
-            self._masters.to(device, fill=device.type != "cpu")
+            self._masters.to(device, fill=not offload)
+            moved += self._masters.take_moved()
+        flat = self._masters is not None
+        moved += sum(_nbytes(t) for t in self.model.parameters() if not flat and t.device != device)
         self.model.to(device)
         for p in self.model.parameters():
             if p.grad is not None:
+                if p.grad.device != device and not flat:
+                    moved += _nbytes(p.grad)
                 p.grad = p.grad.to(device)
+        # AdamW's state: FlatAdamW's two flat moments (the per-parameter ones views of them) or
+        # a tensor per parameter, and the step counts; each storage counted once
+        storages = {
+            v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()
+            for state in self.optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, Tensor) and v.device != device
+        }
+        moved += sum(storages.values())
         move_optimizer_state(self.optimizer, device)
-        if device.type == "cpu":
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
         logger.info("actor state moved to %s", device)
+        return moved
 
     def _require_onloaded(self) -> None:
         if self._offloaded:
@@ -539,3 +569,9 @@ class FsdpActor:
             if self.world_size > 1:
                 dist.barrier()
             dist.destroy_process_group()
+
+
+def _nbytes(t: Tensor) -> int:
+    """Bytes this rank holds of ``t`` (its shard of a DTensor)."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()

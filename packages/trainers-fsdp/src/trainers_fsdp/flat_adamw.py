@@ -111,6 +111,10 @@ class FlatAdamW(torch.optim.AdamW):
                 state["step"] = state["step"].to(device, non_blocking=True)
                 state["exp_avg"], state["exp_avg_sq"] = self._state_views(p)
 
+    def take_moved(self) -> int:
+        """Bytes the flat moments' moves copied since the last call."""
+        return self._host.take_moved()
+
     @torch.no_grad()
     def grad_norm(self) -> Tensor:
         """L2 norm (float32, on the device) of everything accumulated since the last step.

@@ -221,6 +221,10 @@ class MasterWeights:
             self.copy_to_model()
         self._bind()
 
+    def take_moved(self) -> int:
+        """Bytes the moves copied since the last call (the transfer rate's numerator)."""
+        return self._host.take_moved()
+
     def state_dict(self) -> dict[str, Tensor]:
         """``model.state_dict()`` with each parameter's float32 master in place of its
         compute weight (tied names included, as the model lists them)."""

@@ -46,6 +46,7 @@ from rl_algos import (
 )
 from rl_algos import train_step as core
 from trainer_core import MicroBatch, PinnedStaging, build_micro_batch
+from trainer_core.offload import timed_copies, transfer_metrics
 from trainer_core.startup import StartupLog
 from trainers_megatron.checkpoint import export_hf, load_checkpoint, save_checkpoint
 from trainers_megatron.config import MegatronConfig
@@ -186,6 +187,7 @@ class MegatronActor:
         self.first_stage = parallel_state.is_pipeline_first_stage()
         self.last_stage = parallel_state.is_pipeline_last_stage()
         overrides = dict(schedule_config(config.pp), **recompute_settings(config))
+        overrides["moe_grouped_gemm"] = config.moe_grouped_gemm
         if config.pipeline_first_stage_layers is not None:
             overrides["num_layers_in_first_pipeline_stage"] = config.pipeline_first_stage_layers
         gdn = dict(gdn_path=config.linear_attention_kernels)
@@ -236,6 +238,9 @@ class MegatronActor:
         self.scheduler = _lr_scheduler(self.optimizer, config)
         self.step = 0
         self._offload = StorageOffload()
+        # the DDP gradient buffers hold zeros (built so, zeroed after each update): an offload
+        # frees them without a copy
+        self._grads_zero = True
         # reused pinned host buffers: each micro-batch reaches the GPU in one copy
         self._staging = PinnedStaging() if self.device.type == "cuda" else None
 
@@ -467,6 +472,7 @@ class MegatronActor:
         if entropy == "grad":
             raise ValueError("the Megatron actor has no entropy bonus (grpo.entropy_coef)")
         self.model.train()
+        self._grads_zero = False
         with record_function("megatron_actor.micro_batches"):
             run_schedule(
                 self.model,
@@ -494,6 +500,7 @@ class MegatronActor:
                 # distributed optimizer)
                 self._step.step(grad_norm, self.config.max_grad_norm)
             self._step.zero_grad(self.model)
+            self._grads_zero = True
         return self.optimizer.param_groups[0]["lr"]
 
     # ----------------------------------------------------------------------------- weights
@@ -532,7 +539,7 @@ class MegatronActor:
         for module in modules:
             yield from module.parameters()
             yield from module.buffers()
-        for buffer in self.model.buffers + self.model.expert_parallel_buffers:
+        for buffer in self._ddp_buffers():
             for t in (buffer.param_data, buffer.grad_data):
                 if t is not None:
                     yield t
@@ -544,20 +551,38 @@ class MegatronActor:
             for state in opt.optimizer.state.values():
                 yield from (v for v in state.values() if isinstance(v, Tensor))
 
-    def offload(self) -> None:
-        """Move parameters, gradient buffers, master weights and optimizer state to the host
-        (frees the GPU; views into megatron-core's buffers stay valid)."""
-        if self.device.type == "cpu":
-            return
-        torch.cuda.synchronize()
-        moved = self._offload.offload(t for t in self._device_tensors() if t.is_cuda)
-        torch.cuda.empty_cache()
-        logger.info("offloaded %.1f GiB to the host", moved / 2**30)
-        report_leftovers()
+    def _ddp_buffers(self) -> list[Any]:
+        return list(self.model.buffers) + list(self.model.expert_parallel_buffers)
 
-    def onload(self) -> None:
-        """Bring back everything :meth:`offload` moved."""
-        self._offload.onload()
+    def _move_out(self) -> int:
+        """Everything on the GPU to the host (:class:`StorageOffload`); the gradient buffers,
+        when they hold zeros, freed without a copy. Bytes copied."""
+        drop = [b.grad_data for b in self._ddp_buffers() if b.grad_data is not None]
+        return self._offload.offload(
+            (t for t in self._device_tensors() if t.device.type == self.device.type),
+            drop=drop if self._grads_zero else (),
+        )
+
+    def offload(self) -> dict[str, float]:
+        """Move parameters, gradient buffers, master weights and optimizer state to the host
+        (frees the GPU; views into megatron-core's buffers stay valid). Returns the copy's
+        metrics (:func:`trainer_core.offload.transfer_metrics`; none on a CPU)."""
+        if self.device.type == "cpu":
+            return {}
+        with timed_copies(self.device) as seconds:
+            moved = self._move_out()
+        torch.cuda.empty_cache()
+        logger.info("offloaded %.1f GiB to the host in %.2f s", moved / 2**30, seconds[0])
+        report_leftovers()
+        return transfer_metrics("offload", moved, seconds[0])
+
+    def onload(self) -> dict[str, float]:
+        """Bring back everything :meth:`offload` moved; returns the copy's metrics."""
+        if not self._offload.offloaded:
+            return {}
+        with timed_copies(self.device) as seconds:
+            moved = self._offload.onload()
+        return transfer_metrics("onload", moved, seconds[0])
 
     def release_cache(self) -> None:
         """Give the allocator's cached, unused blocks back to the device (a colocated engine

@@ -73,6 +73,17 @@ class MegatronConfig:
             "(default: on GPU for dense Qwen3-VL, otherwise off)"
         },
     )
+    # MoE experts as two grouped GEMMs per layer (torch._grouped_mm over the experts' own
+    # parameters: vlm_models.megatron.experts.GroupedExperts); False: megatron-core's
+    # SequentialMLP, one GEMM pair per expert (on the H200, Qwen3-VL-30B-A3B cut to 4
+    # layers trained at 0.69x the FSDP actor that way, issue #35)
+    moe_grouped_gemm: bool = field(
+        default=True,
+        metadata={
+            "help": "MoE experts as grouped GEMMs (torch._grouped_mm); "
+            "--no-moe-grouped-gemm runs one GEMM pair per expert"
+        },
+    )
     # Qwen3.5's gated-delta-net kernels: "fla" (flash-linear-attention, CUDA; varlen over
     # packed rows), "torch" (megatron-core's torch reference, per sample) or "auto" (fla on
     # CUDA where installed, else torch)

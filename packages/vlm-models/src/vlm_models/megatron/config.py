@@ -266,7 +266,10 @@ def transformer_config(
             moe_router_score_function="softmax",
             moe_router_pre_softmax=False,
             moe_router_load_balancing_type="none",
-            moe_grouped_gemm=False,
+            # the experts as two grouped GEMMs (torch._grouped_mm) with SequentialMLP's
+            # parameters: vlm_models.megatron.experts.GroupedExperts on the local spec,
+            # TEGroupedMLP with Transformer Engine; False: one GEMM pair per expert
+            moe_grouped_gemm=True,
             moe_aux_loss_coeff=0.0,
             # routing logits, softmax and the weighted sum of expert outputs in float32, as
             # slime runs Qwen3 / Qwen3.5 MoE (scripts/models/qwen3.5-35B-A3B.sh,

@@ -20,6 +20,8 @@ Small modules complete Megatron's local (non-Transformer-Engine) layer spec:
   attention layers and :class:`~vlm_models.megatron.gated_delta_net.PackedGatedDeltaNet` for
   the linear-attention ones, chosen per layer by megatron-core's ``linear_attention_freq``
   pattern (``get_linear_attention_pattern``; its own hybrid block spec needs TE).
+* MoE experts: :class:`~vlm_models.megatron.experts.GroupedExperts` (``SequentialMLP``'s
+  parameters, two grouped GEMMs) where the config asks for ``moe_grouped_gemm``.
 
 With Transformer Engine installed, ``use_te=True`` takes TE's fused modules instead and keeps
 only the deepstack layer.
@@ -298,6 +300,10 @@ def layer_spec(
     sub = spec.submodules
     sub.input_layernorm = RMSNorm
     sub.pre_mlp_layernorm = RMSNorm
+    if num_experts and config.moe_grouped_gemm:
+        from vlm_models.megatron.experts import GroupedExperts
+
+        sub.mlp.submodules.experts.module = GroupedExperts
     if linear_attention:
         from vlm_models.megatron.gated_delta_net import gated_delta_net_spec
 
