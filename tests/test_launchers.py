@@ -220,6 +220,52 @@ def test_no_offload_train_is_kept():
     assert offload_train(cfg) == (False, "set")
 
 
+ONE_H200_8B = ["--model-name", "qwen3-vl-8b", "--num-gpus", "1", "--gpu-memory-gib", "140.4"]
+ONE_H200_8B += ["--host-memory-gib", "128", "--rollout-engine", "hf", *ISSUE_STEP]
+
+
+@pytest.mark.parametrize(("backend", "fraction"), [("fsdp", 0.5), ("megatron", 0.6)])
+def test_8b_on_one_gpu_keeps_part_of_the_optimizer_on_the_host(capsys, backend, fraction):
+    """The 8B shape on one H200 with 128 GiB of host memory: no layout holds its optimizer
+    state on the GPU, so the launcher keeps the smallest tenth that fits on the host, says so
+    in --print-config, and the trainer config gets that fraction; with the offload refused,
+    the refusal suggests it."""
+    argv = [*ONE_H200_8B, "--backend", backend]
+    with pytest.raises(SystemExit) as done:
+        parse_grpo([*argv, "--print-config"], env={})
+    assert done.value.code == 0
+    layout = json.loads(capsys.readouterr().out)["layout"]
+    assert f"optimizer {fraction:.0%} on the host" in layout["description"], layout
+    assert layout["fits"] and layout["host_gib"] <= layout["host_budget_gib"] == 95.7, layout
+    assert layout["optimizer_cpu_offload"].startswith("chosen: no layout holds"), layout
+    from rl_runtime import plan_layout
+    from vlm_models.sources import shape_of
+
+    cfg = parse_grpo(argv, env={})
+    settled, _ = plan_layout(
+        cfg.parallel, cfg.cluster, trainer=cfg.trainer, shape=shape_of(cfg.model)
+    )
+    assert settled.optimizer_cpu_offload and settled.optimizer_offload_fraction == fraction
+    actor = cfg.trainer.for_run(
+        RunContext(model="qwen3-vl-8b", seed=0, use_gpu=True, layout=settled.trainer_layout())
+    )
+    assert actor.optimizer_offload == fraction
+    cfg = parse_grpo([*argv, "--no-optimizer-cpu-offload"], env={})
+    with pytest.raises(PreflightError, match=r"Try .*--optimizer-cpu-offload"):
+        plan_layout(cfg.parallel, cfg.cluster, trainer=cfg.trainer, shape=shape_of(cfg.model))
+
+
+def test_the_2b_step_keeps_the_optimizer_on_the_gpu():
+    from rl_runtime import plan_layout
+    from vlm_models.sources import shape_of
+
+    cfg = parse_grpo([*ONE_H200, *ISSUE_STEP, "--host-memory-gib", "128"], env={})
+    settled, estimate = plan_layout(
+        cfg.parallel, cfg.cluster, trainer=cfg.trainer, shape=shape_of(cfg.model)
+    )
+    assert not settled.optimizer_cpu_offload and estimate is not None and estimate.host == 0
+
+
 QWEN35 = ["--preset", "qwen3.5-35b-a3b"]
 
 

@@ -4,8 +4,11 @@ Builds an HF folder from a shape preset (random weights, the real Qwen3-VL token
 processor), then runs ``apps/geo3k_grpo`` on it for ``--steps`` GRPO steps on Geometry3K rows,
 colocated, once per backend, in fresh processes. While each run goes, a thread samples the
 GPU's used memory (``nvidia-smi``, every process together: trainer, engine, Ray). Prints each
-backend's per-phase times (median over the steps after the first) and peak memory, and writes
-them as JSON.
+backend's per-phase times (median over the steps after the first), the optimizer step's time
+(``perf/optimizer_s``), the train phase's MFU (6 x parameters x tokens / time / 989 TFLOP/s,
+the H200's dense bf16 peak), peak GPU memory and peak host memory (the resident set of the
+launcher's whole process tree: Ray, trainer, engine, sampled with psutil; pinned buffers
+count), and writes them as JSON.
 
 Data and tokenizer come from ``GLIMPSE_SHARED`` (default ``../shared``): ``models/Qwen3-VL-4B-
 Instruct`` (every Qwen3-VL size shares its tokenizer and processor) and ``data/geo3k``.
@@ -17,11 +20,16 @@ Instruct`` (every Qwen3-VL size shares its tokenizer and processor) and ``data/g
         --rollout-batch-size 2 --n-samples 2 --max-response-len 8
     # H200: the slime recipe's Qwen3.5-35B-A3B cut to 8 layers, on the Megatron backend
     python3 tools/bench/bench_grpo_e2e.py --shape qwen3.5-35b-a3b --layers 8 --backends megatron
+    # H200 with 128 GiB of host memory: the full-size 8B, the optimizer partly on the host
+    # (the launcher's estimate picks the fraction; --optimizer-cpu-offload makes it explicit)
+    python3 tools/bench/bench_grpo_e2e.py --shape qwen3-vl-8b --optimizer-cpu-offload \
+        --timeout 1800 --out e2e_8b.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -37,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+PEAK_FLOPS = 989e12  # H200 dense bf16, as docs/performance.md counts MFU
 PHASES = ("rollout", "reward", "onload", "logprobs", "train", "sync")
 #: The sync phase's parts (colocated): the engine's memory back, the weights, the trainer's offload.
 SYNC_PARTS = ("sync_resume", "sync_push", "sync_offload")
@@ -87,6 +96,68 @@ def _build_hf_folder(shape: str, tokenizer: Path, out: Path, seed: int, layers: 
     model = build_model(config, dtype=torch.bfloat16, device=device)
     model.save_pretrained(out)
     processor.save_pretrained(out)
+
+
+class HostMemorySampler:
+    """Peak resident memory of a process and all its descendants (psutil), every ``period``
+    s: the host side of an offloaded optimizer, the engine's parked weights and Ray together."""
+
+    def __init__(self, period: float = 0.5) -> None:
+        self.period = period
+        self.peak_bytes = 0
+        self.pid: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        try:
+            import psutil  # noqa: F401
+
+            self.available = True
+        except ImportError:  # pip install psutil (a dev dependency of the workspace)
+            self.available = False
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            if self.pid is not None:
+                try:
+                    root = psutil.Process(self.pid)
+                    procs = [root, *root.children(recursive=True)]
+                    total = 0
+                    for proc in procs:
+                        with contextlib.suppress(psutil.Error):  # it ended meanwhile
+                            total += proc.memory_info().rss
+                    self.peak_bytes = max(self.peak_bytes, total)
+                except psutil.Error:
+                    pass
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> HostMemorySampler:
+        if self.available:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self.available:
+            self._thread.join()
+
+
+def model_params(model: Path) -> int | None:
+    """Parameters of the HF folder's model (from its safetensors headers, no weights read)."""
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        return None
+    total = 0
+    for f in sorted(model.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                n = 1
+                for d in st.get_slice(name).get_shape():
+                    n *= d
+                total += n
+    return total or None
 
 
 class GpuMemorySampler:
@@ -148,6 +219,7 @@ def launcher_command(args: argparse.Namespace, backend: str, model: Path, run_di
         "--save-interval", "0",
         "--warmup-sft-steps", "0",
         "--output-dir", str(run_dir),
+        *(["--optimizer-cpu-offload"] if args.optimizer_cpu_offload else []),
         *args.extra,
     ]  # fmt: skip
 
@@ -186,8 +258,9 @@ def run_backend(args: argparse.Namespace, backend: str, model: Path) -> dict[str
     log_path = Path(args.work_dir) / f"{backend}.log"
     start = time.perf_counter()
     timed_out = False
-    with GpuMemorySampler() as mem, open(log_path, "w") as log:
+    with GpuMemorySampler() as mem, HostMemorySampler() as host, open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        host.pid = proc.pid
         stopped = wait_for_run(proc, run_dir / "metrics.jsonl", args)
         timed_out = stopped == "timeout"
         if stopped:  # keep what the finished steps logged
@@ -207,6 +280,7 @@ def run_backend(args: argparse.Namespace, backend: str, model: Path) -> dict[str
         "stopped_after_last_step": stopped == "after_last_step",
         "peak_gpu_mib": mem.peak_mib if mem.available else None,
         "peak_gpu_mib_by_pid": mem.peak_by_pid,
+        "peak_host_gib": round(host.peak_bytes / 2**30, 1) if host.available else None,
         "log": str(log_path),
     }
     if proc.returncode != 0 and not stopped:
@@ -227,6 +301,15 @@ def run_backend(args: argparse.Namespace, backend: str, model: Path) -> dict[str
         values = [r[key] for r in steady if key in r]
         if values:
             result[key] = round(statistics.median(values), 2)
+    values = [r["perf/optimizer_s"] for r in steady if "perf/optimizer_s" in r]
+    if values:  # the mean over a step's optimizer steps, then the median over steps
+        result["optimizer_s"] = round(statistics.median(values), 3)
+    params = model_params(model)
+    if params and "train_tokens_per_s" in result:
+        gpus = max(1, args.num_gpus)
+        result["train_mfu"] = round(
+            6 * params * result["train_tokens_per_s"] / gpus / PEAK_FLOPS, 4
+        )
     result["first_step_s"] = round(rows[0]["time_step_s"], 2) if rows else None
     # each step's phases too: a recompile or an allocator stall in one step moves the median of
     # the step but of no phase, so the medians alone need not add up
@@ -257,6 +340,13 @@ def main(argv: list[str] | None = None) -> None:
         "export are then cut short: a timing run that need not wait for them)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--optimizer-cpu-offload",
+        action="store_true",
+        help="pass --optimizer-cpu-offload to the launcher (the optimizer state partly or "
+        "wholly on the host; without it the launcher still picks it where the GPU cannot hold "
+        "the state)",
+    )
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("extra", nargs="*", help="more launcher flags, after --")
     args = p.parse_args(argv)
@@ -275,14 +365,20 @@ def main(argv: list[str] | None = None) -> None:
     header = f"{'backend':<9} {'rc':>3} {'steps':>5} {'step_s':>7} " + " ".join(
         f"{ph:>9}" for ph in PHASES
     )
-    print(header + f" {'train tok/s':>11} {'peak GiB':>8} {'on GB/s':>8} {'off GB/s':>8}")
+    print(
+        header + f" {'train tok/s':>11} {'MFU':>6} {'opt s':>6} {'peak GiB':>8} {'host GiB':>8}"
+        f" {'on GB/s':>8} {'off GB/s':>8}"
+    )
     for r in results:
         phases = " ".join(f"{r.get(f'time_{ph}_s', float('nan')):9.2f}" for ph in PHASES)
         peak = r["peak_gpu_mib"] / 1024 if r["peak_gpu_mib"] else float("nan")
+        host = r["peak_host_gib"] if r["peak_host_gib"] is not None else float("nan")
+        mfu = 100 * r.get("train_mfu", float("nan"))
         print(
             f"{r['backend']:<9} {r['returncode']:>3} {r['steps_done']:>5} "
             f"{r.get('time_step_s', float('nan')):7.2f} {phases} "
-            f"{r.get('train_tokens_per_s', float('nan')):11.0f} {peak:8.1f} "
+            f"{r.get('train_tokens_per_s', float('nan')):11.0f} {mfu:5.1f}% "
+            f"{r.get('optimizer_s', float('nan')):6.2f} {peak:8.1f} {host:8.1f} "
             f"{r.get('perf/onload_gbps', float('nan')):8.1f} "
             f"{r.get('perf/offload_gbps', float('nan')):8.1f}"
         )
@@ -310,6 +406,7 @@ def write_json(path: Path, args: argparse.Namespace, results: list[dict[str, Any
     meta = {
         "shape": args.shape,
         "layers": args.layers,
+        "optimizer_cpu_offload": args.optimizer_cpu_offload,
         "python": platform.python_version(),
         "argv": sys.argv,
     }

@@ -91,10 +91,14 @@ def test_candidates_try_the_backend_then_the_others_then_fewer_tokens():
     assert [(t.parallel.tp, t.parallel.recompute) for c, t in found[:7]] == [
         (1, "full"), (2, "none"), (2, "full"), (4, "none"), (4, "full"), (8, "none"), (8, "full"),
     ]  # fmt: skip
-    assert [t.parallel for c, t in found if c is whole and t.max_tokens_per_gpu == 4096] == [
+    on_gpu = [(c, t) for c, t in found if t.parallel.optimizer_offload == 0]
+    assert [t.parallel for c, t in on_gpu if c is whole and t.max_tokens_per_gpu == 4096] == [
         ParallelLayout(),
         ParallelLayout(recompute="full"),
     ]
+    # then the same with the optimizer on the host, the smallest part first, before fewer tokens
+    offloaded = [t.parallel.optimizer_offload for _, t in found if t.max_tokens_per_gpu == 4096]
+    assert offloaded == sorted(offloaded) and offloaded[-1] == 1.0
     assert {t.parallel.cp for _, t in found} == {1}
     assert {t.max_tokens_per_gpu for _, t in found} == {4096, 2048, 1024}
     assert max(t.parallel.cp for _, t in candidate_layouts(split, layout(longest=65536))) == 8
@@ -138,10 +142,47 @@ def test_train_state_stays_where_the_engine_keeps_its_rollout():
     params = shape.language_params + shape.vision_params
     state = StateBytes(2 * params, 6 * params, 12 * params, 0, 0)
     estimate = estimate_memory(shape, Whole("b", 0), layout(1, 16384))
-    estimate = type(estimate)(estimate.description, *vars(state).values())
+    estimate = type(estimate)(estimate.description, **vars(state))
     kw = {"gpu_bytes": 141 * GiB, "tokens_per_sequence": 1408, "engine_share": 0.5}
     keep, why = keep_train_state_on_gpu(shape, estimate, engine_sequences=128, **kw)
     assert keep and "trainer state 39.1 GiB" in why, why
     assert not keep_train_state_on_gpu(shape, estimate, engine_sequences=512, **kw)[0]
     unknown = _shape(0)
     assert not keep_train_state_on_gpu(unknown, estimate, engine_sequences=1, **kw)[0]
+
+
+@dataclass
+class Offloading(Whole):
+    """A backend whose ``optimizer`` GiB move to the host by the layout's offload fraction."""
+
+    optimizer: float = 0.0
+
+    def state_bytes(self, shape, layout, *, vision_patches_per_token=0.25) -> StateBytes:
+        host = self.optimizer * GiB * layout.parallel.optimizer_offload
+        return StateBytes(self.gib * GiB, 0, self.optimizer * GiB - host, 0, 0, host)
+
+
+def test_the_optimizer_goes_to_the_host_only_when_the_gpu_cannot_hold_it():
+    """The smallest tenth of the optimizer on the host that fits the GPU, within the host
+    budget; none where the GPU holds it all; refused, naming the host, where the host cannot
+    hold what the GPU cannot."""
+    backend = Offloading("b", 40, optimizer=50)  # 40 + 50 + 3 GiB on the GPU without offload
+    kw = dict(offloads=(0.1, 0.2, 0.5, 1.0), host_bytes=100 * GiB)
+    chosen, estimate = choose_layout(SHAPE, backend, layout(1), 85 * GiB, **kw)
+    assert chosen.parallel.optimizer_offload == 0.2  # 0.1 leaves 88 GiB on the GPU, 0.2 83
+    assert estimate.total == 83 * GiB and estimate.host == 10 * GiB
+    assert "optimizer 20% on the host" in estimate.description
+    assert "--optimizer-cpu-offload --optimizer-offload-fraction 0.2" in flags(backend, chosen)
+    assert estimate.to_dict(85 * GiB, 100 * GiB)["host_gib"] == 10.0
+    assert choose_layout(SHAPE, backend, layout(1), 100 * GiB, **kw)[0] == layout(1)
+    short = dict(kw, host_bytes=5 * GiB)
+    unchanged, _ = choose_layout(SHAPE, backend, layout(1), 85 * GiB, **short)
+    assert unchanged == layout(1)  # nothing fits: check_layout refuses
+    offloaded = layout(1, optimizer_offload=0.2)
+    with pytest.raises(PreflightError, match=r"about 10\.0 GiB of host memory per trainer rank"):
+        check_layout(SHAPE, backend, offloaded, 85 * GiB, host_bytes=5 * GiB)
+    with pytest.raises(PreflightError) as err:
+        check_layout(SHAPE, backend, layout(1), 85 * GiB, host_bytes=100 * GiB)
+    assert "Try --backend b --optimizer-cpu-offload --optimizer-offload-fraction 0.2" in (
+        err.value.message
+    )

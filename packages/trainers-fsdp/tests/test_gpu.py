@@ -90,3 +90,30 @@ def test_qwen3_5_packed_logprobs_equal_one_sample_at_a_time_on_gpu(
     packed, alone = logprobs_packed_and_alone(actor, make_small_batch(preset))
     for p, a in zip(packed, alone, strict=True):
         torch.testing.assert_close(p, a, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_host_optimizer_on_gpu(make_config, batch, fraction):
+    """The optimizer on the host with the copies on their CUDA streams: one step lands where
+    the compiled flat update on the GPU does, to float32 rounding of the two AdamW kernels
+    (compared one step only: bf16 weights turn a rounding into a different next gradient);
+    the bf16 weights are the masters' cast; offload and onload keep the host part in place."""
+    from trainers_fsdp import OptimConfig
+
+    optim = OptimConfig(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5)
+    kw = dict(device="cuda", max_tokens_per_gpu=64, optim=optim)
+    device = FsdpActor(make_config(**kw))
+    host = FsdpActor(make_config(optimizer_offload=fraction, **kw))
+    masters = host._masters
+    assert masters.host_master.is_pinned() and masters.host_end > 0
+    assert host.train_step(batch, loss="grpo")["update_skipped"] == 0.0
+    device.train_step(batch, loss="grpo")
+    ref = device.full_parameters()
+    for name, p in host.full_parameters().items():
+        torch.testing.assert_close(p.cpu(), ref[name].cpu(), rtol=1e-5, atol=1e-6, msg=name)
+    whole = torch.cat([masters.host_master, masters.master.cpu()]).to(torch.bfloat16)
+    assert torch.equal(masters.compute.cpu(), whole)
+    host.offload()
+    assert masters.host_master.device.type == "cpu"
+    host.onload()
+    assert host.train_step(batch, loss="grpo")["update_skipped"] == 0.0

@@ -9,6 +9,7 @@ section. The environment names (`GEO3K_*`, then the recipes' `MILES_SCRIPT_*` an
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from rl_runtime import (
     layout_report,
     parse_config,
     placement_preview,
+    plan_layout,
     recipe_env_aliases,
     section,
     state_estimate,
@@ -187,17 +189,20 @@ def print_layout(cfg: Geo3kGrpoConfig) -> dict[str, Any]:
     """`--print-config`'s training layout and its memory estimate."""
     from vlm_models.sources import shape_of  # transformers: only when asked
 
-    report = layout_report(
-        cfg.parallel,
-        cfg.cluster,
-        backend=cfg.run.backend,
+    shape = shape_of(cfg.model, load=cfg.run.load) if cfg.cluster.use_gpu else None
+    common = dict(
         trainer=cfg.trainer,
+        shape=shape,
         others=other_trainers(cfg.run.backend),
-        shape=shape_of(cfg.model, load=cfg.run.load) if cfg.cluster.use_gpu else None,
         model_name=cfg.model.model_name,
         longest_sample=longest_sample(cfg),
     )
-    offload, why = offload_train(cfg)
+    report = layout_report(cfg.parallel, cfg.cluster, backend=cfg.run.backend, **common)
+    try:  # the offload decision of the layout the run would settle on (its optimizer offload)
+        settled, _ = plan_layout(cfg.parallel, cfg.cluster, **common)
+    except PreflightError:
+        settled = cfg.parallel
+    offload, why = offload_train(dataclasses.replace(cfg, parallel=settled))
     out = {"layout": report, "offload_train": {"on": offload, "why": why}}
     plan = placement_preview(cfg.cluster, layout(cfg.cluster, gpus_per_engine=cfg.rollout.tp_size))
     return out if plan is None else out | {"placement": plan}

@@ -16,8 +16,9 @@ Recompute = Literal["none", "selective", "full"]
 class ParallelLayout:
     """How the trainer ranks split the model: tensor (``tp``, with sequence parallel ``sp``),
     context (``cp``), pipeline (``pp``), expert (``ep``, each expert split ``etp`` ways; None:
-    as ``tp``) parallel, and activation recomputation. A backend says which it can run
-    (``TrainerConfig.supports``)."""
+    as ``tp``) parallel, activation recomputation, and ``optimizer_offload``: the fraction of
+    the optimizer state (float32 masters and AdamW moments) kept and stepped in host memory
+    (0: all on the GPU). A backend says which it can run (``TrainerConfig.supports``)."""
 
     tp: int = 1
     sp: bool = False
@@ -26,6 +27,7 @@ class ParallelLayout:
     ep: int = 1
     etp: int | None = None
     recompute: Recompute = "none"
+    optimizer_offload: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -103,9 +105,10 @@ class StateBytes:
 
     weights: float
     gradients: float
-    optimizer: float  # float32 masters and AdamW moments
+    optimizer: float  # float32 masters and AdamW moments (the part kept on the GPU)
     activations: float
     logits: float
+    host: float = 0.0  # host memory of this rank: the offloaded optimizer state and its buffers
 
 
 def decoder_activations(

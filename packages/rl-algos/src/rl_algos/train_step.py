@@ -165,6 +165,7 @@ def apply_update(backend: TrainBackend, grad_norm: float) -> dict[str, float]:
     skipped = not math.isfinite(grad_norm)
     if skipped:
         logger.warning("step %d: non-finite grad norm %s, update skipped", backend.step, grad_norm)
+    start = time.perf_counter()
     lr = backend.apply_update(None if skipped else grad_norm)
     backend.step += 1
     return {
@@ -172,6 +173,9 @@ def apply_update(backend: TrainBackend, grad_norm: float) -> dict[str, float]:
         "lr": lr,
         "step": float(backend.step),
         "update_skipped": float(skipped),
+        # the host's time in the update: all of it where the optimizer steps on the host (the
+        # backend waits for its copies back), the launch only where the GPU steps it (queued)
+        "perf/optimizer_s": time.perf_counter() - start,
     }
 
 

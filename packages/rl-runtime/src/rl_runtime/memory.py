@@ -11,6 +11,14 @@ does not fit, tries others: more tensor parallelism and recomputation on the sam
 context parallelism for long samples, the other backends the app offers, fewer tokens. It is
 an estimate to refuse layouts that cannot work, slightly on the safe side, not a promise that
 a layout will.
+
+Host memory counts too: a layout may keep part of the optimizer state (float32 masters and
+AdamW moments) on the host and step it there (``ParallelLayout.optimizer_offload``, the
+launchers' ``--optimizer-cpu-offload``); the backend says what that leaves on the GPU and
+puts on the host (``StateBytes.host``), and a layout fits when both do: the GPU as above, the
+host within the budget the launcher gives each trainer rank (``host_bytes``: the node's memory
+less :data:`HOST_RESERVE_BYTES` and what colocated engines park there). Such layouts are tried
+only after every layout that keeps the state on the GPU, the smallest fraction first.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from rl_runtime.preflight import PreflightError
 from rl_runtime.protocols import TrainerConfig
 
 __all__ = [
+    "HOST_RESERVE_BYTES",
+    "OFFLOAD_FRACTIONS",
     "RESERVE_BYTES",
     "GiB",
     "MemoryEstimate",
@@ -40,6 +50,11 @@ __all__ = [
 
 GiB = 1 << 30
 RESERVE_BYTES = 3 * GiB
+#: Host memory a node keeps for everything but the offloaded optimizer state: Ray, the
+#: launcher, each process's torch and CUDA runtime, loading.
+HOST_RESERVE_BYTES = 16 * GiB
+#: Fractions of the optimizer state on the host a layout chooser tries, smallest first.
+OFFLOAD_FRACTIONS = tuple(round(0.1 * i, 1) for i in range(1, 11))
 PARTS = ("weights", "gradients", "optimizer", "activations", "logits", "reserve")
 
 
@@ -47,6 +62,9 @@ def describe(trainer: TrainerConfig, layout: TrainLayout) -> str:
     """One line: the backend's split (its own words), recompute and the token budget."""
     parts = trainer.describe_layout(layout)
     parts.append("recompute" if layout.recomputes else "no recompute")
+    offload = layout.parallel.optimizer_offload
+    if offload > 0:
+        parts.append(f"optimizer {offload:.0%} on the host")
     tokens = f", {layout.max_tokens_per_gpu} tokens per micro-batch"
     if layout.tokens_per_gpu > layout.max_tokens_per_gpu:  # a longer sample: its own micro-batch
         tokens += f" ({layout.tokens_per_gpu} per GPU for the longest sample)"
@@ -57,6 +75,9 @@ def flags(trainer: TrainerConfig, layout: TrainLayout) -> str:
     """The launcher flags that select this backend and layout."""
     out = trainer.layout_flags(layout)
     out += ["--gradient-checkpointing"] * layout.recomputes
+    offload = layout.parallel.optimizer_offload
+    if offload > 0:
+        out.append(f"--optimizer-cpu-offload --optimizer-offload-fraction {offload:g}")
     out.append(f"--max-tokens-per-gpu {layout.max_tokens_per_gpu}")
     return " ".join(out)
 
@@ -72,6 +93,7 @@ class MemoryEstimate:
     activations: float
     logits: float
     reserve: float = RESERVE_BYTES
+    host: float = 0.0  # host memory per trainer rank (the offloaded optimizer state), not in total
 
     @property
     def total(self) -> float:
@@ -85,17 +107,28 @@ class MemoryEstimate:
         )
 
     def breakdown(self) -> str:
-        return ", ".join(f"{p} {getattr(self, p) / GiB:.1f}" for p in PARTS)
+        out = ", ".join(f"{p} {getattr(self, p) / GiB:.1f}" for p in PARTS)
+        return out + (f"; on the host {self.host / GiB:.1f}" if self.host else "")
 
-    def to_dict(self, gpu_bytes: float | None = None) -> dict[str, object]:
-        """For ``--print-config``: the layout, the parts and the total in GiB."""
+    def fits(self, gpu_bytes: float, host_bytes: float | None = None) -> bool:
+        """Within the GPU, and (given a per-rank budget) the host part within the host."""
+        return self.total <= gpu_bytes and (host_bytes is None or self.host <= host_bytes)
+
+    def to_dict(
+        self, gpu_bytes: float | None = None, host_bytes: float | None = None
+    ) -> dict[str, object]:
+        """For ``--print-config``: the layout, the parts and the total in GiB, and the host
+        memory each trainer rank needs (``host_gib``) against its budget."""
         out: dict[str, object] = {"description": self.description}
         for part in PARTS:
             out[f"{part}_gib"] = round(getattr(self, part) / GiB, 1)
         out["total_gib"] = round(self.total / GiB, 1)
+        out["host_gib"] = round(self.host / GiB, 1)
         if gpu_bytes:
             out["gpu_gib"] = round(gpu_bytes / GiB, 1)
-            out["fits"] = self.total <= gpu_bytes
+            out["fits"] = self.fits(gpu_bytes, host_bytes)
+        if host_bytes is not None:
+            out["host_budget_gib"] = round(host_bytes / GiB, 1)
         return out
 
 
@@ -118,7 +151,8 @@ Candidate = tuple[TrainerConfig, TrainLayout]
 
 def _variants(trainer: TrainerConfig, base: ParallelLayout, layout: TrainLayout) -> list[Candidate]:
     """``base`` with TP, sequence parallel, CP (only for a longest sample beyond the token
-    budget) and recompute varied, where the world divides them and ``trainer`` runs them."""
+    budget) and recompute varied, where the world divides them and ``trainer`` runs them
+    (the optimizer's offload kept)."""
     world, tokens, longest = layout.world_size, layout.max_tokens_per_gpu, layout.longest_sample
     out: list[Candidate] = []
     for cp in (1, 2, 4, 8):
@@ -134,16 +168,33 @@ def _variants(trainer: TrainerConfig, base: ParallelLayout, layout: TrainLayout)
     return out
 
 
+def _offloaded(candidates: list[Candidate], fractions: Sequence[float]) -> list[Candidate]:
+    """``candidates`` with each of ``fractions`` of the optimizer on the host, by fraction,
+    where the backend runs it."""
+    out = []
+    for f in fractions:
+        for c, t in candidates:
+            p = dataclasses.replace(t.parallel, optimizer_offload=f)
+            if c.supports(p) is None:
+                out.append((c, dataclasses.replace(t, parallel=p)))
+    return out
+
+
 def candidate_layouts(
-    trainer: TrainerConfig, layout: TrainLayout, others: Sequence[TrainerConfig] = ()
+    trainer: TrainerConfig,
+    layout: TrainLayout,
+    others: Sequence[TrainerConfig] = (),
+    offloads: Sequence[float] = OFFLOAD_FRACTIONS,
 ) -> list[Candidate]:
     """Layouts to suggest instead of ``layout``, cheapest first: the same backend with more
     tensor parallelism and recomputation (its pipeline and expert split kept), then context
     parallelism for a longest sample beyond the token budget, then each of ``others`` (the
-    other backends the app offers, in their default split), then fewer tokens."""
+    other backends the app offers, in their default split), then each of these with
+    ``offloads`` of the optimizer on the host, then fewer tokens."""
     ordered = _variants(trainer, layout.parallel, layout)
     for other in others:
         ordered += _variants(other, ParallelLayout(), layout)
+    ordered += _offloaded(ordered, offloads)
     smaller = [
         (c, dataclasses.replace(t, max_tokens_per_gpu=layout.max_tokens_per_gpu // div))
         for div in (2, 4)
@@ -154,18 +205,30 @@ def candidate_layouts(
 
 
 def choose_layout(
-    shape: ModelShape, trainer: TrainerConfig, layout: TrainLayout, gpu_bytes: float
+    shape: ModelShape,
+    trainer: TrainerConfig,
+    layout: TrainLayout,
+    gpu_bytes: float,
+    *,
+    vary: bool = True,
+    offloads: Sequence[float] = (),
+    host_bytes: float | None = None,
 ) -> tuple[TrainLayout, MemoryEstimate]:
-    """``layout`` when it fits, else the first layout of the same backend and tokens that does
-    (more tensor parallelism, then recomputation), else ``layout`` (``check_layout`` refuses)."""
-    options = [layout] + [
-        t
-        for c, t in candidate_layouts(trainer, layout)
-        if c is trainer and t.max_tokens_per_gpu == layout.max_tokens_per_gpu
-    ]
+    """``layout`` when it fits, else the first layout of the same backend and tokens that does:
+    with ``vary``, more tensor parallelism, then recomputation; then the same with each of
+    ``offloads`` (fractions of the optimizer state on the host, within ``host_bytes`` per
+    rank), in that order. None fits: ``layout`` (``check_layout`` refuses)."""
+    base = [layout]
+    if vary:
+        base += [
+            t
+            for c, t in _variants(trainer, layout.parallel, layout)
+            if t != layout and c is trainer
+        ]
+    options = base + [t for _, t in _offloaded([(trainer, t) for t in base], offloads)]
     for option in options:
         estimate = estimate_memory(shape, trainer, option)
-        if estimate.total <= gpu_bytes:
+        if estimate.fits(gpu_bytes, host_bytes):
             return option, estimate
     return layout, estimate_memory(shape, trainer, layout)
 
@@ -178,24 +241,37 @@ def check_layout(
     *,
     others: Sequence[TrainerConfig] = (),
     model: str = "the model",
+    host_bytes: float | None = None,
 ) -> MemoryEstimate:
-    """The estimate when it fits in ``gpu_bytes``; otherwise :class:`PreflightError` with the
-    numbers and, for this backend and each of ``others``, the first candidate that fits."""
+    """The estimate when it fits in ``gpu_bytes`` (and its host part in ``host_bytes`` per
+    rank); otherwise :class:`PreflightError` with the numbers and, for this backend and each
+    of ``others``, the first candidate that fits."""
     estimate = estimate_memory(shape, trainer, layout)
-    if estimate.total <= gpu_bytes:
+    if estimate.fits(gpu_bytes, host_bytes):
         return estimate
     params = (shape.language_params + shape.vision_params) / 1e9
-    message = (
-        f"{model} ({params:.2f}B parameters) does not fit in {gpu_bytes / GiB:.1f} GiB per GPU "
-        f"as {estimate.description}: about {estimate.total / GiB:.1f} GiB "
-        f"({estimate.breakdown()})."
-    )
+    if estimate.total <= gpu_bytes:
+        assert host_bytes is not None
+        message = (
+            f"{model} ({params:.2f}B parameters) as {estimate.description} needs about "
+            f"{estimate.host / GiB:.1f} GiB of host memory per trainer rank for the optimizer "
+            f"state, beyond the {host_bytes / GiB:.1f} GiB the host leaves each "
+            "(--host-memory-gib)."
+        )
+    else:
+        message = (
+            f"{model} ({params:.2f}B parameters) does not fit in {gpu_bytes / GiB:.1f} GiB per "
+            f"GPU as {estimate.description}: about {estimate.total / GiB:.1f} GiB "
+            f"({estimate.breakdown()})."
+        )
     tries = []
     candidates = candidate_layouts(trainer, layout, others)
     for backend in (trainer, *others):
         for c, t in candidates:
-            if c is backend and (e := estimate_memory(shape, c, t)).total <= gpu_bytes:
-                tries.append(f"{flags(c, t)} (about {e.total / GiB:.1f} GiB)")
+            e = estimate_memory(shape, c, t)
+            if c is backend and e.fits(gpu_bytes, host_bytes):
+                host = f", {e.host / GiB:.1f} GiB on the host" if e.host else ""
+                tries.append(f"{flags(c, t)} (about {e.total / GiB:.1f} GiB{host})")
                 break
     if tries:
         message += " Try " + ", or ".join(tries) + "."

@@ -16,6 +16,8 @@ from rl_algos.run_context import ParallelLayout, Recompute, TrainLayout
 from rl_runtime.cluster import ClusterConfig, layout
 from rl_runtime.config_fields import ConfigError, option
 from rl_runtime.memory import (
+    HOST_RESERVE_BYTES,
+    OFFLOAD_FRACTIONS,
     MemoryEstimate,
     ModelShape,
     check_layout,
@@ -84,10 +86,33 @@ class ParallelConfig:
         "allocating; 0: no check)",
         ge=0,
     )
+    optimizer_cpu_offload: bool | None = option(
+        None,
+        "keep the optimizer state (float32 masters, AdamW moments) in host memory and step it "
+        "there (megatron: megatron-core's HybridDeviceOptimizer; fsdp: one GPU or "
+        "--fsdp-replicate); default: only where the memory estimate finds no layout that "
+        "holds it on the GPU",
+    )
+    optimizer_offload_fraction: float | None = option(
+        None,
+        "the part of the optimizer state on the host under --optimizer-cpu-offload (default: "
+        "the smallest tenth that fits the GPU, or 1 without an estimate)",
+        gt=0,
+        le=1,
+    )
+    host_memory_gib: float | None = option(
+        None,
+        "host memory of a node for the layout check (default: the machine's; 0: no check)",
+        ge=0,
+    )
 
     def check(self) -> None:
         if self.sequence_parallel and (self.tensor_parallel or 1) < 2:
             raise ConfigError("--sequence-parallel needs --tensor-parallel of 2 or more")
+        if self.optimizer_cpu_offload is False and self.optimizer_offload_fraction is not None:
+            raise ConfigError(
+                "--optimizer-offload-fraction contradicts --no-optimizer-cpu-offload; give one"
+            )
         gc, mode = self.gradient_checkpointing, self.recompute
         if mode != "auto" and gc is not None and gc != (mode == "full"):
             raise ConfigError(
@@ -130,7 +155,24 @@ class ParallelConfig:
             ep=self.expert_parallel,
             etp=self.expert_tensor_parallel,
             recompute=self.recompute_mode,
+            optimizer_offload=self.offload_fraction,
         )
+
+    @property
+    def offload_fraction(self) -> float:
+        """The part of the optimizer state on the host: 0 unless offloading is on (unset: not
+        chosen yet), then the fraction given, else all of it."""
+        if not (self.optimizer_cpu_offload or self.optimizer_offload_fraction):
+            return 0.0
+        return self.optimizer_offload_fraction or 1.0
+
+    @property
+    def offload_options(self) -> tuple[float, ...]:
+        """The fractions a layout chooser may try after ``offload_fraction``: every tenth when
+        offloading is unset or on without a fraction, none when it is off or given."""
+        if self.optimizer_cpu_offload is False or self.optimizer_offload_fraction is not None:
+            return ()
+        return OFFLOAD_FRACTIONS
 
 
 def check_parallel(
@@ -196,6 +238,51 @@ def gpu_memory_bytes(parallel: ParallelConfig) -> float | None:
     )
 
 
+def host_memory_bytes(parallel: ParallelConfig) -> float | None:
+    """A node's memory: ``--host-memory-gib``, else the machine's physical memory; None: no
+    check (0, or a platform that does not say)."""
+    if parallel.host_memory_gib is not None:
+        return parallel.host_memory_gib * GiB if parallel.host_memory_gib > 0 else None
+    try:
+        import os
+
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def host_budget(
+    parallel: ParallelConfig,
+    cluster: ClusterConfig,
+    shape: ModelShape,
+    *,
+    with_engines: bool,
+) -> float | None:
+    """Host memory one trainer rank may fill with offloaded optimizer state: the node's memory
+    less :data:`HOST_RESERVE_BYTES` and the weights colocated engines park on the host while
+    the trainer runs (bf16, one copy per engine), over the trainer ranks of a node (as many as
+    the node's visible GPUs, or all of them)."""
+    total = host_memory_bytes(parallel)
+    if total is None:
+        return None
+    lay = layout(cluster, with_engines=with_engines)
+    per_node = min(lay.num_trainers, _local_gpus() or lay.num_trainers)
+    engines = per_node if (with_engines and cluster.colocate) else 0
+    params = shape.language_params + shape.vision_params
+    left = total - HOST_RESERVE_BYTES - engines * 2 * params
+    return max(0.0, left / max(1, per_node))
+
+
+def _local_gpus() -> int:
+    """GPUs this machine shows (without allocating), 0 when none or torch cannot tell."""
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken CUDA install counts as no GPU
+        return 0
+
+
 def _requested(
     parallel: ParallelConfig,
     cluster: ClusterConfig,
@@ -233,10 +320,20 @@ def plan_layout(
         gpu = gpu_memory_bytes(parallel)
         if shape is not None and gpu is not None:
             model = ModelShape(**shape)
+            host = host_budget(parallel, cluster, model, with_engines=with_engines)
             requested = _requested(parallel, cluster, trainer, with_engines, longest_sample)
-            if parallel.unset:
-                requested, _ = choose_layout(model, trainer, requested, gpu)
-            estimate = check_layout(model, trainer, requested, gpu, others=others, model=model_name)
+            requested, _ = choose_layout(
+                model,
+                trainer,
+                requested,
+                gpu,
+                vary=parallel.unset,
+                offloads=parallel.offload_options,
+                host_bytes=host,
+            )
+            estimate = check_layout(
+                model, trainer, requested, gpu, others=others, model=model_name, host_bytes=host
+            )
             log.info(
                 "layout: %s; about %.1f GiB per GPU of %.1f (%s)",
                 estimate.description,
@@ -244,8 +341,8 @@ def plan_layout(
                 gpu / GiB,
                 estimate.breakdown(),
             )
+            chosen = requested.parallel
             if parallel.unset:
-                chosen = requested.parallel
                 parallel = dataclasses.replace(
                     parallel,
                     tensor_parallel=chosen.tp,
@@ -253,6 +350,19 @@ def plan_layout(
                     gradient_checkpointing=requested.recomputes,
                     context_parallel=chosen.cp,
                 )
+            if chosen.optimizer_offload > 0:
+                log.info(
+                    "optimizer: %.0f%% of its state on the host, about %.1f GiB per trainer "
+                    "rank of %s",
+                    100 * chosen.optimizer_offload,
+                    estimate.host / GiB,
+                    "an unknown budget" if host is None else f"{host / GiB:.1f} GiB",
+                )
+            parallel = dataclasses.replace(
+                parallel,
+                optimizer_cpu_offload=chosen.optimizer_offload > 0,
+                optimizer_offload_fraction=chosen.optimizer_offload or None,
+            )
     settled = dataclasses.replace(
         parallel,
         tensor_parallel=parallel.tensor_parallel or 1,
@@ -299,8 +409,9 @@ def layout_report(
     if shape is None or gpu is None:
         missing = "the model's config" if shape is None else "the GPU memory (--gpu-memory-gib)"
         return {"description": f"not estimated: {missing} is not known before the run"}
+    host = host_budget(parallel, cluster, ModelShape(**shape), with_engines=with_engines)
     try:
-        _, estimate = plan_layout(
+        settled, estimate = plan_layout(
             parallel,
             cluster,
             trainer=trainer,
@@ -312,10 +423,16 @@ def layout_report(
         )
     except PreflightError as err:
         requested = _requested(parallel, cluster, trainer, with_engines, longest_sample)
-        report = estimate_memory(ModelShape(**shape), trainer, requested).to_dict(gpu)
+        report = estimate_memory(ModelShape(**shape), trainer, requested).to_dict(gpu, host)
         return {**report, "refused": err.message}
     assert estimate is not None
-    return estimate.to_dict(gpu)
+    out = estimate.to_dict(gpu, host)
+    if settled.optimizer_cpu_offload and parallel.optimizer_cpu_offload is None:
+        out["optimizer_cpu_offload"] = (
+            f"chosen: no layout holds the optimizer state on the GPU; "
+            f"{settled.offload_fraction:.0%} of it on the host"
+        )
+    return out
 
 
 def settle(

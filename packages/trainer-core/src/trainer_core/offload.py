@@ -17,8 +17,10 @@ tests, or a host short of lockable memory).
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -105,3 +107,27 @@ class HostCopies:
     def nbytes(self) -> int:
         """Host memory held."""
         return sum(t.numel() * t.element_size() for t in self._host.values())
+
+
+def host_cores() -> int:
+    """The CPU cores this process may run on (a Ray actor's affinity is the machine's; its
+    ``OMP_NUM_THREADS`` is the actor's CPU share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@contextmanager
+def host_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``threads`` for a while (None: :func:`host_cores`).
+
+    An optimizer step on the host is bound by memory bandwidth, which one or two threads (a
+    trainer actor's CPU share) are far from using; the GPU idles while it runs, so the step
+    takes every core it may run on."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads or host_cores()))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

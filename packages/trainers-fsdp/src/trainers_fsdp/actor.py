@@ -108,6 +108,8 @@ class FsdpActor:
             self.mesh = build_mesh(self.device)
         default_dtype = "bfloat16" if self.device.type == "cuda" else None
         self.param_dtype = _dtype(config.param_dtype or default_dtype)
+        if config.optimizer_offload > 0:
+            self._check_offload()
         self.compile = config.compile  # None: decided by the model built (compile_by_default)
         self._vision_inputs: dict[int, VisionInputs | None] = {}  # by id(model)
         self._masters: MasterWeights | None = None  # one rank, low-precision compute
@@ -132,7 +134,11 @@ class FsdpActor:
             )
         with startup.phase("optimizer"):
             self.optimizer = build_optimizer(
-                self._trained, config.optim, self.device, self._masters
+                self._trained,
+                config.optim,
+                self.device,
+                self._masters,
+                host_threads=config.host_optimizer_threads,
             )
             self.scheduler = build_scheduler(self.optimizer, config.optim)
         startup.done()
@@ -142,6 +148,19 @@ class FsdpActor:
         torch.manual_seed(config.seed + self.rank)
 
     # ----------------------------------------------------------------------------- building
+    def _check_offload(self) -> None:
+        """The optimizer on the host (``optimizer_offload``) is the flat masters' step: one rank
+        or ``replicate``, low-precision compute (float32 on the CPU: already on the host)."""
+        cfg = self.config
+        if (self.world_size > 1 and not cfg.replicate) or cfg.shard_single_rank:
+            raise ValueError(
+                "optimizer offload (--optimizer-cpu-offload) on the fsdp backend needs one GPU "
+                "or --fsdp-replicate: sharded FSDP holds 1/N of the optimizer state per GPU "
+                "instead (or use --backend megatron)"
+            )
+        if self.param_dtype in (None, torch.float32):
+            logger.info("float32 compute on %s: the optimizer runs where it is", self.device)
+
     def _build(self, *, trainable: bool) -> nn.Module:
         cfg = self.config
         if cfg.attn_implementation == PACKED_ATTENTION:
@@ -201,7 +220,8 @@ class FsdpActor:
         frequencies) keep their dtype, as under FSDP's mixed precision."""
         compute = self.param_dtype or torch.float32
         if trainable and compute != torch.float32:
-            self._masters = MasterWeights(model, compute, self.device)
+            offload = self.config.optimizer_offload
+            self._masters = MasterWeights(model, compute, self.device, host_fraction=offload)
         else:
             for p in model.parameters():
                 p.data = p.data.to(self.device, compute)

@@ -140,6 +140,19 @@ class FsdpConfig:
     grpo: GrpoLossConfig = field(default_factory=GrpoLossConfig)
     sft_loss_agg_mode: str = "token-mean"
     optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "AdamW"})
+    # the fraction of the float32 masters and AdamW moments kept and stepped in host memory
+    # (trainers_fsdp.host_adamw); set by for_run from the layout (the launchers'
+    # --optimizer-cpu-offload, chosen to fit). One GPU or `replicate` only.
+    optimizer_offload: float = 0.0
+    # torch threads of that host step (None: every core the process may use)
+    host_optimizer_threads: int | None = field(
+        default=None,
+        metadata={
+            "help": "threads of the optimizer step on the host under --optimizer-cpu-offload "
+            "(default: every core the trainer may use)",
+            "ge": 1,
+        },
+    )
     reference_model: bool = False  # keep a frozen copy of the initial weights for KL
     offload_reference: bool = True  # reference params live in CPU memory (gathered per layer)
     log_entropy: bool = True  # entropy metric in train_step (no gradient unless entropy_coef)
@@ -154,6 +167,10 @@ class FsdpConfig:
             raise ValueError(f"temperature must be positive, got {self.temperature}")
         if self.logprobs_scope not in ("loss", "all"):
             raise ValueError(f"logprobs_scope must be 'loss' or 'all', got {self.logprobs_scope!r}")
+        if not 0.0 <= self.optimizer_offload <= 1.0:
+            raise ValueError(
+                f"optimizer_offload must be within [0, 1], got {self.optimizer_offload}"
+            )
         if self.optim.lr_schedule not in ("constant", "cosine"):
             raise ValueError(
                 f"optim.lr_schedule must be 'constant' or 'cosine', got {self.optim.lr_schedule!r}"
@@ -245,6 +262,7 @@ class FsdpConfig:
             seed=run.seed,
             device="cuda" if run.use_gpu else "cpu",
             activation_checkpointing=run.layout.recompute == "full",
+            optimizer_offload=run.layout.optimizer_offload,
             temperature=run.temperature,
             grpo=self.grpo if run.grpo is None else run.grpo,
             reference_model=run.reference_model,

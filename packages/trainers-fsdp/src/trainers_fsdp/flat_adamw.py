@@ -7,14 +7,20 @@ parameters: move the micro-batch's bf16 gradient into the float32 one, its norm,
 elementwise kernel per group that reads the gradient as it is (bf16 when the step had one
 micro-batch), updates masters and moments and writes the bf16 weights and a zeroed gradient:
 about 64 GB, plus 4 GB for the norm: 18.7 ms instead of 31.9 on an H200
-(tools/bench/bench_flat_adamw.py, docs/performance.md). Uncompiled, on the CPU, the pass is
-slower than torch's foreach AdamW, so the actor uses it on CUDA only.
+(tools/bench/bench_flat_adamw.py, docs/performance.md). On the CPU each run is one call of
+torch's fused CPU AdamW kernel instead (the kernel the host step of an offloaded optimizer
+uses); the actor's default there stays torch's per-tensor AdamW (``flat_update=None``).
 
 The optimizer stays a ``torch.optim.AdamW``: its param groups, LR schedule and ``state_dict``
 (per-parameter ``exp_avg``, ``exp_avg_sq``, ``step``, under the model's names) are torch's, so
 checkpoints move between this and the FSDP actor. Its moments are views of two flat buffers;
 a loaded state dict is copied back into them. The update follows torch's AdamW formula;
 compiled, it equals torch's fused kernel to about one float32 rounding.
+
+Masters kept on the host (``MasterWeights(host_fraction=...)``, ``--optimizer-cpu-offload``)
+have their moments on the host too and are stepped there by
+:class:`~trainers_fsdp.host_adamw.HostAdamW` (torch's fused CPU AdamW); the rest steps on the
+device as above. Offloading needs the flat layout (each group one run of the buffers).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 from torch import Tensor
 
 from trainer_core import HostCopies
+from trainers_fsdp.host_adamw import HostAdamW, HostPiece
 from trainers_fsdp.master import MasterWeights, compiled_on
 
 logger = logging.getLogger(__name__)
@@ -41,21 +48,38 @@ class FlatAdamW(torch.optim.AdamW):
     """
 
     def __init__(
-        self, param_groups: list[dict], masters: MasterWeights, *, flat: bool = True, **kw
+        self,
+        param_groups: list[dict],
+        masters: MasterWeights,
+        *,
+        flat: bool = True,
+        host_threads: int | None = None,
+        **kw,
     ):
         super().__init__(param_groups, **kw)
         self.masters = masters
         self.grad_scale: Tensor | None = None
         self._grad_views: tuple[tuple | None, list[Tensor]] = (None, [])  # per-parameter, cached
-        self._runs = self._group_runs() if flat else None
+        offloaded = masters.host_end > 0
+        self._runs = self._group_runs() if flat or offloaded else None
+        if offloaded and self._runs is None:
+            raise ValueError("optimizer offload needs each group to be one run of the masters")
         if flat and self._runs is None:
             logger.info("optimizer groups are not contiguous in the master buffers: per tensor")
         self.exp_avg = self.exp_avg_sq = None
         self._host = HostCopies()  # pinned host buffers for offload, reused (trainer_core)
+        self._host_step = None
         if self._runs is not None:
-            n = masters.num_trainable
-            self.exp_avg = torch.zeros(n, dtype=torch.float32, device=masters.device)
+            # moments of [0, host_end) on the host, the rest on the device (offset host_end)
+            n, h = masters.num_trainable, masters.host_end
+            pin = masters.device.type == "cuda"
+            self.host_exp_avg = torch.zeros(h, dtype=torch.float32, pin_memory=pin)
+            self.host_exp_avg_sq = torch.zeros(h, dtype=torch.float32, pin_memory=pin)
+            self.exp_avg = torch.zeros(n - h, dtype=torch.float32, device=masters.device)
             self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+            if h:
+                dtype = masters.compute.dtype
+                self._host_step = HostAdamW(masters.device, dtype, threads=host_threads)
             self._bind_state(fresh=True)
             self.register_load_state_dict_post_hook(lambda opt: opt._bind_state(fresh=False))
 
@@ -75,15 +99,26 @@ class FlatAdamW(torch.optim.AdamW):
 
     def _state_views(self, p: Tensor) -> tuple[Tensor, Tensor]:
         start, end = self.masters.span(p)
-        return self.exp_avg[start:end].view_as(p), self.exp_avg_sq[start:end].view_as(p)
+        m, v = self._moments(start, end)
+        return m.view_as(p), v.view_as(p)
+
+    def _moments(self, start: int, end: int) -> tuple[Tensor, Tensor]:
+        """The moments of masters ``[start, end)`` (on one side of ``host_end``)."""
+        h = self.masters.host_end
+        if end <= h:
+            return self.host_exp_avg[start:end], self.host_exp_avg_sq[start:end]
+        return self.exp_avg[start - h : end - h], self.exp_avg_sq[start - h : end - h]
+
+    def _on_host(self, p: Tensor) -> bool:
+        return self.masters.span(p)[1] <= self.masters.host_end
 
     @torch.no_grad()
     def _bind_state(self, *, fresh: bool) -> None:
         """Make every parameter's ``exp_avg`` / ``exp_avg_sq`` views of the flat buffers
         (``fresh``: zero moments at step 0; else copy in what a state dict load put there)."""
-        device = self.masters.device
         for group in self.param_groups:
             for p in group["params"]:
+                device = torch.device("cpu") if self._on_host(p) else self.masters.device
                 state = self.state[p]
                 m, v = self._state_views(p)
                 step = 0.0
@@ -108,7 +143,8 @@ class FlatAdamW(torch.optim.AdamW):
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state[p]
-                state["step"] = state["step"].to(device, non_blocking=True)
+                if not self._on_host(p):  # the host part's state stays where it is
+                    state["step"] = state["step"].to(device, non_blocking=True)
                 state["exp_avg"], state["exp_avg_sq"] = self._state_views(p)
 
     def take_moved(self) -> int:
@@ -159,25 +195,72 @@ class FlatAdamW(torch.optim.AdamW):
         def fill(x: float) -> Tensor:  # a kernel argument, not a host-to-device copy
             return torch.full((), x, dtype=torch.float32, device=device)
 
+        h = masters.host_end
+        host: list[HostPiece] = []
         for group, (start, end) in zip(self.param_groups, self._runs, strict=True):
-            steps = [self.state[p]["step"] for p in group["params"]]
-            torch._foreach_add_(steps, 1.0)
+            on_host = [self.state[p]["step"] for p in group["params"] if self._on_host(p)]
+            on_device = [self.state[p]["step"] for p in group["params"] if not self._on_host(p)]
+            for steps in (on_host, on_device):
+                if steps:
+                    torch._foreach_add_(steps, 1.0)
             beta1, beta2 = group["betas"]
+            if start < h:  # the group's host part: [start, min(end, h))
+                top = min(end, h)
+                m, v = self._moments(start, top)
+                host.append(
+                    HostPiece(
+                        masters.master_slice(start, top),
+                        m,
+                        v,
+                        on_host[0],
+                        grad[start:top],
+                        masters.compute[start:top],
+                        lr=group["lr"],
+                        weight_decay=group["weight_decay"],
+                        beta1=beta1,
+                        beta2=beta2,
+                        eps=group["eps"],
+                    )
+                )
+                start = top
+            if start >= end:
+                continue
+            m, v = self._moments(start, end)
+            if device.type == "cpu":  # torch's fused CPU kernel, with the group's own floats
+                _fused_cpu(
+                    masters.master_slice(start, end),
+                    grad[start:end],
+                    m,
+                    v,
+                    on_device[0],
+                    group,
+                    scale,
+                )
+                masters.compute[start:end].copy_(masters.master_slice(start, end))
+                if single:
+                    grad[start:end].zero_()
+                continue
             update(
-                masters.master[start:end],
+                masters.master_slice(start, end),
                 grad[start:end],
-                self.exp_avg[start:end],
-                self.exp_avg_sq[start:end],
+                m,
+                v,
                 masters.compute[start:end],
                 fill(group["lr"]),
                 fill(group["weight_decay"]),
                 fill(beta1),
                 fill(beta2),
                 fill(group["eps"]),
-                steps[0],
+                on_device[0],
                 scale,
                 single,
             )
+        if host:
+            assert self._host_step is not None
+            divide = None if self.grad_scale is None else float(self.grad_scale)
+            self._host_step.step(host, divide)
+            if single:  # the device update zeroed only its own part of the bf16 gradient
+                grad[:h].zero_()
         masters.zero_grad(compute_grad_zeroed=single)
 
 
@@ -195,6 +278,37 @@ def _move_state_tensors(optimizer: torch.optim.Optimizer, device: torch.device) 
         for k, v in state.items():
             if isinstance(v, Tensor):
                 state[k] = v.to(device, non_blocking=True)
+
+
+def _fused_cpu(
+    master: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    step: Tensor,
+    group: dict,
+    grad_scale: Tensor | None,
+) -> None:
+    """AdamW on a run of the flat buffers on the CPU: torch's fused CPU kernel, as
+    ``torch.optim.AdamW(fused=True)`` calls it (the host step's kernel too)."""
+    beta1, beta2 = group["betas"]
+    torch._fused_adamw_(
+        [master],
+        [grad.float() if grad.dtype != torch.float32 else grad.clone()],  # the kernel scales it
+        [exp_avg],
+        [exp_avg_sq],
+        [],
+        [step],
+        lr=group["lr"],
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        amsgrad=False,
+        maximize=False,
+        grad_scale=grad_scale,
+        found_inf=None,
+    )
 
 
 def _adamw_update(

@@ -15,6 +15,12 @@ the masters, AdamW's moments and the bf16 weights in one pass. The masters live 
 parameter-only module with the model's names (:attr:`MasterWeights.module`), so the optimizer,
 gradient clipping and distributed checkpoints see ordinary float32 parameters under the names
 an FSDP run would use.
+
+With ``host_fraction`` > 0 (the launchers' ``--optimizer-cpu-offload``) the masters of the
+first trainable parameters, that fraction of the trainable elements, live in pinned host
+memory instead (:attr:`MasterWeights.host_master`, offsets ``[0, host_end)``); their AdamW step
+runs there too (:mod:`trainers_fsdp.host_adamw`). The bf16 weights and gradients stay on the
+device.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from torch import Tensor, nn
 
 from trainer_core import HostCopies
 from trainers_fsdp.distributed import all_reduce_mean_
+from trainers_fsdp.memory import CHUNK
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +71,18 @@ class MasterWeights:
     :meth:`copy_to_model` and :meth:`zero_grad`.
     """
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        host_fraction: float = 0.0,
+    ) -> None:
         if dtype == torch.float32:
             raise ValueError("float32 compute needs no master weights: train the model directly")
+        if not 0.0 <= host_fraction <= 1.0:
+            raise ValueError(f"host_fraction must be within [0, 1], got {host_fraction}")
         self.model = model
         named = list(model.named_parameters())  # a tied parameter once, under its first name
         layout = sorted(named, key=lambda item: (not item[1].requires_grad, item[1].dim() < 2))
@@ -75,10 +91,14 @@ class MasterWeights:
         self._offsets = _offsets(p.numel() for p in self._params)
         self.num_trainable = sum(p.numel() for p in self._params if p.requires_grad)
         total = self._offsets[-1]
-        self.master = torch.empty(total, dtype=torch.float32, device=device)
+        self.host_end = _split(self._offsets, self.num_trainable, host_fraction)
+        pin = device.type == "cuda"
+        # masters [0, host_end) on the host, [host_end, total) on the device (offset host_end)
+        self.host_master = torch.empty(self.host_end, dtype=torch.float32, pin_memory=pin)
+        self.master = torch.empty(total - self.host_end, dtype=torch.float32, device=device)
         for p, (start, end) in zip(self._params, itertools.pairwise(self._offsets), strict=True):
-            self.master[start:end].copy_(p.detach().reshape(-1))
-        self.compute = self.master.to(dtype)
+            self.master_slice(start, end).copy_(p.detach().reshape(-1))
+        self.compute = torch.empty(total, dtype=dtype, device=device)
         self.compute_grad = torch.zeros(self.num_trainable, dtype=dtype, device=device)
         # float32 accumulator, allocated by the first move into it: a step of one micro-batch
         # (FlatAdamW) never needs it
@@ -91,27 +111,39 @@ class MasterWeights:
         self._spans = {
             id(m): (self._offsets[i], self._offsets[i + 1]) for i, m in enumerate(self._masters)
         }
+        self._host = HostCopies()
+        self.copy_to_model()
         self._bind()
         self._pending = False  # compute_grad may hold a backward's gradient not yet in grad
         self._grad_empty = True  # grad holds nothing yet: the next move copies
-        self._host = HostCopies()
         logger.info(
-            "master weights: %.1fM params (%.1fM trainable), %s compute, float32 masters",
+            "master weights: %.1fM params (%.1fM trainable), %s compute, float32 masters "
+            "(%.1fM on the host)",
             total / 1e6,
             self.num_trainable / 1e6,
             str(dtype).removeprefix("torch."),
+            self.host_end / 1e6,
         )
 
     def span(self, master: nn.Parameter) -> tuple[int, int]:
         """Where a master parameter of :attr:`module` lies in the flat buffers."""
         return self._spans[id(master)]
 
+    def master_slice(self, start: int, end: int) -> Tensor:
+        """The masters ``[start, end)`` (flat offsets): a view of :attr:`host_master` or of
+        :attr:`master`; a range never crosses ``host_end`` (a parameter boundary)."""
+        if end <= self.host_end:
+            return self.host_master[start:end]
+        if start < self.host_end:
+            raise ValueError(f"[{start}, {end}) crosses the host part's end {self.host_end}")
+        return self.master[start - self.host_end : end - self.host_end]
+
     def _bind(self) -> None:
         """Point the model's and the masters' ``.data`` and ``.grad`` at the flat buffers."""
         for i, (p, m) in enumerate(zip(self._params, self._masters, strict=True)):
             start, end = self._offsets[i], self._offsets[i + 1]
             p.data = self.compute[start:end].view(self._shapes[i])
-            m.data = self.master[start:end].view(self._shapes[i])
+            m.data = self.master_slice(start, end).view(self._shapes[i])
             if p.requires_grad:  # trainable parameters come first: the same offsets
                 p.grad = self.compute_grad[start:end].view(self._shapes[i])
         self._bind_master_grads()
@@ -184,7 +216,10 @@ class MasterWeights:
     @torch.no_grad()
     def copy_to_model(self) -> None:
         """Cast the masters into the compute weights (after an optimizer step or a load)."""
-        compiled_on(self.device, _cast_into)(self.compute, self.master)
+        if self.master.numel():
+            compiled_on(self.device, _cast_into)(self.compute[self.host_end :], self.master)
+        if self.host_end:
+            cast_to_device(self.compute[: self.host_end], self.host_master)
 
     @contextlib.contextmanager
     def grads_detached(self) -> Iterator[None]:
@@ -207,7 +242,8 @@ class MasterWeights:
         ``fill=False`` leaves them unfilled (an offload: nothing runs until they come back)."""
         self._flush()
         # offloads land in pinned host buffers reused from one offload to the next
-        # (trainer_core.HostCopies: no pageable allocation and page faults every step)
+        # (trainer_core.HostCopies: no pageable allocation and page faults every step); the
+        # host part of the masters stays where it is
         self.master = self._host.move("master", self.master, device)
         if self.grad is not None:
             if self._grad_empty:
@@ -260,6 +296,23 @@ def compiled_on(device: torch.device, fn):
     if fn not in _compiled:
         _compiled[fn] = torch.compile(fn, dynamic=False, fullgraph=True)
     return _compiled[fn]
+
+
+def _split(offsets: list[int], trainable: int, fraction: float) -> int:
+    """The end of the host part: the first parameter boundary at or past ``fraction`` of the
+    trainable elements (all of them for 1, none for 0)."""
+    if fraction <= 0:
+        return 0
+    goal = fraction * trainable
+    return next((o for o in offsets if o >= goal and o <= trainable), trainable)
+
+
+@torch.no_grad()
+def cast_to_device(dst: Tensor, src: Tensor, chunk: int = CHUNK) -> None:
+    """``dst.copy_(src)`` from a large host buffer to the device in pieces, so that the cast's
+    temporary is a piece, not the whole buffer."""
+    for start in range(0, src.numel(), chunk):
+        dst[start : start + chunk].copy_(src[start : start + chunk])
 
 
 def _offsets(sizes: Iterable[int]) -> list[int]:

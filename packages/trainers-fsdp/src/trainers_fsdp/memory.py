@@ -9,7 +9,12 @@ embedding. Activations are the decoder's (``rl_algos.run_context.decoder_activat
 whole-layer recomputation of the vision blocks too; the logits are bf16 with their gradient
 (the float32 work is chunked). Against the H200 runs of issue 19 (2B shape, 8 x 1,024 tokens,
 one image patch per token, one GPU, peak allocated): 57.7 GiB measured, 62.8 estimated without
-the float32 gradient that run did not allocate."""
+the float32 gradient that run did not allocate.
+
+With the optimizer offloaded (``layout.parallel.optimizer_offload`` = f, one rank or
+``replicate``; trainers_fsdp.host_adamw) f of the masters and moments (12 bytes per parameter)
+move to the host, with two pinned pieces of gradient and weights per rank; sharded FSDP does
+not offload, and is counted as without it."""
 
 from __future__ import annotations
 
@@ -20,6 +25,9 @@ from rl_algos.run_context import (
     decoder_activations,
     vision_activations,
 )
+
+#: elements per host <-> device piece of an offloaded optimizer step: 64M float32 is 256 MiB
+CHUNK = 1 << 26
 
 
 def state_bytes(
@@ -36,6 +44,11 @@ def state_bytes(
     weights = 2 * total_params / shards
     gradients = 6 * total_params / shards  # bf16, and float32 for the masters / reduce
     optimizer = 12 * total_params / shards
+    host = 0.0
+    if shards == 1 and layout.parallel.optimizer_offload > 0:
+        host = optimizer * layout.parallel.optimizer_offload
+        optimizer -= host
+        host += 2 * CHUNK * (4 + 2)  # the pinned pieces: float32 gradient, bf16 weights
     if shards > 1:  # the gathered bf16 units: a decoder layer, the next one, the embedding
         unit = shape.language_params / max(1, layers)
         weights += 2 * (2 * unit + shape.vocab_size * h)
@@ -50,4 +63,4 @@ def state_bytes(
         vision_patches_per_token=vision_patches_per_token,
     )
     logits = layout.tokens_per_gpu * shape.vocab_size * (2 + 2)
-    return StateBytes(weights, gradients, optimizer, activations, logits)
+    return StateBytes(weights, gradients, optimizer, activations, logits, host)

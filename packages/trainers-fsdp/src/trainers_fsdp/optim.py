@@ -20,13 +20,16 @@ def build_optimizer(
     cfg: OptimConfig,
     device: torch.device,
     masters: MasterWeights | None = None,
+    *,
+    host_threads: int | None = None,
 ) -> torch.optim.AdamW:
     """AdamW over the trainable parameters; weight decay on matrices only.
 
     Norm weights and biases (1-D) are not decayed, the usual practice. With ``masters`` (one
     rank, bf16 compute; ``model`` is then ``masters.module``) it is a
     :class:`~trainers_fsdp.flat_adamw.FlatAdamW` (one pass per group over the flat buffers
-    on CUDA, or as ``cfg.flat_update`` says). Otherwise, on CUDA the fused kernel (it takes
+    on CUDA, or as ``cfg.flat_update`` says; masters kept on the host step there, on
+    ``host_threads`` threads). Otherwise, on CUDA the fused kernel (it takes
     DTensor parameters); on CPU the foreach implementation.
     """
     decay, no_decay = [], []
@@ -46,6 +49,7 @@ def build_optimizer(
             groups,
             masters,
             flat=flat,
+            host_threads=host_threads,
             fused=fused,
             foreach=None if fused else True,
             **kw,

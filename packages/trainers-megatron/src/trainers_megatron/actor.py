@@ -162,6 +162,14 @@ class MegatronActor:
         default_dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = getattr(torch, config.param_dtype or default_dtype)
         self.hf_config = resolve_config(config.model, **config.model_overrides)
+        if config.optimizer_offload > 0 and self.dtype == torch.float32:
+            # megatron-core 0.16.1's precision-aware distributed optimizer takes float32
+            # weights' shards as views that keep their autograd history (torch refuses to
+            # optimize them), and its device half would step them through an empty .grad
+            raise ValueError(
+                "optimizer offload on the megatron backend needs bf16 weights "
+                "(--param-dtype bfloat16; the default on GPUs)"
+            )
         if config.ep > 1 and not text_arch(self.hf_config).num_experts:
             raise ValueError(f"ep={config.ep} (expert parallel) needs an MoE model")
         if self.device.type == "cpu":
@@ -232,8 +240,14 @@ class MegatronActor:
                 eps=config.eps,
                 weight_decay=config.weight_decay,
                 distributed_optimizer=config.distributed_optimizer,
+                offload=config.optimizer_offload,
+                overlap_offload=config.overlap_cpu_optimizer_d2h_h2d,
             )
-            self._step = OptimizerStep(self.optimizer, flat=config.flat_masters)
+            self._step = OptimizerStep(
+                self.optimizer,
+                flat=config.flat_masters,
+                host_threads=config.host_optimizer_threads,
+            )
         startup.done()
         self.scheduler = _lr_scheduler(self.optimizer, config)
         self.step = 0

@@ -91,8 +91,10 @@ def load_checkpoint(actor: MegatronActor, path: str | os.PathLike) -> None:
     if saved != layout_of(actor.config):
         raise ValueError(f"{path} was saved with {saved}; this run has {layout_of(actor.config)}")
     state = torch.load(path / f"rank{actor.rank:05d}.pt", weights_only=True)  # no code runs
-    actor.module.load_state_dict(state["model"], strict=False)
+    # the optimizer first: megatron-core's HybridDeviceOptimizer (--optimizer-cpu-offload)
+    # initialises a fresh state by a step on random gradients, which writes the weights
     load_optimizer_state(actor.optimizer, state["optimizer"])
+    actor.module.load_state_dict(state["model"], strict=False)
     actor.scheduler.load_state_dict(state["scheduler"])
     actor.step = state["step"]
     torch.set_rng_state(state["rng"])

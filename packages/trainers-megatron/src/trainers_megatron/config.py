@@ -10,6 +10,12 @@ from rl_algos import GrpoLossConfig
 from rl_algos.run_context import ModelShape, ParallelLayout, RunContext, StateBytes, TrainLayout
 from trainers_megatron.memory import state_bytes as memory_state_bytes
 
+OFFLOAD_NEEDS_DISTRIBUTED = (
+    "--optimizer-cpu-offload on the megatron backend needs the distributed optimizer "
+    "(megatron-core's HybridDeviceOptimizer runs under its precision-aware form); drop "
+    "--no-distributed-optimizer"
+)
+
 
 @dataclass
 class MegatronConfig:
@@ -44,6 +50,27 @@ class MegatronConfig:
         metadata={
             "help": "megatron-core's distributed optimizer (float32 masters and AdamW moments "
             "sharded over data-parallel ranks); --no-distributed-optimizer keeps them whole"
+        },
+    )
+    # the fraction of the optimizer state (float32 masters, AdamW moments) kept and stepped in
+    # host memory by megatron-core's HybridDeviceOptimizer (optimizer_cpu_offload, with its
+    # precision-aware distributed optimizer); set by for_run from the layout (the launchers'
+    # --optimizer-cpu-offload, chosen to fit). Needs the distributed optimizer.
+    optimizer_offload: float = 0.0
+    overlap_cpu_optimizer_d2h_h2d: bool = field(
+        default=True,
+        metadata={
+            "help": "under --optimizer-cpu-offload: megatron-core's overlap of the host step "
+            "with the gradients' copies to the host and the weights' copies back (CUDA streams)"
+        },
+    )
+    # torch threads of that host step (None: every core the process may use)
+    host_optimizer_threads: int | None = field(
+        default=None,
+        metadata={
+            "help": "threads of the optimizer step on the host under --optimizer-cpu-offload "
+            "(default: every core the trainer may use)",
+            "ge": 1,
         },
     )
     # the distributed optimizer's float32 masters as one tensor per gradient-bucket shard
@@ -173,6 +200,12 @@ class MegatronConfig:
             )
         if self.lr_schedule == "cosine" and not self.total_steps:
             raise ValueError("lr_schedule='cosine' needs total_steps")
+        if not 0.0 <= self.optimizer_offload <= 1.0:
+            raise ValueError(
+                f"optimizer_offload must be within [0, 1], got {self.optimizer_offload}"
+            )
+        if self.optimizer_offload > 0 and not self.distributed_optimizer:
+            raise ValueError(OFFLOAD_NEEDS_DISTRIBUTED)
         if self.warmup_steps < 0 or not 0.0 <= self.min_lr <= self.lr:
             raise ValueError("warmup_steps must be >= 0 and min_lr within [0, lr]")
 
@@ -205,7 +238,10 @@ class MegatronConfig:
 
     def supports(self, layout: ParallelLayout) -> str | None:
         """Megatron runs every split (a CLI check already refuses sequence parallel without
-        TP; whether the ranks divide is the launcher's check): None."""
+        TP; whether the ranks divide is the launcher's check); the optimizer on the host needs
+        the distributed optimizer."""
+        if layout.optimizer_offload > 0 and not self.distributed_optimizer:
+            return OFFLOAD_NEEDS_DISTRIBUTED
         return None
 
     def state_bytes(
@@ -226,7 +262,10 @@ class MegatronConfig:
         parts += [f"PP{p.pp}"] * (p.pp > 1)
         parts += [f"EP{p.ep}"] * (p.ep > 1) + [f"ETP{p.etp}"] * (p.etp is not None)
         parts += [f"DP{layout.dp}"]
-        return parts + ["SP"] * p.sp + ["distributed optimizer"] * self.distributed_optimizer
+        parts += ["SP"] * p.sp + ["distributed optimizer"] * self.distributed_optimizer
+        if p.optimizer_offload > 0:
+            parts.append("megatron-core HybridDeviceOptimizer")
+        return parts
 
     def layout_flags(self, layout: TrainLayout) -> list[str]:
         """The launcher flags that select this backend and ``layout`` (recompute and tokens
@@ -256,6 +295,7 @@ class MegatronConfig:
             etp=p.etp,
             cp=p.cp,
             recompute=p.recompute,
+            optimizer_offload=p.optimizer_offload,
             temperature=run.temperature,
             grpo=self.grpo if run.grpo is None else run.grpo,
             reference_model=run.reference_model,

@@ -16,7 +16,14 @@ also keeps the whole row's keys and values (split by TP), and the vision tower r
 rank over the whole row's images (Qwen3.5's gated-delta-net layers, which gather the whole row,
 are not counted beyond that). The logits are bf16 plus a float32 copy in the vocab-parallel
 cross entropy. Against the H200 run of issue 19 (2B shape, 8 x 1,024 tokens, one image patch
-per token, one GPU, peak allocated): 69 GiB measured, 73.1 estimated."""
+per token, one GPU, peak allocated): 69 GiB measured, 73.1 estimated.
+
+With the optimizer offloaded (``layout.parallel.optimizer_offload`` = f: megatron-core's
+HybridDeviceOptimizer under its precision-aware distributed optimizer) f of this rank's
+optimizer shard lives on the host: float32 masters and moments (12 bytes per parameter) and
+the pinned float32 gradient copies the host step reads (4); the rest keeps its float32 copy
+and moments on the GPU (12). The distributed optimizer's own float32 masters are gone in that
+form, so nothing else changes on the GPU."""
 
 from __future__ import annotations
 
@@ -50,6 +57,9 @@ def state_bytes(
         opt_held = held
     weights, gradients = 2 * held, 2 * held + 4 * opt_held
     optimizer = 12 * opt_held
+    offload = p.optimizer_offload
+    host = 16 * opt_held * offload
+    optimizer *= 1 - offload
     per_layer_token: float = 2 * (8 * h + 4 * inter)
     if p.sp:
         per_layer_token /= tp
@@ -65,4 +75,4 @@ def state_bytes(
         shape, layout, recompute=False, vision_patches_per_token=vision_patches_per_token
     )
     logits = tokens * shape.vocab_size / tp * (2 + 4)
-    return StateBytes(weights, gradients, optimizer, activations, logits)
+    return StateBytes(weights, gradients, optimizer, activations, logits, host)

@@ -11,6 +11,16 @@ expert-data-parallel group (megatron-core chains the two).
 The step's calls on it are :class:`OptimizerStep`'s: the gradient norm and clipping without
 host reads, and (:mod:`trainers_megatron.flat_masters`) the distributed optimizer's
 per-parameter bookkeeping done on whole bucket shards.
+
+``offload`` > 0 (``--optimizer-cpu-offload``) is megatron-core's own optimizer CPU offload:
+``optimizer_cpu_offload`` with that ``optimizer_offload_fraction`` under the precision-aware
+distributed optimizer (``use_precision_aware_optimizer``, which megatron-core's training
+arguments require with it: the distributed optimizer then keeps no float32 masters of its own
+on the GPU). Its ``HybridDeviceOptimizer`` keeps the first fraction of this rank's shard as
+float32 host copies stepped by torch's fused CPU AdamW, one optimizer per parameter so that,
+with ``overlap_cpu_optimizer_d2h_h2d``, each parameter's gradient copy to the host, its step and
+its weights' copy back overlap the others' on two CUDA streams; the rest steps on the GPU.
+Clipping reaches every one of its AdamWs as ``grad_scale``.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
 from torch import Tensor
 
+from trainer_core import host_threads
 from trainers_megatron.flat_masters import FlatMasters
 
 
@@ -48,10 +59,24 @@ def build_optimizer(
     eps: float,
     weight_decay: float,
     distributed_optimizer: bool,
+    offload: float = 0.0,
+    overlap_offload: bool = True,
 ) -> MegatronOptimizer:
     """AdamW through ``get_megatron_optimizer``; weight decay on matrices only (megatron-core's
-    default: none on 1-D tensors and biases). Clipping is :class:`OptimizerStep`'s (``clip_grad=0``)."""
+    default: none on 1-D tensors and biases). Clipping is :class:`OptimizerStep`'s (``clip_grad=0``).
+    ``offload``: the fraction of the optimizer stepped on the host (see the module docstring)."""
     config = model.config
+    offloading: dict[str, Any] = {}
+    if offload > 0:
+        cuda = torch.cuda.is_available()
+        offloading = dict(
+            optimizer_cpu_offload=True,
+            optimizer_offload_fraction=offload,
+            overlap_cpu_optimizer_d2h_h2d=overlap_offload,
+            store_param_remainders=False,  # what its check sets without Transformer Engine
+            pin_cpu_grads=cuda,  # page-locked host memory needs CUDA
+            pin_cpu_params=cuda,
+        )
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=lr,
@@ -65,10 +90,27 @@ def build_optimizer(
         fp16=config.fp16,
         params_dtype=config.params_dtype,
         use_distributed_optimizer=distributed_optimizer,
+        **offloading,
     )
+    if offload > 0:
+        _precision_aware(opt_config)
     optimizer = get_megatron_optimizer(opt_config, [model])
     fuse_torch_adam(optimizer)
     return optimizer
+
+
+def _precision_aware(config: OptimizerConfig) -> None:
+    """Turn on ``use_precision_aware_optimizer`` after the config's own check.
+
+    megatron-core 0.16.1's ``OptimizerConfig.__post_init__`` compares the Transformer Engine
+    version with ``is_te_min_version("2.1.0")`` before it returns for ``optimizer_cpu_offload``,
+    and without Transformer Engine that comparison raises (``None >= Version``). What the check
+    would leave for a CPU-offloaded optimizer without Transformer Engine is set here:
+    ``store_param_remainders=False`` (given at construction) and the derived flag."""
+    if not (config.optimizer == "adam" and config.use_distributed_optimizer):
+        raise ValueError("the precision-aware optimizer needs AdamW and the distributed optimizer")
+    config.use_precision_aware_optimizer = True
+    config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
 
 
 def fuse_torch_adam(optimizer: MegatronOptimizer) -> None:
@@ -119,9 +161,12 @@ class OptimizerStep:
     reads every tensor's norm), and clipping by that norm without a host read.
     """
 
-    def __init__(self, optimizer: MegatronOptimizer, *, flat: bool = True) -> None:
+    def __init__(
+        self, optimizer: MegatronOptimizer, *, flat: bool = True, host_threads: int | None = None
+    ) -> None:
         self.optimizer = optimizer
         self.parts = [(opt, FlatMasters.of(opt) if flat else None) for opt in optimizers(optimizer)]
+        self.host_threads = host_threads
 
     @property
     def flat(self) -> bool:
@@ -159,11 +204,38 @@ class OptimizerStep:
             if flat is not None:
                 flat.step(clip)
                 continue
+            hybrid = hybrid_optimizer(opt)
+            if hybrid is not None:
+                self._hybrid_step(opt, hybrid, clip)
+                continue
             if clip is not None:
-                grads = [p.grad for p in opt.get_parameters() if p.grad is not None]
+                grads = [_grad(p) for p in opt.get_parameters() if _grad(p) is not None]
                 if grads:
                     torch._foreach_mul_(grads, clip)
             opt.step_with_ready_grads()
+
+    def _hybrid_step(self, opt: MegatronOptimizer, hybrid: Any, clip: float | None) -> None:
+        """megatron-core's step of a HybridDeviceOptimizer: clipping as each of its fused
+        AdamWs' ``grad_scale`` (no pass over the gradients), the host part on
+        ``host_threads`` threads; returns once the weights are back on the device."""
+        subs = hybrid.sub_optimizers
+        fused = all(g.get("fused") for sub in subs for g in sub.param_groups)
+        if clip is not None and not fused:
+            grads = [_grad(p) for p in opt.get_parameters() if _grad(p) is not None]
+            torch._foreach_mul_(grads, clip)
+            clip = None
+        if clip is not None:
+            for sub in subs:
+                device = sub.param_groups[0]["params"][0].device
+                sub.grad_scale = torch.full((), 1.0 / clip, device=device)
+        try:
+            with host_threads(self.host_threads):
+                opt.step_with_ready_grads()
+        finally:
+            for sub in subs:
+                sub.grad_scale = None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the last weights' copies back belong to the step
 
     def zero_grad(self, model: DistributedDataParallel) -> None:
         """Zero the gradient buffers (the flat masters' gradients are views of them); the
@@ -172,6 +244,21 @@ class OptimizerStep:
         for opt, flat in self.parts:
             if flat is None:
                 opt.zero_grad()
+
+
+def hybrid_optimizer(opt: MegatronOptimizer) -> Any:
+    """The HybridDeviceOptimizer ``opt`` steps (``optimizer_cpu_offload``), or None."""
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    inner = getattr(opt, "optimizer", None)
+    return inner if isinstance(inner, HybridDeviceOptimizer) else None
+
+
+def _grad(p: Tensor) -> Tensor | None:
+    """A parameter's gradient as the optimizer reads it: the precision-aware optimizer's
+    ``decoupled_grad`` where set, else ``.grad``."""
+    grad = getattr(p, "decoupled_grad", None)
+    return p.grad if grad is None else grad
 
 
 def _device() -> str:
@@ -189,11 +276,20 @@ def optimizer_state(optimizer: MegatronOptimizer) -> list[dict[str, Any]] | None
     out = []
     for opt in opts:
         entry = opt.state_dict()
+        for group in _saved_groups(entry):
+            for key in [k for k, v in group.items() if isinstance(v, type)]:
+                del group[key]  # the hybrid optimizer's classes: not data (weights_only loads)
         if hasattr(opt, "get_parameter_state_dp_reshardable"):
             entry["param_state"] = _mark_no_padding(opt.get_parameter_state_dp_reshardable())
             entry["param_state_sharding_type"] = "dp_reshardable"
         out.append(entry)
     return out
+
+
+def _saved_groups(entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """The inner optimizer's param groups in one optimizer's state dict (the distributed and
+    mixed-precision optimizers nest it under ``optimizer``)."""
+    return entry.get("optimizer", entry).get("param_groups", [])
 
 
 def _mark_no_padding(state: dict[Any, Any]) -> dict[Any, Any]:
@@ -219,9 +315,32 @@ def load_optimizer_state(optimizer: MegatronOptimizer, saved: list[dict[str, Any
     if len(opts) != len(saved):
         raise ValueError(f"checkpoint has {len(saved)} optimizer(s), this model {len(opts)}")
     for opt, entry in zip(opts, saved, strict=True):
+        live = opt.optimizer.param_groups if opt.optimizer is not None else []
+        for group, mine in zip(_saved_groups(entry), live, strict=False):
+            group.update({k: v for k, v in mine.items() if isinstance(v, type)})
         opt.load_state_dict(entry)
         _unshare_steps(opt)
+        hybrid = hybrid_optimizer(opt)
+        if hybrid is not None:
+            _restore_hybrid_masters(hybrid)
     fuse_torch_adam(optimizer)  # loading put the saved (host) step counters back
+
+
+def _restore_hybrid_masters(hybrid: Any) -> None:
+    """Put a loaded HybridDeviceOptimizer's masters where it steps them.
+
+    megatron-core 0.16.1 loads the distributed optimizer's parameter state after the inner
+    optimizer's state dict, by replacing each parameter's ``master_param`` entry; the hybrid
+    optimizer copies that entry into the float32 tensors it steps only in its own load hook,
+    which ran before. Its ``_update_fp32_params_by_new_state`` copies them now. Step counters
+    move to their parameter's device (torch's fused AdamW keeps them there)."""
+    hybrid._update_fp32_params_by_new_state()
+    for sub in hybrid.sub_optimizers:
+        for group in sub.param_groups:
+            for p in group["params"]:
+                step = sub.state.get(p, {}).get("step")
+                if isinstance(step, Tensor) and step.device != p.device:
+                    sub.state[p]["step"] = step.to(p.device, torch.float32)
 
 
 def _unshare_steps(opt: MegatronOptimizer) -> None:

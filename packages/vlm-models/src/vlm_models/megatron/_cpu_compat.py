@@ -21,7 +21,11 @@ without:
 * the MoE all-to-all token dispatcher (``transformer/moe/token_dispatcher.py``) creates a CUDA
   stream at construction and moves its split sizes to the host on it
   (``maybe_move_tensor_to_cpu(..., as_numpy=True)``, which leaves a CPU tensor a tensor: the
-  all-to-all then refuses it as a list of sizes).
+  all-to-all then refuses it as a list of sizes);
+* the optimizer CPU offload (``optimizer/cpu_offloading/hybrid_optimizer.py``,
+  ``HybridDeviceOptimizer``) copies on CUDA streams, offloads only CUDA parameters (its host
+  half looks every stepped tensor up as the host copy of one) and moves the device half's
+  loaded state with ``.to("cuda")``.
 
 :func:`apply` swaps in Megatron's own no-op inference RNG tracker, makes its CUDA RNG state
 get/set helpers no-ops (there is no CUDA RNG; the CPU RNG state is still saved and restored),
@@ -30,7 +34,10 @@ unchanged and ``torch.cuda.synchronize()`` do nothing (without CUDA all three wo
 gives the two modules with ``device="cuda"`` literals a view of ``torch`` whose tensor
 factories put such tensors on the CPU, gives the token dispatcher a view whose CUDA streams
 are one stand-in that does nothing (CPU work runs in order) and a host copy that turns CPU
-split sizes into the numpy arrays it gets from a GPU, and makes ``Tensor.type()`` (no argument) name a CPU
+split sizes into the numpy arrays it gets from a GPU, gives the hybrid optimizer the same streams
+and, in place of its class, :class:`HostAsDeviceOptimizer` (the CPU plays the device: the first
+``offload_fraction`` of the elements get a host copy each, stepped by the host optimizer and
+copied back, as CUDA parameters would), and makes ``Tensor.type()`` (no argument) name a CPU
 tensor as its CUDA counterpart (only megatron-core compares these names; torch uses them as
 dictionary keys). It refuses to run where CUDA is available, so none of it can reach a GPU run.
 Tests, the CPU mode of the benchmark and ``trainers_megatron.MegatronActor`` on a machine
@@ -59,7 +66,10 @@ _CUDA_LITERAL_MODULES = (
     "megatron.core.optimizer.optimizer",
 )
 #: ... and that use CUDA streams.
-_CUDA_STREAM_MODULES = ("megatron.core.transformer.moe.token_dispatcher",)
+_CUDA_STREAM_MODULES = (
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.optimizer.cpu_offloading.hybrid_optimizer",
+)
 _FACTORIES = ("empty", "full", "ones", "tensor", "zeros")
 
 
@@ -132,6 +142,47 @@ def _host_copy(original: Any) -> Any:
     return copy
 
 
+def _host_as_device_class() -> type:
+    """``HybridDeviceOptimizer`` for a machine without CUDA (see :func:`apply`)."""
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    class HostAsDeviceOptimizer(HybridDeviceOptimizer):
+        """megatron-core's hybrid optimizer with the CPU as the device: the first
+        ``offload_fraction`` of the elements are offloaded (a separate host copy each, float32
+        with ``param_update_in_fp32``), the rest stay with the "device" optimizer, float32
+        copies for low-precision parameters. The maps are the ones megatron-core builds for CUDA
+        parameters, so its step, hooks and state dicts run unchanged."""
+
+        def _get_sub_optimizer_param_groups(self, offload_fraction: float):
+            params = [p for group in self.param_groups for p in group["params"]]
+            threshold = offload_fraction * sum(p.numel() for p in params)
+            moved = 0
+            host_groups, device_groups = [], []
+            to_copy, from_copy, fp32 = {}, {}, {}
+            for group in self.param_groups:
+                host, device = {**group, "params": []}, {**group, "params": []}
+                for p in group["params"]:
+                    offload = moved < threshold
+                    inner = p.detach().clone() if offload else p
+                    if self.param_update_in_fp32 and inner.dtype != torch.float32:
+                        inner = inner.detach().clone().float()
+                        fp32[p] = inner
+                    if offload:
+                        moved += p.numel()
+                        to_copy[p], from_copy[inner] = inner, p
+                        host["params"].append(inner)
+                    else:
+                        device["params"].append(inner)
+                host_groups += [host] if host["params"] else []
+                device_groups += [device] if device["params"] else []
+            return host_groups, device_groups, to_copy, from_copy, fp32
+
+        def _move_new_state_to_right_device(self) -> None:
+            """One device: loaded state is where it belongs."""
+
+    return HostAsDeviceOptimizer
+
+
 _tensor_type = torch.Tensor.type
 
 
@@ -167,5 +218,11 @@ def apply() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = _host_copy(
         token_dispatcher.maybe_move_tensor_to_cpu
     )
+    import megatron.core.optimizer as optimizer_module
+    from megatron.core.optimizer import distrib_optimizer
+
+    host_as_device = _host_as_device_class()
+    optimizer_module.HybridDeviceOptimizer = host_as_device
+    distrib_optimizer.HybridDeviceOptimizer = host_as_device
     _applied = True
     logger.info("Megatron CPU compatibility layer applied (tests only)")
