@@ -358,3 +358,30 @@ def test_release_and_resume_memory(tiny_model, requests_):
     engine.resume_memory()
     assert engine.health()
     assert engine.generate(requests_[:1], greedy(1))[0].ok
+
+
+def test_a_released_cache_is_sized_anew_from_what_is_free():
+    """Colocated, the cache is released while the trainer steps and taken again at the next
+    rollout; the trainer's optimizer state (allocated at its first step) may by then hold what
+    the first rollout's cache had. The budget is asked again at that allocate (on the H200, a
+    fixed 34.5 GiB cache could not come back beside 113.6 GiB of Megatron state)."""
+    from rollout_sglang.hf.kv_cache import KVCache
+
+    budgets = iter([4096, 1024])
+    cache = KVCache(
+        num_layers=2,
+        kv_heads=2,
+        head_dim=8,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        budget_tokens=8192,
+        budget_fn=lambda: next(budgets),
+    )
+    assert cache.fit(512, 64) and cache.slots == 16  # the first budget: 8192 tokens
+    cache.allocate()  # no release in between: nothing is asked
+    assert cache.budget_tokens == 8192
+    cache.release()
+    assert cache.fit(512, 64) and (cache.budget_tokens, cache.slots) == (4096, 8)
+    cache.release()
+    assert cache.fit(512, 64) and (cache.budget_tokens, cache.slots) == (1024, 2)
+    assert cache.keys is not None and cache.keys.shape == (2, 2, 2, 512, 8)

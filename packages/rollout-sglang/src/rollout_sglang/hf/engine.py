@@ -176,19 +176,23 @@ class HFEngine:
 
     # ---------------------------------------------------------------- generation
 
+    def _cache_budget(self, states: Any) -> int:
+        """Tokens of KV cache: ``cache_tokens``, else ``kv_cache_fraction`` of the free memory,
+        less the slots' recurrent states (Qwen3.5), which come out of the same share."""
+        budget = self._cache_tokens or cache_budget_tokens(
+            device=self.device,
+            bytes_per_token=self._bytes_per_token,
+            mem_fraction=self._kv_cache_fraction,
+            cpu_tokens=65536,
+        )
+        if states is not None and self._cache_tokens is None and self.device.type == "cuda":
+            reserve = self.max_batch_size * states.bytes_per_slot()
+            budget = max(budget - -(-reserve // self._bytes_per_token), 1)
+        return budget
+
     def _ensure_cache(self) -> tuple[KVCache, DecodeRunner]:
         if self.cache is None:
             states = self.decoder.linear_states(self.device)
-            budget = self._cache_tokens or cache_budget_tokens(
-                device=self.device,
-                bytes_per_token=self._bytes_per_token,
-                mem_fraction=self._kv_cache_fraction,
-                cpu_tokens=65536,
-            )
-            if states is not None and self._cache_tokens is None and self.device.type == "cuda":
-                # the slots' recurrent states come out of the same share (as if every slot ran)
-                reserve = self.max_batch_size * states.bytes_per_slot()
-                budget = max(budget - -(-reserve // self._bytes_per_token), 1)
             self.cache = KVCache(
                 states=states,
                 num_layers=self.decoder.num_layers,
@@ -196,7 +200,11 @@ class HFEngine:
                 head_dim=self.decoder.head_dim,
                 dtype=self.decoder.dtype,
                 device=self.device,
-                budget_tokens=budget,
+                budget_tokens=self._cache_budget(states),
+                # colocated, the cache is released while the trainer runs and taken again at
+                # the next rollout: sized anew from what is free then (the trainer's optimizer
+                # state, allocated at its first step, may have taken what the first rollout had)
+                budget_fn=None if self._cache_tokens else lambda: self._cache_budget(states),
             )
             self.runner = DecodeRunner(
                 self.decoder, self.cache, self.device, use_graphs=self.cuda_graphs

@@ -13,6 +13,7 @@ layout and its graphs.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,10 +55,13 @@ class KVCache:
         device: torch.device,
         budget_tokens: int,
         states: Any = None,
+        budget_fn: Callable[[], int] | None = None,
     ) -> None:
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.dtype, self.device = dtype, device
         self.budget_tokens = budget_tokens
+        self._budget_fn = budget_fn  # the budget again at each allocate after a release
+        self._released = False
         self._storage: Tensor | None = None
         self.slots = 0
         self.seq_cap = 0
@@ -76,6 +80,8 @@ class KVCache:
     def allocate(self) -> None:
         """Take the memory (once; again after :meth:`release`)."""
         if self._storage is None:
+            if self._released and self._budget_fn is not None:
+                self.budget_tokens = self._budget_fn()
             per_token = 2 * self.num_layers * self.kv_heads * self.head_dim
             # zeros, not empty: attention multiplies masked-out cells by 0, and reused device
             # memory can hold NaN bit patterns (0 * NaN is NaN)
@@ -93,6 +99,7 @@ class KVCache:
         """Give the memory back (colocated training); :meth:`allocate` takes it again."""
         self._storage = self.keys = self.values = None
         self.slots = self.seq_cap = 0
+        self._released = True
         if self.states is not None:
             self.states.release()
 
