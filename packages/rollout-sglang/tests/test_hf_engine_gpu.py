@@ -70,8 +70,8 @@ def _forward_logprobs(model, request, completion) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "settings",
-    [{}, {"decode_attention": "matmul"}, {"compile": True}],
-    ids=["graph", "graph-matmul", "graph-compile"],
+    [{}, {"decode_attention": "sdpa"}, {"decode_attention": "matmul"}, {"compile": True}],
+    ids=["graph", "graph-sdpa", "graph-matmul", "graph-compile"],
 )
 def test_graph_decode_equals_eager_and_a_forward_pass(model, settings):
     # Tokens are compared greedily: GPU kernels of another shape or fusion round differently,
@@ -80,6 +80,8 @@ def test_graph_decode_equals_eager_and_a_forward_pass(model, settings):
     eager_settings = {k: v for k, v in settings.items() if k != "compile"}
     eager = HFEngine(model, max_batch_size=4, cuda_graphs=False, **eager_settings)
     engine = HFEngine(model, max_batch_size=4, **settings)
+    # the default on CUDA: the Triton split-KV attention (where triton imports)
+    assert engine.decoder.attention == settings.get("decode_attention", "triton")
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
     graphed = engine.generate(requests, greedy)
     assert engine.runner is not None and engine.runner.num_graphs > 0
