@@ -169,7 +169,8 @@ class TextDecoder:
     grouped GEMM on CUDA, the dense form elsewhere) and Qwen3.5's layers
     (:mod:`~rollout_sglang.hf.linear_attention_decode`) run eagerly (or in the graph).
     Only attention layers own KV-cache layers (``kv_layers``: their model indices); Qwen3.5's
-    gated-delta-net layers keep per-slot states (:meth:`linear_states`, held by the cache).
+    gated-delta-net layers keep per-slot states (:meth:`linear_states`, held by the cache),
+    which a step with ``dry_run`` set leaves untouched (graph warm-ups, probes).
     """
 
     def __init__(
@@ -185,6 +186,8 @@ class TextDecoder:
         if moe not in ("auto", "dense", "grouped"):
             raise ValueError(f"decode moe {moe!r}: 'auto', 'dense' or 'grouped'")
         self.attention = attention
+        # steps that must leave the slots' recurrent states as they found them (warm-ups)
+        self.dry_run = False
         self._triton_attend: Callable[..., Tensor] | None = None
         if attention == "triton":
             from rollout_sglang.hf.decode_attention import decode_attention
@@ -381,9 +384,10 @@ class TextDecoder:
             assert states is not None and states.conv is not None
             assert states.recurrent is not None
             j = self._linear_index[i]
-            h = h + gated_delta_net_step(
-                layer.linear_attn, x, states.conv[j, :batch], states.recurrent[j, :batch]
-            )
+            conv, recurrent = states.conv[j, :batch], states.recurrent[j, :batch]
+            if self.dry_run:  # a copy takes the update: the slots' states stay as they are
+                conv, recurrent = conv.clone(), recurrent.clone()
+            h = h + gated_delta_net_step(layer.linear_attn, x, conv, recurrent)
         else:
             attn = layer.self_attn
             q, k, v, gate = gated_attention_pre(attn, x, *rope, _rotate, self.eps, self.head_dim)
@@ -473,6 +477,7 @@ class DecodeRunner:
         # step's own sync): beside the scheduler's wall time it says whether a slow step is
         # the GPU's work or the host's
         self.device_s = 0.0
+        self._probed = False
 
     def reset(self) -> None:
         """Forget captured graphs and buffers (cache layout changed or memory released)."""
@@ -524,7 +529,10 @@ class DecodeRunner:
             begin.record()
         self.state[:, :batch].copy_(host_state, non_blocking=True)
         if not self.use_graphs:
-            self._first_run(batch, kv_len, sampling)
+            if not self._probed:  # once: what fails to build falls back before a real step
+                self._probe(batch, kv_len, sampling)
+                self._probed = True
+            self._body(batch, kv_len, sampling)
         else:
             key = (batch, kv_len, sampling)
             graph = self._graphs.get(key)
@@ -543,28 +551,33 @@ class DecodeRunner:
             self.device_s += begin.elapsed_time(end) / 1e3
         return tokens.numpy(), logprobs.numpy()
 
-    def _first_run(self, batch: int, kv_len: int, sampling: SamplingKey) -> None:
-        """The step, with what may fail to build on this machine (compiled blocks, the Triton
-        attention) turned off one at a time until it runs (:meth:`TextDecoder.fall_back`);
-        graphs captured before stay valid (they replay kernels already built). A step
-        failing part way through is run again from the same inputs, so the same K/V land in
-        the same cache cells."""
-        while True:
-            try:
-                self._body(batch, kv_len, sampling)
-                return
-            except Exception as exc:
-                if not self.decoder.fall_back(exc):
-                    raise
+    def _probe(self, batch: int, kv_len: int, sampling: SamplingKey) -> None:
+        """The step as a dry run (:attr:`TextDecoder.dry_run`: Qwen3.5's gated-delta-net layers
+        update copies of the slots' states, so running it leaves them as they were; the K/V
+        it writes are the very ones the real step writes, in the same cells), with what may fail
+        to build on this machine (compiled blocks, the Triton attention) turned off one at a
+        time until it runs (:meth:`TextDecoder.fall_back`); graphs captured before stay valid
+        (they replay kernels already built)."""
+        self.decoder.dry_run = True
+        try:
+            while True:
+                try:
+                    self._body(batch, kv_len, sampling)
+                    return
+                except Exception as exc:
+                    if not self.decoder.fall_back(exc):
+                        raise
+        finally:
+            self.decoder.dry_run = False
 
     def _capture(self, batch: int, kv_len: int, sampling: SamplingKey) -> torch.cuda.CUDAGraph:
-        # Warm up on a side stream (compiles, picks kernels), then capture. The warm-up computes
-        # the very step the replay will: the same K/V land in the same cache cells.
+        # Warm up on a side stream (compiles, picks kernels), then capture. The warm-ups are dry
+        # runs: the replay that follows is the step (Qwen3.5's recurrent states advance once).
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._first_run(batch, kv_len, sampling)
-            self._body(batch, kv_len, sampling)
+            self._probe(batch, kv_len, sampling)
+            self._probe(batch, kv_len, sampling)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
