@@ -90,8 +90,9 @@ def _split_kernel(
     q = tl.load(q_ptr, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:  # the interpreter's bf16 dot is wrong: the same products, in float32
         q = q.to(tl.float32)
-    k_base = K + b * stride_kb + h * stride_kh + offs_d[None, :]
-    v_base = V + b * stride_vb + h * stride_vh + offs_d[None, :]
+    slot = b.to(tl.int64)  # a cache layer can pass 2^31 elements (long contexts)
+    k_base = K + slot * stride_kb + h * stride_kh + offs_d[None, :]
+    v_base = V + slot * stride_vb + h * stride_vh + offs_d[None, :]
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_G], tl.float32)
