@@ -24,6 +24,11 @@ Runs with only ``packages/*/src`` on PYTHONPATH (torch, transformers; no dataset
     # GPU (H200): Qwen3-VL-2B shapes, batch 64 and 256, 400-token prompts, 256 new tokens
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python tools/bench/bench_hf_engine.py \
         --device cuda --variants graph,graph-matmul,graph-compile --out bench_hf_engine.json
+    # H200: decode attention, SDPA over the KV bucket vs the Triton split-KV kernel, at ~650
+    # live tokens a slot (520-token prompts + 256 new); the kernel alone: bench_decode_attention
+    PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python tools/bench/bench_hf_engine.py \
+        --device cuda --batch-sizes 128,256 --prompt-len 520 --variants graph-sdpa,graph-triton \
+        --skip-baseline --out bench_hf_attention.json
     # H200: the Qwen3.5-35B-A3B shape cut to 8 layers; decode step, legacy loop, generate
     python tools/bench/bench_hf_engine.py --device cuda --preset qwen3.5-35b-a3b --layers 8 \
         --batch-sizes 16,64,256 --variants graph,legacy --out bench_qwen35_moe.json
@@ -151,7 +156,9 @@ def sync(device: torch.device) -> None:
 # Engine settings a run can compare (--variants), on top of the engine's defaults.
 VARIANTS: dict[str, dict[str, Any]] = {
     "eager": {"cuda_graphs": False},
-    "graph": {},
+    "graph": {},  # decode attention "auto": the Triton split-KV kernel on CUDA
+    "graph-triton": {"decode_attention": "triton"},
+    "graph-sdpa": {"decode_attention": "sdpa"},
     "graph-matmul": {"decode_attention": "matmul"},
     "graph-compile": {"compile": True},
     "graph-compile-matmul": {"compile": True, "decode_attention": "matmul"},

@@ -84,6 +84,11 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
           --batch-sizes 128 --new-tokens 384 --variants graph --out "$OUT/hf_geo3k.json"
         run hf_geo3k_profile 300 python3 tools/bench/bench_hf_engine.py --device cuda --geo3k \
           "$GLIMPSE_SHARED/data/geo3k" --batch-sizes 128 --profile "$OUT/hf_geo3k_profile.txt" ;;
+      decode_attention) run decode_attention 300 python3 tools/bench/bench_decode_attention.py --out "$OUT/decode_attention.json"
+        run hf_attention 540 python3 tools/bench/bench_hf_engine.py --device cuda --batch-sizes 128,256 --prompt-len 520 \
+          --variants graph-sdpa,graph-triton --skip-baseline --out "$OUT/hf_attention.json"
+        run decode_attention_tests 300 python3 -m pytest -q -p no:cacheprovider packages/rollout-sglang/tests/test_decode_attention.py \
+          packages/rollout-sglang/tests/test_hf_engine_gpu.py ;;
       hf_profile) run hf_profile 200 python3 tools/bench/bench_hf_engine.py --device cuda --profile "$OUT/hf_profile.txt" ;;
       hf_engine) run hf_engine 540 python3 tools/bench/bench_hf_engine.py --device cuda --variants graph,graph-matmul,graph-compile --out "$OUT/hf_engine.json" ;;
       hf_dense)  # the 2B shape at the GRPO step's batch and above, against the roofline

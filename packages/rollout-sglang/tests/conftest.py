@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run on CPU tensors only under its interpreter, which has to be
+# on before triton is first imported (the imports below bring it in): the decode-attention
+# tests then check the kernel itself on the CPU. (A whole-suite run may have imported triton
+# earlier; those tests then say so and skip.)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from rollout_sglang.types import GenerateRequest
 from vlm_data.loading import load_rows

@@ -166,6 +166,14 @@ class RolloutConfig:
     kv_cache_fraction: float = 0.5
     cuda_graphs: bool = True
     compile_decode: bool = False
+    decode_attention: Literal["auto", "triton", "sdpa", "matmul"] = field(
+        default="auto",
+        metadata={
+            "help": "transformers engine's decode attention: auto (the Triton split-KV kernel, "
+            "which reads each sequence's live keys only, on CUDA where triton imports; else "
+            "sdpa), triton, sdpa (torch over the batch's KV bucket with a length mask), matmul"
+        },
+    )
     # decode through transformers' own loop (hf/legacy.py) instead of the engine's decode step,
     # which covers Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE (a reference; slow)
     legacy_decode: bool = False
@@ -304,6 +312,7 @@ def build_engine(config: RolloutConfig, *, model: torch.nn.Module | None = None)
             kv_cache_fraction=config.kv_cache_fraction,
             cuda_graphs=config.cuda_graphs,
             compile=config.compile_decode,
+            decode_attention=config.decode_attention,
             legacy_decode=config.legacy_decode,
         )
 

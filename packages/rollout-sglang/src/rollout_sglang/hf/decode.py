@@ -44,6 +44,8 @@ from rollout_sglang.hf.sampling import counter_uniform, sample_with_uniform
 
 logger = logging.getLogger(__name__)
 
+ATTENTIONS = ("triton", "sdpa", "matmul")
+
 
 @dataclass(frozen=True)
 class SamplingKey:
@@ -155,16 +157,20 @@ def _post_attention(
 class TextDecoder:
     """The decode step over a model's text layers and a :class:`KVCache`.
 
-    ``attention``: "sdpa" (torch's fused kernels; the query heads of a KV head are its query
-    rows, so no KV repeat) or "matmul" (two batched matmuls and a float32 softmax over the
-    same strided cache views). ``compile=True`` runs the two per-layer blocks of dense Qwen3-VL
+    ``attention``: "triton" (:mod:`~rollout_sglang.hf.decode_attention`: a split-KV kernel that
+    reads each slot's keys only up to its own length; CUDA, or Triton's interpreter), "sdpa"
+    (torch's fused kernels over the batch's KV bucket with a length mask; the query heads of a
+    KV head are its query rows, so no KV repeat) or "matmul" (two batched matmuls and a float32
+    softmax over the same strided cache views). A Triton kernel that fails at its first run
+    falls back to "sdpa" (:meth:`fall_back`). ``compile=True`` runs the two per-layer blocks of dense Qwen3-VL
     layers (everything but the cache write and the attention read) through ``torch.compile``
     with dynamic batch size, fusing their ~40 small kernels per layer; the graph then replays
     the fused kernels. MoE layers (:mod:`~rollout_sglang.hf.moe`; ``moe``: "auto" picks the
     grouped GEMM on CUDA, the dense form elsewhere) and Qwen3.5's layers
     (:mod:`~rollout_sglang.hf.linear_attention_decode`) run eagerly (or in the graph).
     Only attention layers own KV-cache layers (``kv_layers``: their model indices); Qwen3.5's
-    gated-delta-net layers keep per-slot states (:meth:`linear_states`, held by the cache).
+    gated-delta-net layers keep per-slot states (:meth:`linear_states`, held by the cache),
+    which a step with ``dry_run`` set leaves untouched (graph warm-ups, probes).
     """
 
     def __init__(
@@ -175,11 +181,18 @@ class TextDecoder:
         attention: str = "sdpa",
         moe: str = "auto",
     ) -> None:
-        if attention not in ("sdpa", "matmul"):
-            raise ValueError(f"decode attention {attention!r}: 'sdpa' or 'matmul'")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"decode attention {attention!r}: one of {', '.join(ATTENTIONS)}")
         if moe not in ("auto", "dense", "grouped"):
             raise ValueError(f"decode moe {moe!r}: 'auto', 'dense' or 'grouped'")
         self.attention = attention
+        # steps that must leave the slots' recurrent states as they found them (warm-ups)
+        self.dry_run = False
+        self._triton_attend: Callable[..., Tensor] | None = None
+        if attention == "triton":
+            from rollout_sglang.hf.decode_attention import decode_attention
+
+            self._triton_attend = decode_attention
         parts = _text_parts(model)
         if parts is None or not supports(model):
             raise ValueError(f"{type(model).__name__}: text layers the decode step does not cover")
@@ -215,6 +228,20 @@ class TextDecoder:
     def disable_compile(self) -> None:
         """Back to the eager blocks (a compile failure must not stop a rollout)."""
         self._pre, self._post, self.compiled = _pre_attention, _post_attention, False
+
+    def fall_back(self, exc: Exception) -> bool:
+        """Turn off what may fail to build on this machine after a failed step: the compiled
+        blocks first, then the Triton attention (SDPA instead). False when nothing is left to
+        turn off (the error is the step's own)."""
+        if self.compiled:
+            logger.warning("compiled decode step failed (%s); decoding without compile", exc)
+            self.disable_compile()
+            return True
+        if self.attention == "triton":
+            logger.warning("Triton decode attention failed (%s); decoding with SDPA", exc)
+            self.attention = "sdpa"
+            return True
+        return False
 
     def linear_states(self, device: torch.device) -> LinearStates | None:
         """Per-slot states of the gated-delta-net layers (None without any)."""
@@ -252,10 +279,11 @@ class TextDecoder:
         v: Tensor,
         lengths: Tensor,
         kv_len: int,
-        mask: Tensor,
+        mask: Tensor | None,
     ) -> Tensor:
         """Write this token's K/V at each row's ``length``, attend over ``0..length``:
-        ``[B, heads * head_dim]``."""
+        ``[B, heads * head_dim]``. (``mask``: the length mask over ``kv_len`` for SDPA and
+        matmul; None for the Triton kernel, which reads ``lengths`` itself.)"""
         assert cache.keys is not None and cache.values is not None
         batch = q.shape[0]
         rows = torch.arange(batch, device=q.device)
@@ -263,12 +291,14 @@ class TextDecoder:
         keys[rows, :, lengths] = k
         values[rows, :, lengths] = v
         group = self.num_heads // self.kv_heads
-        out = self._attend(
-            q.reshape(batch, self.kv_heads, group, self.head_dim),
-            keys[:batch, :, :kv_len],
-            values[:batch, :, :kv_len],
-            mask,
-        )
+        q = q.reshape(batch, self.kv_heads, group, self.head_dim)
+        if self.attention == "triton":
+            assert self._triton_attend is not None
+            out = self._triton_attend(q, keys, values, lengths, kv_len, self.scaling)
+        else:
+            if mask is None:
+                mask = _length_mask(lengths, kv_len)
+            out = self._attend(q, keys[:batch, :, :kv_len], values[:batch, :, :kv_len], mask)
         return out.reshape(batch, self.num_heads * self.head_dim)
 
     def _mlp(self, mlp: nn.Module, x: Tensor) -> Tensor:
@@ -304,7 +334,7 @@ class TextDecoder:
         rope: tuple[Tensor, Tensor],
         lengths: Tensor,
         kv_len: int,
-        mask: Tensor,
+        mask: Tensor | None,
     ) -> Tensor:
         """A Qwen3-VL(-MoE) layer: the dense path is the original compiled-block one."""
         attn, mlp = layer.self_attn, layer.mlp
@@ -344,7 +374,7 @@ class TextDecoder:
         rope: tuple[Tensor, Tensor],
         lengths: Tensor,
         kv_len: int,
-        mask: Tensor,
+        mask: Tensor | None,
     ) -> Tensor:
         """A Qwen3.5(-MoE) layer: gated-delta-net over the slot states, or gated attention."""
         batch = h.shape[0]
@@ -354,9 +384,10 @@ class TextDecoder:
             assert states is not None and states.conv is not None
             assert states.recurrent is not None
             j = self._linear_index[i]
-            h = h + gated_delta_net_step(
-                layer.linear_attn, x, states.conv[j, :batch], states.recurrent[j, :batch]
-            )
+            conv, recurrent = states.conv[j, :batch], states.recurrent[j, :batch]
+            if self.dry_run:  # a copy takes the update: the slots' states stay as they are
+                conv, recurrent = conv.clone(), recurrent.clone()
+            h = h + gated_delta_net_step(layer.linear_attn, x, conv, recurrent)
         else:
             attn = layer.self_attn
             q, k, v, gate = gated_attention_pre(attn, x, *rope, _rotate, self.eps, self.head_dim)
@@ -387,9 +418,8 @@ class TextDecoder:
         """
         h = F.embedding(tokens, self.text.embed_tokens.weight)
         rope = self._rope(positions, h.dtype)
-        mask = (torch.arange(kv_len, device=tokens.device)[None, :] <= lengths[:, None])[
-            :, None, None, :
-        ]
+        # the Triton kernel reads ``lengths`` itself; the others take one mask for all layers
+        mask = None if self.attention == "triton" else _length_mask(lengths, kv_len)
         run_layer = self._qwen3_5_layer if self.hybrid else self._qwen3_layer
         for i, layer in enumerate(self.text.layers):
             h = run_layer(i, layer, h, cache, rope, lengths, kv_len, mask)
@@ -399,6 +429,12 @@ class TextDecoder:
             h = _rms_norm(h, self.text.norm.weight, self.eps)
         logits = F.linear(h, self.head.weight).float()
         return sample_logits(logits, seeds, counters, sampling)
+
+
+def _length_mask(lengths: Tensor, kv_len: int) -> Tensor:
+    """``[B, 1, 1, kv_len]``: key ``j`` of row ``b`` is live when ``j <= lengths[b]``."""
+    kv = torch.arange(kv_len, device=lengths.device)
+    return (kv[None, :] <= lengths[:, None])[:, None, None, :]
 
 
 def sample_logits(
@@ -441,6 +477,7 @@ class DecodeRunner:
         # step's own sync): beside the scheduler's wall time it says whether a slow step is
         # the GPU's work or the host's
         self.device_s = 0.0
+        self._probed = False
 
     def reset(self) -> None:
         """Forget captured graphs and buffers (cache layout changed or memory released)."""
@@ -492,6 +529,9 @@ class DecodeRunner:
             begin.record()
         self.state[:, :batch].copy_(host_state, non_blocking=True)
         if not self.use_graphs:
+            if not self._probed:  # once: what fails to build falls back before a real step
+                self._probe(batch, kv_len, sampling)
+                self._probed = True
             self._body(batch, kv_len, sampling)
         else:
             key = (batch, kv_len, sampling)
@@ -511,21 +551,33 @@ class DecodeRunner:
             self.device_s += begin.elapsed_time(end) / 1e3
         return tokens.numpy(), logprobs.numpy()
 
+    def _probe(self, batch: int, kv_len: int, sampling: SamplingKey) -> None:
+        """The step as a dry run (:attr:`TextDecoder.dry_run`: Qwen3.5's gated-delta-net layers
+        update copies of the slots' states, so running it leaves them as they were; the K/V
+        it writes are the very ones the real step writes, in the same cells), with what may fail
+        to build on this machine (compiled blocks, the Triton attention) turned off one at a
+        time until it runs (:meth:`TextDecoder.fall_back`); graphs captured before stay valid
+        (they replay kernels already built)."""
+        self.decoder.dry_run = True
+        try:
+            while True:
+                try:
+                    self._body(batch, kv_len, sampling)
+                    return
+                except Exception as exc:
+                    if not self.decoder.fall_back(exc):
+                        raise
+        finally:
+            self.decoder.dry_run = False
+
     def _capture(self, batch: int, kv_len: int, sampling: SamplingKey) -> torch.cuda.CUDAGraph:
-        # Warm up on a side stream (compiles, picks kernels), then capture. The warm-up computes
-        # the very step the replay will: the same K/V land in the same cache cells.
+        # Warm up on a side stream (compiles, picks kernels), then capture. The warm-ups are dry
+        # runs: the replay that follows is the step (Qwen3.5's recurrent states advance once).
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            try:
-                self._body(batch, kv_len, sampling)
-            except Exception as exc:
-                if not self.decoder.compiled:
-                    raise
-                logger.warning("compiled decode step failed (%s); decoding without compile", exc)
-                self.decoder.disable_compile()  # graphs captured before stay valid
-                self._body(batch, kv_len, sampling)
-            self._body(batch, kv_len, sampling)
+            self._probe(batch, kv_len, sampling)
+            self._probe(batch, kv_len, sampling)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()

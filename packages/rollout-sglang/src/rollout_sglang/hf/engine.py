@@ -60,6 +60,21 @@ def _layer_kv(cache: Any, layer: int) -> tuple[Tensor, Tensor]:
     return cache.key_cache[layer], cache.value_cache[layer]  # older transformers
 
 
+def resolve_attention(choice: str, device: torch.device) -> str:
+    """The decode attention ``choice`` names; "auto": the Triton split-KV kernel on CUDA where
+    triton imports (it reads each slot's live keys only), SDPA elsewhere."""
+    if choice != "auto":
+        return choice
+    if device.type != "cuda":
+        return "sdpa"
+    try:
+        import rollout_sglang.hf.decode_attention  # noqa: F401
+    except ImportError as exc:
+        logger.info("decode attention: SDPA (%s)", exc)
+        return "sdpa"
+    return "triton"
+
+
 class HFEngine:
     """:class:`~rollout_sglang.types.RolloutEngine` over a ``*ForConditionalGeneration`` model.
 
@@ -76,7 +91,9 @@ class HFEngine:
         kv_block: KV-length bucket granularity (default 128 on GPU, 16 on CPU).
         cuda_graphs: capture decode steps as CUDA graphs (CUDA only; eager otherwise).
         compile: ``torch.compile`` the decode step's per-layer blocks (fuses small kernels).
-        decode_attention: "sdpa" or "matmul" (see :class:`~rollout_sglang.hf.decode.TextDecoder`).
+        decode_attention: "auto" (the Triton split-KV kernel on CUDA where triton imports,
+            else SDPA), "triton", "sdpa" or "matmul" (see
+            :class:`~rollout_sglang.hf.decode.TextDecoder`).
         admit_fraction: admit waiting requests while others decode once this share of the
             slots is free (one prefill forward per group of arrivals).
         prune_fraction: only for models on the transformers fallback loop.
@@ -103,7 +120,7 @@ class HFEngine:
         kv_block: int | None = None,
         cuda_graphs: bool = True,
         compile: bool = False,
-        decode_attention: str = "sdpa",
+        decode_attention: str = "auto",
         admit_fraction: float = 0.125,
         prune_fraction: float = 0.25,
         decode_moe: str = "auto",
@@ -153,7 +170,10 @@ class HFEngine:
             )
             return
         self.decoder = TextDecoder(
-            model, compile=compile, attention=decode_attention, moe=decode_moe
+            model,
+            compile=compile,
+            attention=resolve_attention(decode_attention, self.device),
+            moe=decode_moe,
         )
         bytes_per_token = KVCache.bytes_per_token(
             self.decoder.num_layers,
@@ -166,12 +186,13 @@ class HFEngine:
         self._bytes_per_token = bytes_per_token
         self.cuda_graphs = cuda_graphs
         logger.info(
-            "rollout engine: transformers HFEngine (%s on %s, eos %s, %s decode%s)",
+            "rollout engine: transformers HFEngine (%s on %s, eos %s, %s decode%s, %s attention)",
             type(model).__name__,
             self.device,
             list(self.eos_token_ids),
             "CUDA-graph" if cuda_graphs and self.device.type == "cuda" else "eager",
             ", compiled" if compile else "",
+            self.decoder.attention,
         )
 
     # ---------------------------------------------------------------- generation

@@ -1,8 +1,9 @@
 """The transformers engine's KV cache: one preallocated block, carved into per-request slots.
 
 Why per-slot and not paged: decode attention here is a plain batched read of
-``keys[:batch, :, :kv_bucket]`` (SDPA or a matmul over a strided view, no gather), which needs
-each slot's tokens contiguous and the live slots at the front. One allocation, sized once
+``keys[:batch, :, :kv_bucket]`` (SDPA or a matmul over a strided view, no gather; the Triton
+kernel streams each slot's own prefix), which needs each slot's tokens contiguous and the live
+slots at the front. One allocation, sized once
 from free memory (``mem_fraction``, like SGLang's ``mem_fraction_static``), holds
 ``budget_tokens`` tokens; a layout ``(slots, seq_cap)`` views it as
 ``[layers, slots, kv_heads, seq_cap, head_dim]``. ``seq_cap`` only grows (a longer request
