@@ -171,10 +171,15 @@ def block_n(head_dim: int) -> int:
 def kv_splits(
     batch: int, kv_heads: int, kv_len: int, *, sm_count: int, block: int
 ) -> tuple[int, int]:
-    """(number of splits, keys per split) for a step's shapes: enough programs for about four
+    """(number of splits, keys per split) for a step's shapes: enough programs for about two
     per SM, no split under ``MIN_SPLIT_TOKENS`` keys, at most ``MAX_SPLITS``; the split length a
-    multiple of ``block``. Shapes only, never the lengths: one grid per captured graph."""
-    want = _cdiv(4 * sm_count, max(batch * kv_heads, 1))
+    multiple of ``block``. Shapes only, never the lengths: one grid per captured graph.
+
+    Two, not four: on the H200 (132 SMs, 2026-12-04, ``bench_decode_attention.py``) the best of
+    1/2/4/8 forced splits was 1 at 512 (slot, KV head) programs (2B batch 64: 44.9 against 49.5
+    us at 2 splits; Qwen3.5 batch 256: 87.6 against 97.9 at 2), 2 at 256 (Qwen3.5 batch 128:
+    52.0 against 58.3 at 3) and 4 at 128 (30.2 against 32.8 at 5)."""
+    want = _cdiv(2 * sm_count, max(batch * kv_heads, 1))
     return _split(kv_len, max(1, min(want, kv_len // MIN_SPLIT_TOKENS, MAX_SPLITS)), block)
 
 
