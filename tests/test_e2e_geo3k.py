@@ -137,7 +137,7 @@ def _load_weights(folder: Path) -> dict:
     return tensors
 
 
-_VOLATILE = ("time_", "tokens_per_s", "step_time_s")
+_VOLATILE = ("time_", "tokens_per_s", "step_time_s", "perf/")  # perf/: host-side timings
 
 
 def _stable(row: dict) -> dict:
@@ -346,12 +346,15 @@ def test_qwen35_grpo_learns_on_both_backends(qwen35_sft_run: Path, tmp_path: Pat
         grad_norms[backend] = [r["grad_norm"] for r in rows]
         first, last = _mean(rewards[backend][:2]), _mean(rewards[backend][-2:])
         assert last > first + 0.04, (backend, rewards[backend])  # measured +0.07
-    # the same rollouts while the weights agree: Megatron's Qwen3.5 trains as FSDP's does
-    # (2026-12-02: rewards equal, gradient norms within 4.9e-6 relative, on every step)
+    # the same rollouts while the weights agree: Megatron's Qwen3.5 trains as FSDP's does.
+    # The two updates differ by float32 rounding, so after a few steps a sampled token can
+    # flip and the runs' batches part: 2026-12-02 every step agreed within 4.9e-6 relative;
+    # 2026-12-04 (CI) steps 1-3 within 2.3e-6, step 4 9e-4 and step 5 12 % apart. The first
+    # three steps are compared tightly, the rewards of all five loosely.
     for f, m in zip(rewards["fsdp"], rewards["megatron"], strict=True):
         assert abs(f - m) < 0.1, rewards
-    for f, m in zip(grad_norms["fsdp"], grad_norms["megatron"], strict=True):
-        assert abs(f - m) < 1e-3 * f, grad_norms
+    for f, m in zip(grad_norms["fsdp"][:3], grad_norms["megatron"][:3], strict=True):
+        assert abs(f - m) < 1e-4 * f, grad_norms
 
 
 @pytest.fixture(scope="module", params=["qwen3-vl-moe-tiny", "qwen3.5-moe-tiny"])

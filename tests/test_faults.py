@@ -276,7 +276,9 @@ def _same(rows_a, rows_b) -> bool:
         return {
             k: v
             for k, v in row.items()
-            if not (k.startswith("time_") or k.endswith(("_per_s", "time_s", "restarts")))
+            if not (
+                k.startswith(("time_", "perf/")) or k.endswith(("_per_s", "time_s", "restarts"))
+            )
         }
 
     return [keep(r) for r in rows_a] == [keep(r) for r in rows_b]
