@@ -221,3 +221,21 @@ def test_bad_requests_are_clear():
     with pytest.raises(ValueError, match="ref_logprobs"):
         train_step.train_step(ToyBackend(batch, 10), batch, GrpoLoss(GrpoLossConfig(kl_coef=0.1)))
     assert isinstance(resolve_loss("sft", grpo=GrpoLossConfig()), SftLoss)
+
+
+def test_peak_host_memory_follows_what_the_process_touched():
+    """``perf/host_peak_gib`` (every train step's row) is the process's peak resident memory:
+    in a fresh process, writing 512 MiB raises it by about that much."""
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np\n"
+        "from rl_algos.metrics import peak_rss_gib\n"
+        "before = peak_rss_gib()\n"
+        "block = np.ones(2**29 // 8)\n"  # written: resident, not just reserved
+        "print(before, peak_rss_gib())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    before, after = map(float, out.stdout.split())
+    assert 0.4 <= after - before <= 0.6, (before, after)

@@ -18,6 +18,8 @@ A metric no rank produced in a step is left out of the result.
 
 from __future__ import annotations
 
+import resource
+import sys
 from collections.abc import Mapping
 from typing import Literal, get_args
 
@@ -128,3 +130,10 @@ class StepMetrics:
                 out[n] = extremes[n] if reduce == "max" else -extremes[n]
         out.update(zip(extra, rest[len(extreme) + 1 :], strict=True))
         return out
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident host memory so far, in GiB (``getrusage``'s ``ru_maxrss``:
+    KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
