@@ -225,7 +225,9 @@ def test_bad_requests_are_clear():
 
 def test_peak_host_memory_follows_what_the_process_touched():
     """``perf/host_peak_gib`` (every train step's row) is the process's peak resident memory:
-    in a fresh process, writing 512 MiB raises it by about that much."""
+    in a fresh process, writing half a GiB more than its peak so far (the imports' transient
+    peak can lie above what stays resident) raises the peak by at least half a GiB and by no
+    more than that block on top of the peak, with half a GiB of slack."""
     import subprocess
     import sys
 
@@ -233,9 +235,9 @@ def test_peak_host_memory_follows_what_the_process_touched():
         "import numpy as np\n"
         "from rl_algos.metrics import peak_rss_gib\n"
         "before = peak_rss_gib()\n"
-        "block = np.ones(2**29 // 8)\n"  # written: resident, not just reserved
+        "block = np.ones(int((before + 0.5) * 2**30) // 8)\n"  # written: resident
         "print(before, peak_rss_gib())\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     before, after = map(float, out.stdout.split())
-    assert 0.4 <= after - before <= 0.6, (before, after)
+    assert before + 0.45 <= after <= 2 * before + 1.0, (before, after)
