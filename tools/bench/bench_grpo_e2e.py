@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 ROOT = Path(__file__).resolve().parents[2]
 PEAK_FLOPS = 989e12  # H200 dense bf16, as docs/performance.md counts MFU
@@ -98,41 +98,26 @@ def _build_hf_folder(shape: str, tokenizer: Path, out: Path, seed: int, layers: 
     processor.save_pretrained(out)
 
 
-class HostMemorySampler:
-    """Peak resident memory of a process and all its descendants (psutil), every ``period``
-    s: the host side of an offloaded optimizer, the engine's parked weights and Ray together."""
+class PeriodicSampler:
+    """Calls ``sample()`` every ``period`` s on a daemon thread between ``__enter__`` and
+    ``__exit__``; a sampler without its tool (``available`` False) does nothing."""
+
+    available = True
 
     def __init__(self, period: float = 0.5) -> None:
         self.period = period
-        self.peak_bytes = 0
-        self.pid: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
-        try:
-            import psutil  # noqa: F401
 
-            self.available = True
-        except ImportError:  # pip install psutil (a dev dependency of the workspace)
-            self.available = False
+    def sample(self) -> None:
+        raise NotImplementedError
 
     def _run(self) -> None:
-        import psutil
-
         while not self._stop.is_set():
-            if self.pid is not None:
-                try:
-                    root = psutil.Process(self.pid)
-                    procs = [root, *root.children(recursive=True)]
-                    total = 0
-                    for proc in procs:
-                        with contextlib.suppress(psutil.Error):  # it ended meanwhile
-                            total += proc.memory_info().rss
-                    self.peak_bytes = max(self.peak_bytes, total)
-                except psutil.Error:
-                    pass
+            self.sample()
             self._stop.wait(self.period)
 
-    def __enter__(self) -> HostMemorySampler:
+    def __enter__(self) -> Self:
         if self.available:
             self._thread.start()
         return self
@@ -141,6 +126,60 @@ class HostMemorySampler:
         self._stop.set()
         if self.available:
             self._thread.join()
+
+
+class HostMemorySampler(PeriodicSampler):
+    """Peak resident memory of a process and all its descendants (psutil): the host side of an
+    offloaded optimizer, the engine's parked weights and Ray together."""
+
+    def __init__(self, period: float = 0.5) -> None:
+        super().__init__(period)
+        self.peak_bytes = 0
+        self.pid: int | None = None
+        try:
+            import psutil  # noqa: F401
+        except ImportError:  # pip install psutil (a dev dependency of the workspace)
+            self.available = False
+
+    def sample(self) -> None:
+        import psutil
+
+        if self.pid is None:
+            return
+        try:
+            root = psutil.Process(self.pid)
+            total = 0
+            for proc in [root, *root.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):  # it ended meanwhile
+                    total += proc.memory_info().rss
+            self.peak_bytes = max(self.peak_bytes, total)
+        except psutil.Error:
+            pass
+
+
+class GpuMemorySampler(PeriodicSampler):
+    """Peak GPU memory in use, in total and per process (trainer, engine), from ``nvidia-smi``:
+    the per-process peaks show which side of a colocated step holds what."""
+
+    def __init__(self, period: float = 0.5) -> None:
+        super().__init__(period)
+        self.peak_mib = 0
+        self.peak_by_pid: dict[str, int] = {}
+        self.available = shutil.which("nvidia-smi") is not None
+
+    def _query(self, what: str) -> list[list[str]]:
+        cmd = ["nvidia-smi", f"--query-{what}", "--format=csv,noheader,nounits"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout
+        return [[x.strip() for x in line.split(",")] for line in out.splitlines() if line.strip()]
+
+    def sample(self) -> None:
+        try:
+            used = self._query("gpu=memory.used")
+            self.peak_mib = max([self.peak_mib, *(int(row[0]) for row in used)])
+            for pid, mib in self._query("compute-apps=pid,used_memory"):
+                self.peak_by_pid[pid] = max(self.peak_by_pid.get(pid, 0), int(mib))
+        except (subprocess.SubprocessError, ValueError):
+            pass
 
 
 def model_params(model: Path) -> int | None:
@@ -158,45 +197,6 @@ def model_params(model: Path) -> int | None:
                     n *= d
                 total += n
     return total or None
-
-
-class GpuMemorySampler:
-    """Peak GPU memory in use, in total and per process (trainer, engine), from ``nvidia-smi``
-    every ``period`` s: the per-process peaks show which side of a colocated step holds what."""
-
-    def __init__(self, period: float = 0.5) -> None:
-        self.period = period
-        self.peak_mib = 0
-        self.peak_by_pid: dict[str, int] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self.available = shutil.which("nvidia-smi") is not None
-
-    def _query(self, what: str) -> list[list[str]]:
-        cmd = ["nvidia-smi", f"--query-{what}", "--format=csv,noheader,nounits"]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout
-        return [[x.strip() for x in line.split(",")] for line in out.splitlines() if line.strip()]
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                used = self._query("gpu=memory.used")
-                self.peak_mib = max([self.peak_mib, *(int(row[0]) for row in used)])
-                for pid, mib in self._query("compute-apps=pid,used_memory"):
-                    self.peak_by_pid[pid] = max(self.peak_by_pid.get(pid, 0), int(mib))
-            except (subprocess.SubprocessError, ValueError):
-                pass
-            self._stop.wait(self.period)
-
-    def __enter__(self) -> GpuMemorySampler:
-        if self.available:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self.available:
-            self._thread.join()
 
 
 def launcher_command(args: argparse.Namespace, backend: str, model: Path, run_dir: Path) -> list:

@@ -367,17 +367,16 @@ def test_a_released_cache_is_sized_anew_from_what_is_free():
     fixed 34.5 GiB cache could not come back beside 113.6 GiB of Megatron state)."""
     from rollout_sglang.hf.kv_cache import KVCache
 
-    budgets = iter([4096, 1024])
+    budgets = iter([8192, 4096, 1024])
     cache = KVCache(
         num_layers=2,
         kv_heads=2,
         head_dim=8,
         dtype=torch.float32,
         device=torch.device("cpu"),
-        budget_tokens=8192,
-        budget_fn=lambda: next(budgets),
+        budget_tokens=lambda: next(budgets),
     )
-    assert cache.fit(512, 64) and cache.slots == 16  # the first budget: 8192 tokens
+    assert cache.fit(512, 64) and (cache.budget_tokens, cache.slots) == (8192, 16)
     cache.allocate()  # no release in between: nothing is asked
     assert cache.budget_tokens == 8192
     cache.release()

@@ -16,8 +16,10 @@ from rollout_sglang.launch import engine_factory
 from vlm_models.presets import tiny_config
 
 
-def _factory(dtype: str):
-    cfg = RolloutConfig(model_path="unused", backend="hf", max_batch_size=4, dtype=dtype)
+def _factory(dtype: str, **settings):
+    cfg = RolloutConfig(
+        model_path="unused", backend="hf", max_batch_size=4, dtype=dtype, **settings
+    )
     return engine_factory(
         cfg, source=tiny_config(), use_gpu=False, eos_token_ids=[151645], pad_token_id=0
     )
@@ -25,7 +27,24 @@ def _factory(dtype: str):
 
 def test_factory_passes_the_rollout_dtype():
     factory = _factory("float16")
-    assert factory.keywords["dtype"] == "float16"
+    assert factory.args[0].dtype == "float16"
+
+
+def test_factory_passes_the_engine_settings():
+    """The launcher's transformers engine gets every engine flag (the factory once passed the
+    batch size and dtype alone, so --decode-attention never reached it)."""
+    engine = _factory("float32", decode_attention="matmul", kv_cache_fraction=0.3)()
+    try:
+        assert engine.max_batch_size == 4
+        assert engine.decoder.attention == "matmul"
+        assert engine._kv_cache_fraction == 0.3
+    finally:
+        engine.shutdown()
+    legacy = _factory("float32", legacy_decode=True)()
+    try:
+        assert legacy._legacy is not None
+    finally:
+        legacy.shutdown()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU rule")

@@ -187,6 +187,17 @@ class RolloutConfig:
         },
     )
 
+    def hf_engine_options(self) -> dict[str, Any]:
+        """The transformers engine's settings (``HFEngine``'s keywords), for every builder."""
+        return {
+            "max_batch_size": self.max_batch_size,
+            "kv_cache_fraction": self.kv_cache_fraction,
+            "cuda_graphs": self.cuda_graphs,
+            "compile": self.compile_decode,
+            "decode_attention": self.decode_attention,
+            "legacy_decode": self.legacy_decode,
+        }
+
     def check(self) -> None:
         sglang_only = {
             "--sglang-ep-size": self.ep_size > 1,
@@ -305,16 +316,7 @@ def build_engine(config: RolloutConfig, *, model: torch.nn.Module | None = None)
             )
         if config.num_engines > 1:
             logger.warning("num_engines=%d ignored by the HF engine", config.num_engines)
-        return HFEngine(
-            model,
-            device=config.device,
-            max_batch_size=config.max_batch_size,
-            kv_cache_fraction=config.kv_cache_fraction,
-            cuda_graphs=config.cuda_graphs,
-            compile=config.compile_decode,
-            decode_attention=config.decode_attention,
-            legacy_decode=config.legacy_decode,
-        )
+        return HFEngine(model, device=config.device, **config.hf_engine_options())
 
     limits = _limits(config, getattr(model, "config", None))
     names = config.weight_name_check()

@@ -50,14 +50,8 @@ def engine_factory(
     actor: SGLang on the actor's GPU(s), else the transformers engine. SGLang gets the prompt
     processor's pixel bounds, so that it expands each image to the trainer's token count."""
     if not uses_sglang(cfg, use_gpu):
-        return functools.partial(
-            build_hf_engine,
-            source,
-            list(eos_token_ids),
-            pad_token_id,
-            cfg.max_batch_size,
-            dtype=cfg.dtype,
-        )
+        # the whole rollout configuration too (decode attention, KV-cache share, graphs...)
+        return functools.partial(build_hf_engine, cfg, source, list(eos_token_ids), pad_token_id)
     check_engines(cfg, use_gpu=use_gpu)
     if not isinstance(source, str):
         raise ValueError("the SGLang engine needs a model folder or hub id (use --load or a name)")
@@ -74,12 +68,10 @@ def engine_factory(
     return functools.partial(build_engine, engine)
 
 
-def build_hf_engine(
-    source: Any, eos_ids: list[int], pad_id: int, max_batch_size: int, dtype: str = "bfloat16"
-) -> Any:
+def build_hf_engine(cfg: RolloutConfig, source: Any, eos_ids: list[int], pad_id: int) -> Any:
     """Runs inside a rollout Ray actor: the transformers engine (CPU, or a GPU without SGLang).
 
-    On a GPU the model is built in ``dtype`` (the rollout's, bfloat16 by default, as SGLang
+    On a GPU the model is built in ``cfg.dtype`` (bfloat16 by default, as SGLang
     serves): in float32 the decode step is compute-bound on float32 matmuls and its KV cache
     twice the size (3.6x slower a step on the H200, 2026-12-02). On the CPU it stays float32,
     which CPU kernels handle best and the CPU tests compare exactly."""
@@ -92,8 +84,8 @@ def build_hf_engine(
     device = "cuda" if gpu else "cpu"
     model = build_model(
         source,
-        dtype=getattr(torch, dtype) if gpu else torch.float32,
-        attn_implementation="sdpa",
+        dtype=getattr(torch, cfg.dtype) if gpu else torch.float32,
+        attn_implementation=cfg.attn_implementation,
         device=device,
         **ENGINE_MODEL_OPTIONS,
     )
@@ -101,8 +93,8 @@ def build_hf_engine(
         model,
         device=device,
         eos_token_ids=eos_ids,
-        max_batch_size=max_batch_size,
         pad_token_id=pad_id,
+        **cfg.hf_engine_options(),
     )
 
 

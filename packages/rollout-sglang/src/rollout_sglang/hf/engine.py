@@ -198,15 +198,15 @@ class HFEngine:
     # ---------------------------------------------------------------- generation
 
     def _cache_budget(self, states: Any) -> int:
-        """Tokens of KV cache: ``cache_tokens``, else ``kv_cache_fraction`` of the free memory,
-        less the slots' recurrent states (Qwen3.5), which come out of the same share."""
-        budget = self._cache_tokens or cache_budget_tokens(
+        """Tokens of KV cache: ``kv_cache_fraction`` of the free memory, less the slots'
+        recurrent states (Qwen3.5), which come out of the same share."""
+        budget = cache_budget_tokens(
             device=self.device,
             bytes_per_token=self._bytes_per_token,
             mem_fraction=self._kv_cache_fraction,
             cpu_tokens=65536,
         )
-        if states is not None and self._cache_tokens is None and self.device.type == "cuda":
+        if states is not None and self.device.type == "cuda":
             reserve = self.max_batch_size * states.bytes_per_slot()
             budget = max(budget - -(-reserve // self._bytes_per_token), 1)
         return budget
@@ -221,11 +221,10 @@ class HFEngine:
                 head_dim=self.decoder.head_dim,
                 dtype=self.decoder.dtype,
                 device=self.device,
-                budget_tokens=self._cache_budget(states),
                 # colocated, the cache is released while the trainer runs and taken again at
                 # the next rollout: sized anew from what is free then (the trainer's optimizer
                 # state, allocated at its first step, may have taken what the first rollout had)
-                budget_fn=None if self._cache_tokens else lambda: self._cache_budget(states),
+                budget_tokens=self._cache_tokens or (lambda: self._cache_budget(states)),
             )
             self.runner = DecodeRunner(
                 self.decoder, self.cache, self.device, use_graphs=self.cuda_graphs
@@ -242,6 +241,7 @@ class HFEngine:
         if self._legacy is not None:
             return self._legacy.generate(requests, params)
         cache, runner = self._ensure_cache()
+        cache.allocate()  # its budget is what the requests are checked against
         self._rope_memo = {}  # a prompt head's M-RoPE ids once per call (GRPO groups)
         base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()))
         results: list[Completion | None] = [None] * len(requests)

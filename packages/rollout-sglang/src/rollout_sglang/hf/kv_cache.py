@@ -3,8 +3,8 @@
 Why per-slot and not paged: decode attention here is a plain batched read of
 ``keys[:batch, :, :kv_bucket]`` (SDPA or a matmul over a strided view, no gather; the Triton
 kernel streams each slot's own prefix), which needs each slot's tokens contiguous and the live
-slots at the front. One allocation, sized once
-from free memory (``mem_fraction``, like SGLang's ``mem_fraction_static``), holds
+slots at the front. One allocation, sized from free memory at each allocation (the first,
+and each after a release; ``mem_fraction``, like SGLang's ``mem_fraction_static``), holds
 ``budget_tokens`` tokens; a layout ``(slots, seq_cap)`` views it as
 ``[layers, slots, kv_heads, seq_cap, head_dim]``. ``seq_cap`` only grows (a longer request
 reshapes the view and costs the captured CUDA graphs), so a run with steady lengths keeps one
@@ -54,15 +54,14 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
-        budget_tokens: int,
+        budget_tokens: int | Callable[[], int],
         states: Any = None,
-        budget_fn: Callable[[], int] | None = None,
     ) -> None:
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.dtype, self.device = dtype, device
-        self.budget_tokens = budget_tokens
-        self._budget_fn = budget_fn  # the budget again at each allocate after a release
-        self._released = False
+        # a number, or a function asked at each allocation (the memory free then)
+        self._budget = budget_tokens
+        self.budget_tokens = budget_tokens if isinstance(budget_tokens, int) else 0
         self._storage: Tensor | None = None
         self.slots = 0
         self.seq_cap = 0
@@ -81,8 +80,8 @@ class KVCache:
     def allocate(self) -> None:
         """Take the memory (once; again after :meth:`release`)."""
         if self._storage is None:
-            if self._released and self._budget_fn is not None:
-                self.budget_tokens = self._budget_fn()
+            if callable(self._budget):
+                self.budget_tokens = self._budget()
             per_token = 2 * self.num_layers * self.kv_heads * self.head_dim
             # zeros, not empty: attention multiplies masked-out cells by 0, and reused device
             # memory can hold NaN bit patterns (0 * NaN is NaN)
@@ -100,7 +99,6 @@ class KVCache:
         """Give the memory back (colocated training); :meth:`allocate` takes it again."""
         self._storage = self.keys = self.values = None
         self.slots = self.seq_cap = 0
-        self._released = True
         if self.states is not None:
             self.states.release()
 
