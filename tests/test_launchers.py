@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from geo3k_grpo.config import offload_train
+from geo3k_grpo.config import colocation_plan
 from geo3k_grpo.main import parse as parse_grpo
 from geo3k_grpo.main import run as run_grpo
 from geo3k_sft.main import parse as parse_sft
@@ -208,16 +208,18 @@ ISSUE_STEP += ["--global-batch-size", "128", "--rollout-max-response-len", "384"
 def test_offload_train_follows_the_memory_estimate(argv, offloads):
     """Unset, the trainer's state stays on the GPU during rollout only where the engine's KV
     cache beside it still holds the whole rollout; the choice is in `--print-config`."""
-    cfg = parse_grpo([*ONE_H200, *argv], env={})
-    offload, why = offload_train(cfg)
-    assert offload is offloads, why
+    cfg = parse_grpo([*ONE_H200, "--host-memory-gib", "128", *argv], env={})
+    plan = colocation_plan(cfg)
+    offload, why = plan.offload_train, plan.why
+    assert offload is offloads and plan.optimizer_offload == 0, why
     if "GiB" in why:
         assert "trainer state 39.6 GiB" in why, why
 
 
 def test_no_offload_train_is_kept():
     cfg = parse_grpo([*ONE_H200, "--rollout-engine", "hf", "--no-offload-train"], env={})
-    assert offload_train(cfg) == (False, "set")
+    plan = colocation_plan(cfg)
+    assert (plan.offload_train, plan.why) == (False, "set")
 
 
 ONE_H200_8B = ["--model-name", "qwen3-vl-8b", "--num-gpus", "1", "--gpu-memory-gib", "140.4"]
@@ -253,6 +255,39 @@ def test_8b_on_one_gpu_keeps_part_of_the_optimizer_on_the_host(capsys, backend, 
     cfg = parse_grpo([*argv, "--no-optimizer-cpu-offload"], env={})
     with pytest.raises(PreflightError, match=r"Try .*--optimizer-cpu-offload"):
         plan_layout(cfg.parallel, cfg.cluster, trainer=cfg.trainer, shape=shape_of(cfg.model))
+
+
+@pytest.mark.parametrize(("backend", "fraction"), [("fsdp", 0.9), ("megatron", 0.7)])
+def test_8b_colocated_keeps_its_state_on_the_gpu_with_more_optimizer_on_the_host(
+    capsys, backend, fraction
+):
+    """Offloading the 8B trainer's state for each rollout would need more host memory than
+    128 GiB leave (its optimizer is already partly there), so it stays on the GPU and more of
+    the optimizer moves to the host, as much as the host holds, for the engine's KV cache;
+    --print-config says so, and a fraction the user gives is kept."""
+    from rl_runtime import plan_layout
+    from vlm_models.sources import shape_of
+
+    argv = [*ONE_H200_8B, "--backend", backend]
+    with pytest.raises(SystemExit):
+        parse_grpo([*argv, "--print-config"], env={})
+    shown = json.loads(capsys.readouterr().out)["offload_train"]
+    assert not shown["on"] and shown["optimizer_offload_fraction"] == fraction, shown
+    assert "offloading it would take" in shown["why"], shown
+    cfg = parse_grpo(argv, env={})
+    settled, _ = plan_layout(
+        cfg.parallel, cfg.cluster, trainer=cfg.trainer, shape=shape_of(cfg.model)
+    )
+    plan = colocation_plan(dataclasses.replace(cfg, parallel=settled), cfg.parallel.offload_options)
+    assert (plan.offload_train, plan.optimizer_offload) == (False, fraction), plan.why
+    given = parse_grpo([*argv, "--optimizer-offload-fraction", "0.6"], env={})
+    settled, _ = plan_layout(
+        given.parallel, given.cluster, trainer=given.trainer, shape=shape_of(given.model)
+    )
+    plan = colocation_plan(
+        dataclasses.replace(given, parallel=settled), given.parallel.offload_options
+    )
+    assert (plan.offload_train, plan.optimizer_offload) == (False, 0.6), plan.why
 
 
 def test_the_2b_step_keeps_the_optimizer_on_the_gpu():

@@ -5,6 +5,7 @@ are tried in which order, and whether the train state stays on the GPU."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -20,11 +21,13 @@ from rl_runtime import (
 from rl_runtime.memory import (
     RESERVE_BYTES,
     GiB,
+    MemoryEstimate,
     ModelShape,
     TrainLayout,
     candidate_layouts,
     flags,
     keep_train_state_on_gpu,
+    plan_colocation,
 )
 
 
@@ -186,3 +189,44 @@ def test_the_optimizer_goes_to_the_host_only_when_the_gpu_cannot_hold_it():
     assert "Try --backend b --optimizer-cpu-offload --optimizer-offload-fraction 0.2" in (
         err.value.message
     )
+
+
+def test_colocation_moves_optimizer_to_the_host_when_the_host_cannot_take_the_state():
+    """An 8B-like model (20 bytes a parameter) on a 140 GiB GPU: its state stays when the cache
+    fits beside it; offloaded where its host copies fit; where they do not, it stays and the
+    first larger optimizer fraction that gives the cache room is taken, else the largest the
+    host holds (the cache then runs the rollout in turns)."""
+    shape = dataclasses.replace(
+        _shape(147_456), language_params=8_200_000_000, vision_params=600_000_000
+    )
+    params = 8.8e9
+
+    def estimate_at(f: float) -> MemoryEstimate:
+        opt = 12 * params
+        return MemoryEstimate("x", 2 * params, 6 * params, opt * (1 - f), 0, 0, host=opt * f)
+
+    kw = {"gpu_bytes": 140 * GiB, "tokens_per_sequence": 1408, "engine_share": 0.5}
+    fractions = [round(0.1 * i, 1) for i in range(1, 11)]
+    small = plan_colocation(
+        shape, estimate_at, current=0.5, fractions=fractions, host_bytes=400 * GiB,
+        engine_sequences=128, **kw,
+    )  # fmt: skip
+    assert (small.optimizer_offload, small.offload_train) == (0.5, True), small.why
+    few = plan_colocation(
+        shape, estimate_at, current=0.5, fractions=fractions, host_bytes=120 * GiB,
+        engine_sequences=64, **kw,
+    )  # fmt: skip
+    assert not few.offload_train and few.optimizer_offload == 0.8, few.why
+    assert keep_train_state_on_gpu(shape, estimate_at(0.8), engine_sequences=64, **kw)[0]
+    assert not keep_train_state_on_gpu(shape, estimate_at(0.7), engine_sequences=64, **kw)[0]
+    turns = plan_colocation(
+        shape, estimate_at, current=0.5, fractions=fractions, host_bytes=92 * GiB,
+        engine_sequences=128, **kw,
+    )  # fmt: skip
+    assert not turns.offload_train and turns.optimizer_offload == 0.9, turns.why
+    assert "in turns" in turns.why and "163.9 GiB" in turns.why, turns.why
+    given = plan_colocation(
+        shape, estimate_at, current=0.5, fractions=(), host_bytes=92 * GiB,
+        engine_sequences=128, **kw,
+    )  # fmt: skip
+    assert (given.optimizer_offload, given.offload_train) == (0.5, False), given.why

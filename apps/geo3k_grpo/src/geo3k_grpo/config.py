@@ -19,8 +19,10 @@ from rewards_math import RewardConfig
 from rl_algos import GrpoLossConfig
 from rl_runtime import (
     ClusterConfig,
+    ColocationPlan,
     ConfigError,
     GrpoLoopConfig,
+    MemoryEstimate,
     ModelShape,
     ParallelConfig,
     PreflightError,
@@ -30,11 +32,12 @@ from rl_runtime import (
     check_parallel,
     choice,
     gpu_memory_bytes,
-    keep_train_state_on_gpu,
+    host_budget,
     layout,
     layout_report,
     parse_config,
     placement_preview,
+    plan_colocation,
     plan_layout,
     recipe_env_aliases,
     section,
@@ -202,8 +205,11 @@ def print_layout(cfg: Geo3kGrpoConfig) -> dict[str, Any]:
         settled, _ = plan_layout(cfg.parallel, cfg.cluster, **common)
     except PreflightError:
         settled = cfg.parallel
-    offload, why = offload_train(dataclasses.replace(cfg, parallel=settled))
-    out = {"layout": report, "offload_train": {"on": offload, "why": why}}
+    plan = colocation_plan(dataclasses.replace(cfg, parallel=settled), cfg.parallel.offload_options)
+    colocation = {"on": plan.offload_train, "why": plan.why}
+    if plan.optimizer_offload != settled.offload_fraction:  # raised to give the cache room
+        colocation["optimizer_offload_fraction"] = plan.optimizer_offload
+    out = {"layout": report, "offload_train": colocation}
     plan = placement_preview(cfg.cluster, layout(cfg.cluster, gpus_per_engine=cfg.rollout.tp_size))
     return out if plan is None else out | {"placement": plan}
 
@@ -219,35 +225,58 @@ def longest_sample(cfg: Geo3kGrpoConfig) -> int:
     return (cfg.data.max_prompt_length or ASSUMED_PROMPT_TOKENS) + cfg.loop.rollout_max_response_len
 
 
-def offload_train(cfg: Geo3kGrpoConfig) -> tuple[bool, str]:
-    """``--offload-train`` as set; unset, colocated on GPUs with the transformers engine: on
-    only where the trainer's state, kept on the GPU, would leave the engine's KV cache short of
-    one rollout (``rl_runtime.keep_train_state_on_gpu``). SGLang sizes its pool once at start,
-    so it keeps the recipes' offload. Returns the choice and why (for the log)."""
+def colocation_plan(cfg: Geo3kGrpoConfig, fractions: Sequence[float] = ()) -> ColocationPlan:
+    """Where the trainer's state sits while the engine generates, for the settled layout in
+    ``cfg.parallel``: ``--offload-train`` as set; unset, colocated on GPUs with the
+    transformers engine, as ``rl_runtime.plan_colocation`` finds (on the GPU where the engine's
+    KV cache holds a rollout beside it, else offloaded where the host holds it, else on the GPU
+    with more of the optimizer on the host, one of ``fractions``: those the user left free).
+    SGLang sizes its pool once at start, so it keeps the recipes' offload."""
     from vlm_models.sources import shape_of  # transformers: only when asked
 
+    current = cfg.parallel.offload_fraction
     if cfg.loop.offload_train is not None:
-        return cfg.loop.offload_train, "set"
+        return ColocationPlan(current, cfg.loop.offload_train, "set")
     lay = layout(cfg.cluster, gpus_per_engine=cfg.rollout.tp_size)
     if not (lay.colocate and lay.use_gpu):
-        return True, "not colocated on GPUs"
+        return ColocationPlan(current, True, "not colocated on GPUs")
     if uses_sglang(cfg.rollout, lay.use_gpu):
-        return True, "SGLang engine"
+        return ColocationPlan(current, True, "SGLang engine")
     shape = shape_of(cfg.model, load=cfg.run.load)
     gpu = gpu_memory_bytes(cfg.parallel)
-    estimate = state_estimate(cfg.parallel, cfg.cluster, trainer=cfg.trainer, shape=shape)
-    if shape is None or gpu is None or estimate is None:
-        return True, "no memory estimate"
+    if shape is None or gpu is None:
+        return ColocationPlan(current, True, "no memory estimate")
+    model = ModelShape(**shape)
+
+    def estimate_at(fraction: float) -> MemoryEstimate:
+        parallel = with_optimizer_offload(cfg.parallel, fraction)
+        out = state_estimate(parallel, cfg.cluster, trainer=cfg.trainer, shape=shape)
+        assert out is not None  # GPUs and a known shape
+        return out
+
     samples = cfg.loop.rollout_batch_size * cfg.loop.n_samples_per_prompt
-    keep, why = keep_train_state_on_gpu(
-        ModelShape(**shape),
-        estimate,
+    return plan_colocation(
+        model,
+        estimate_at,
+        current=current,
+        fractions=fractions,
         gpu_bytes=gpu,
+        host_bytes=host_budget(cfg.parallel, cfg.cluster, model, with_engines=True),
         engine_sequences=min(cfg.rollout.max_batch_size, -(-samples // lay.num_engines)),
         tokens_per_sequence=longest_sample(cfg),
         engine_share=cfg.rollout.kv_cache_fraction,
     )
-    return not keep, why
+
+
+def with_optimizer_offload(parallel: ParallelConfig, fraction: float) -> ParallelConfig:
+    """``parallel`` with ``fraction`` of the optimizer state on the host (0: none)."""
+    if fraction == parallel.offload_fraction:
+        return parallel
+    return dataclasses.replace(
+        parallel,
+        optimizer_cpu_offload=True if fraction > 0 else None,
+        optimizer_offload_fraction=fraction or None,
+    )
 
 
 def parse(

@@ -28,10 +28,11 @@ from geo3k_grpo.config import (
     ENV_ALIASES,
     PRESETS,
     Geo3kGrpoConfig,
+    colocation_plan,
     longest_sample,
-    offload_train,
     other_trainers,
     parse,
+    with_optimizer_offload,
 )
 from rl_runtime import (
     CheckpointManager,
@@ -124,7 +125,19 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
         resolve=vlm_models.sources.resolve_model,
         longest_sample=longest_sample(cfg),
     )
+    free = cfg.parallel.offload_options  # optimizer fractions the user left to the launcher
     cfg = dataclasses.replace(cfg, model=model, parallel=parallel)
+    # colocated: the trainer's state during rollout, which may put more of the optimizer on
+    # the host (a host too small to take the state for each rollout)
+    plan = colocation_plan(cfg, free)
+    if plan.optimizer_offload != parallel.offload_fraction:
+        parallel = with_optimizer_offload(parallel, plan.optimizer_offload)
+        cfg = dataclasses.replace(cfg, parallel=parallel)
+        log.info(
+            "optimizer: %.0f%% of its state on the host (%s)",
+            100 * plan.optimizer_offload,
+            plan.why,
+        )
     run_dir = Path(cfg.run.output_dir)
     checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.loop.keep_checkpoints)
     start_step = resume_step(checkpoints, run_dir) if cfg.run.resume else None
@@ -172,13 +185,14 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
         )
     except ValueError as err:
         raise PreflightError(str(err)) from None
-    offload, why = offload_train(cfg)
     if lay.colocate and lay.use_gpu:
         log.info(
-            "trainer state %s the GPU during rollout (%s)", "leaves" if offload else "stays on", why
+            "trainer state %s the GPU during rollout (%s)",
+            "leaves" if plan.offload_train else "stays on",
+            plan.why,
         )
     loop_cfg = dataclasses.replace(
-        cfg.loop, use_ref_logprobs=cfg.loss.kl_coef > 0, offload_train=offload
+        cfg.loop, use_ref_logprobs=cfg.loss.kl_coef > 0, offload_train=plan.offload_train
     )
     # SGLang sizes its KV pool from the GPU memory free when it starts: colocated, its engines
     # start first and release their memory before the trainers load (as slime does); the
@@ -225,7 +239,7 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
             forbidden_token_ids=frozenset(vlm_data.tokens.vision_token_ids(processor)),
         )
         rows = run_grpo(loop_cfg, parts)
-        if parts.offload_between_phases and offload:
+        if parts.offload_between_phases and plan.offload_train:
             train.onload()
         train.export_hf(run_dir / "hf")
         processor.save_pretrained(run_dir / "hf")

@@ -15,6 +15,7 @@ from rl_runtime.faults import CheckpointFailed, NonFiniteStop, RunStopped, Worke
 from rl_runtime.gc_policy import PeriodicGC
 from rl_runtime.loop import GrpoLoopConfig, GrpoParts, run_grpo
 from rl_runtime.memory import (
+    ColocationPlan,
     MemoryEstimate,
     ModelShape,
     TrainLayout,
@@ -22,6 +23,7 @@ from rl_runtime.memory import (
     choose_layout,
     estimate_memory,
     keep_train_state_on_gpu,
+    plan_colocation,
 )
 from rl_runtime.metrics import RunLogger, plot_metrics, read_metrics
 from rl_runtime.parallel import (
@@ -50,6 +52,7 @@ __all__ = [
     "CheckpointManager",
     "Cluster",
     "ClusterConfig",
+    "ColocationPlan",
     "ConfigError",
     "EngineLink",
     "EngineWorker",
@@ -112,6 +115,7 @@ __all__ = [
     "option",
     "parse_config",
     "placement_preview",
+    "plan_colocation",
     "plan_layout",
     "plot_metrics",
     "read_metrics",

@@ -24,7 +24,7 @@ only after every layout that keeps the state on the GPU, the smallest fraction f
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from rl_algos.run_context import ModelShape, ParallelLayout, StateBytes, TrainLayout
@@ -35,6 +35,7 @@ __all__ = [
     "HOST_RESERVE_BYTES",
     "OFFLOAD_FRACTIONS",
     "RESERVE_BYTES",
+    "ColocationPlan",
     "GiB",
     "MemoryEstimate",
     "ModelShape",
@@ -46,6 +47,7 @@ __all__ = [
     "estimate_memory",
     "flags",
     "keep_train_state_on_gpu",
+    "plan_colocation",
 ]
 
 GiB = 1 << 30
@@ -306,3 +308,78 @@ def keep_train_state_on_gpu(
         f"({engine_sequences} x {tokens_per_sequence} tokens), of {gpu_bytes / GiB:.1f} GiB"
     )
     return keep, why
+
+
+@dataclass(frozen=True)
+class ColocationPlan:
+    """Where a colocated trainer's state sits while the engine generates: ``optimizer_offload``,
+    the part of the optimizer state stepped on the host (the layout's, or more), and
+    ``offload_train``, whether the rest leaves the GPU for each rollout; ``why`` for the log."""
+
+    optimizer_offload: float
+    offload_train: bool
+    why: str
+
+
+def plan_colocation(
+    shape: ModelShape,
+    estimate_at: Callable[[float], MemoryEstimate],
+    *,
+    current: float,
+    fractions: Sequence[float],
+    gpu_bytes: float,
+    host_bytes: float | None,
+    engine_sequences: int,
+    tokens_per_sequence: int,
+    engine_share: float,
+) -> ColocationPlan:
+    """The trainer's state during rollout, colocated with the transformers engine.
+
+    It stays on the GPU where the engine's KV cache holds a rollout beside it
+    (:func:`keep_train_state_on_gpu`). Otherwise it is offloaded, when its pinned host copies
+    (the trainer's weights, gradients and on-GPU optimizer state) fit the host beside the
+    optimizer state already there (``host_bytes`` per rank). When they do not (a model whose
+    optimizer the layout already put partly on the host: the 8B on one H200 with 128 GiB of
+    host memory would need about 160 GiB), the state stays on the GPU and more of the optimizer
+    moves to the host, the first of ``fractions`` above ``current`` that lets the cache hold a
+    rollout, else the largest that fits the host: a smaller cache runs the rollout's sequences
+    in turns, slower but within memory. ``estimate_at(f)``: the layout's estimate with ``f`` of
+    the optimizer on the host; ``fractions``: the ones the user left free (none when given)."""
+
+    def beside(estimate: MemoryEstimate) -> tuple[bool, str]:
+        return keep_train_state_on_gpu(
+            shape,
+            estimate,
+            gpu_bytes=gpu_bytes,
+            engine_sequences=engine_sequences,
+            tokens_per_sequence=tokens_per_sequence,
+            engine_share=engine_share,
+        )
+
+    estimate = estimate_at(current)
+    keep, why = beside(estimate)
+    if keep:
+        return ColocationPlan(current, False, why)
+    copies = estimate.host + estimate.weights + estimate.gradients + estimate.optimizer
+    if host_bytes is None or copies <= host_bytes:
+        return ColocationPlan(current, True, why)
+    short = (
+        f"offloading it would take {copies / GiB:.1f} GiB of host memory per rank of "
+        f"{host_bytes / GiB:.1f} (--host-memory-gib)"
+    )
+    best = current
+    for f in sorted(x for x in fractions if x > current):
+        option = estimate_at(f)
+        if not option.fits(gpu_bytes, host_bytes):
+            continue
+        best = f
+        keep, why = beside(option)
+        if keep:
+            return ColocationPlan(f, False, f"{short}; optimizer {f:.0%} on the host: {why}")
+    _, why = beside(estimate_at(best))
+    return ColocationPlan(
+        best,
+        False,
+        f"{short}; kept on the GPU with the optimizer {best:.0%} on the host, the engine's KV "
+        f"cache runs the rollout's sequences in turns: {why}",
+    )
