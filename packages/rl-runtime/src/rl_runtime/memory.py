@@ -17,7 +17,7 @@ AdamW moments) on the host and step it there (``ParallelLayout.optimizer_offload
 launchers' ``--optimizer-cpu-offload``); the backend says what that leaves on the GPU and
 puts on the host (``StateBytes.host``), and a layout fits when both do: the GPU as above, the
 host within the budget the launcher gives each trainer rank (``host_bytes``: the node's memory
-less :data:`HOST_RESERVE_BYTES` and what colocated engines park there). Such layouts are tried
+less :data:`HOST_RESERVE_BYTES`, Ray's headroom and what colocated engines park there). Such layouts are tried
 only after every layout that keeps the state on the GPU, the smallest fraction first.
 """
 
@@ -34,6 +34,7 @@ from rl_runtime.protocols import TrainerConfig
 __all__ = [
     "HOST_RESERVE_BYTES",
     "OFFLOAD_FRACTIONS",
+    "RAY_HEADROOM",
     "RESERVE_BYTES",
     "ColocationPlan",
     "GiB",
@@ -52,9 +53,15 @@ __all__ = [
 
 GiB = 1 << 30
 RESERVE_BYTES = 3 * GiB
-#: Host memory a node keeps for everything but the offloaded optimizer state: Ray, the
-#: launcher, each process's torch and CUDA runtime, loading.
-HOST_RESERVE_BYTES = 16 * GiB
+#: Host memory a node keeps for everything but the offloaded optimizer state and the engines'
+#: parked weights: Ray, the launcher, each process's torch and CUDA runtime, loading. On the
+#: H200 (2026-12-04) the 8B FSDP run with 90 % of its optimizer on the host reached 120 GiB
+#: of 125 (every process together) where those two came to 105 GiB.
+HOST_RESERVE_BYTES = 20 * GiB
+#: The part of a node's memory Ray's memory monitor keeps free: it kills a worker once the
+#: node's used memory passes 95 % (``RAY_memory_usage_threshold``'s default), as it killed
+#: that run's trainer.
+RAY_HEADROOM = 0.05
 #: Fractions of the optimizer state on the host a layout chooser tries, smallest first.
 OFFLOAD_FRACTIONS = tuple(round(0.1 * i, 1) for i in range(1, 11))
 PARTS = ("weights", "gradients", "optimizer", "activations", "logits", "reserve")

@@ -18,6 +18,7 @@ from rl_runtime.config_fields import ConfigError, option
 from rl_runtime.memory import (
     HOST_RESERVE_BYTES,
     OFFLOAD_FRACTIONS,
+    RAY_HEADROOM,
     MemoryEstimate,
     ModelShape,
     check_layout,
@@ -259,7 +260,8 @@ def host_budget(
     with_engines: bool,
 ) -> float | None:
     """Host memory one trainer rank may fill with offloaded optimizer state: the node's memory
-    less :data:`HOST_RESERVE_BYTES` and the weights colocated engines park on the host while
+    less :data:`HOST_RESERVE_BYTES`, the share Ray keeps free (:data:`RAY_HEADROOM`) and the
+    weights colocated engines park on the host while
     the trainer runs (bf16, one copy per engine), over the trainer ranks of a node (as many as
     the node's visible GPUs, or all of them)."""
     total = host_memory_bytes(parallel)
@@ -269,7 +271,7 @@ def host_budget(
     per_node = min(lay.num_trainers, _local_gpus() or lay.num_trainers)
     engines = per_node if (with_engines and cluster.colocate) else 0
     params = shape.language_params + shape.vision_params
-    left = total - HOST_RESERVE_BYTES - engines * 2 * params
+    left = total * (1 - RAY_HEADROOM) - HOST_RESERVE_BYTES - engines * 2 * params
     return max(0.0, left / max(1, per_node))
 
 
