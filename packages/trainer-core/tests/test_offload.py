@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -59,3 +60,20 @@ def test_tied_parameters_move_once():
     copies.move_module(model, CPU)
     assert copies.nbytes == 7 * 4 * 4
     assert model["head"].weight is model["emb"].weight
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_large_pinned_buffers_are_locked_at_their_own_size():
+    """A 65 MiB buffer from the caching host allocator would lock 128 MiB; registered, it
+    is page-locked (copies from it are DMA) and holds what it was asked for."""
+    from trainer_core import pinned_empty
+
+    n = (65 << 20) // 4
+    host = pinned_empty(n, torch.float32)
+    assert host.is_pinned() and host.numel() == n
+    device = torch.arange(n, dtype=torch.float32, device="cuda")
+    host.copy_(device, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(host, device.cpu())
+    assert not pinned_empty(n, torch.float32, pin=False).is_pinned()

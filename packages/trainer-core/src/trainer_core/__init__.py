@@ -4,7 +4,7 @@ staging of micro-batches, reused pinned host copies for offloads, and the host t
 optimizer step on the CPU."""
 
 from trainer_core.microbatch import MicroBatch, PinnedStaging, build_micro_batch, dummy_image
-from trainer_core.offload import HostCopies, host_cores, host_threads
+from trainer_core.offload import HostCopies, host_cores, host_threads, pinned_empty
 
 __all__ = [
     "HostCopies",
@@ -14,4 +14,5 @@ __all__ = [
     "dummy_image",
     "host_cores",
     "host_threads",
+    "pinned_empty",
 ]

@@ -31,7 +31,7 @@ import logging
 import torch
 from torch import Tensor
 
-from trainer_core import HostCopies
+from trainer_core import HostCopies, pinned_empty
 from trainers_fsdp.host_adamw import HostAdamW, HostPiece
 from trainers_fsdp.master import MasterWeights, compiled_on
 
@@ -73,8 +73,8 @@ class FlatAdamW(torch.optim.AdamW):
             # moments of [0, host_end) on the host, the rest on the device (offset host_end)
             n, h = masters.num_trainable, masters.host_end
             pin = masters.device.type == "cuda"
-            self.host_exp_avg = torch.zeros(h, dtype=torch.float32, pin_memory=pin)
-            self.host_exp_avg_sq = torch.zeros(h, dtype=torch.float32, pin_memory=pin)
+            self.host_exp_avg = pinned_empty(h, torch.float32, pin=pin).zero_()
+            self.host_exp_avg_sq = pinned_empty(h, torch.float32, pin=pin).zero_()
             self.exp_avg = torch.zeros(n - h, dtype=torch.float32, device=masters.device)
             self.exp_avg_sq = torch.zeros_like(self.exp_avg)
             if h:

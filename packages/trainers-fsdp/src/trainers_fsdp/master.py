@@ -33,7 +33,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import Tensor, nn
 
-from trainer_core import HostCopies
+from trainer_core import HostCopies, pinned_empty
 from trainers_fsdp.distributed import all_reduce_mean_
 from trainers_fsdp.memory import CHUNK
 
@@ -94,7 +94,7 @@ class MasterWeights:
         self.host_end = _split(self._offsets, self.num_trainable, host_fraction)
         pin = device.type == "cuda"
         # masters [0, host_end) on the host, [host_end, total) on the device (offset host_end)
-        self.host_master = torch.empty(self.host_end, dtype=torch.float32, pin_memory=pin)
+        self.host_master = pinned_empty(self.host_end, torch.float32, pin=pin)
         self.master = torch.empty(total - self.host_end, dtype=torch.float32, device=device)
         for p, (start, end) in zip(self._params, itertools.pairwise(self._offsets), strict=True):
             self.master_slice(start, end).copy_(p.detach().reshape(-1))
