@@ -149,10 +149,17 @@ class MasterWeights:
         self._bind_master_grads()
 
     def _bind_master_grads(self) -> None:
+        if self.grad is None:
+            for m in self._masters:
+                m.grad = None
+            return
         for i, (p, m) in enumerate(zip(self._params, self._masters, strict=True)):
             if p.requires_grad:
                 start, end = self._offsets[i], self._offsets[i + 1]
-                m.grad = None if self.grad is None else self.grad[start:end].view(self._shapes[i])
+                # the host part's masters step from the flat gradient, read in pieces
+                # (trainers_fsdp.host_adamw): a device gradient cannot be a host tensor's .grad
+                on_host = end <= self.host_end and self.grad.device != self.host_master.device
+                m.grad = None if on_host else self.grad[start:end].view(self._shapes[i])
 
     @torch.no_grad()
     def before_backward(self) -> None:
