@@ -297,11 +297,17 @@ _compiled: dict = {}
 def compiled_on(device: torch.device, fn):
     """``fn`` as one compiled kernel on CUDA, eager elsewhere. aten's copy between dtypes runs
     an unvectorized kernel at about half the memory bandwidth; these passes touch every
-    parameter, about 13 GB for the 2B model each."""
+    parameter, about 13 GB for the 2B model each.
+
+    Without autotuning: to time its configurations inductor first copies every buffer the
+    kernel writes, and for the 8B model (a 35 GB float32 accumulator) that copy found no
+    memory on the H200 (2026-12-04) and stopped the run at its first accumulated
+    micro-batch. One pass over memory gains nothing from a tuned block size."""
     if device.type != "cuda":
         return fn
     if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, dynamic=False, fullgraph=True)
+        options = {"triton.autotune_pointwise": False}
+        _compiled[fn] = torch.compile(fn, dynamic=False, fullgraph=True, options=options)
     return _compiled[fn]
 
 
