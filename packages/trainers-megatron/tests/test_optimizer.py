@@ -191,3 +191,21 @@ def test_offload_needs_the_distributed_optimizer_and_bf16():
         MegatronConfig(optimizer_offload=1.0, distributed_optimizer=False)
     with pytest.raises(ValueError, match="bf16"):
         MegatronActor(MegatronConfig(model="qwen3-vl-tiny", optimizer_offload=1.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_large_host_masters_move_to_pinned_memory_of_their_own_size():
+    """megatron-core pins each host master through the caching host allocator (a 192 MiB
+    tensor locks 256 MiB); the large ones move, keeping their objects and values."""
+    from types import SimpleNamespace
+
+    from trainers_megatron.optim import exact_pinned_masters
+
+    big = torch.arange(3 * (1 << 24) + 5, dtype=torch.float32).pin_memory()
+    small = torch.ones(10).pin_memory()
+    expected = big.clone()
+    hybrid = SimpleNamespace(cpu_copys_map_gpu_param={big: None, small: None})
+    assert exact_pinned_masters(hybrid) == big.numel() * 4
+    assert big.is_pinned() and small.is_pinned() and torch.equal(big, expected)
+    assert big in hybrid.cpu_copys_map_gpu_param  # the same object, new storage

@@ -74,7 +74,9 @@ def build_optimizer(
             optimizer_offload_fraction=offload,
             overlap_cpu_optimizer_d2h_h2d=overlap_offload,
             store_param_remainders=False,  # what its check sets without Transformer Engine
-            pin_cpu_grads=cuda,  # page-locked host memory needs CUDA
+            # pageable: megatron-core pins each gradient through torch's caching host
+            # allocator, which rounds it up to a power of two (see exact_pinned_masters)
+            pin_cpu_grads=False,
             pin_cpu_params=cuda,
         )
     opt_config = OptimizerConfig(
@@ -96,7 +98,35 @@ def build_optimizer(
         _precision_aware(opt_config)
     optimizer = get_megatron_optimizer(opt_config, [model])
     fuse_torch_adam(optimizer)
+    for opt in optimizers(optimizer):
+        if (hybrid := hybrid_optimizer(opt)) is not None:
+            exact_pinned_masters(hybrid)
     return optimizer
+
+
+def exact_pinned_masters(hybrid: Any) -> int:
+    """Move a HybridDeviceOptimizer's host masters into page-locked memory of their own size;
+    returns the bytes moved.
+
+    megatron-core 0.16.1 copies each offloaded parameter with ``Tensor.pin_memory()`` (whatever
+    ``pin_cpu_params`` says), and torch's caching host allocator rounds every block up to a
+    power of two and keeps freed ones locked: a 151 MB float32 matrix locks 256 MiB. On a host
+    that the 8B model's optimizer nearly fills, that is the difference between fitting and
+    Ray's memory monitor killing the trainer (it killed the FSDP trainer for the same rounding,
+    H200, 2026-12-04). Each master keeps its tensor object (``.data`` is swapped), so the
+    optimizer's maps and groups stay valid; the freed blocks go back to the system."""
+    from trainer_core.offload import PIN_REGISTER_BYTES, pinned_empty
+
+    moved = 0
+    for cpu_param in list(getattr(hybrid, "cpu_copys_map_gpu_param", {})):
+        nbytes = cpu_param.numel() * cpu_param.element_size()
+        if nbytes >= PIN_REGISTER_BYTES and cpu_param.is_pinned():
+            cpu_param.data = pinned_empty(cpu_param.shape, cpu_param.dtype).copy_(cpu_param.data)
+            moved += nbytes
+    empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
+    if moved and empty_host_cache is not None:
+        empty_host_cache()
+    return moved
 
 
 def _precision_aware(config: OptimizerConfig) -> None:
