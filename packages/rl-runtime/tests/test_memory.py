@@ -230,3 +230,21 @@ def test_colocation_moves_optimizer_to_the_host_when_the_host_cannot_take_the_st
         engine_sequences=128, **kw,
     )  # fmt: skip
     assert (given.optimizer_offload, given.offload_train) == (0.5, False), given.why
+
+
+def test_colocation_keeps_the_fraction_where_the_backend_does_not_offload():
+    """A backend that holds the optimizer on the GPU in this layout (sharded FSDP counts no
+    host part) is never given a fraction it would refuse at build."""
+    shape = dataclasses.replace(
+        _shape(147_456), language_params=8_200_000_000, vision_params=600_000_000
+    )
+    params = 8.8e9
+
+    def on_gpu(f: float) -> MemoryEstimate:
+        return MemoryEstimate("x", 2 * params, 6 * params, 12 * params, 0, 0)
+
+    plan = plan_colocation(
+        shape, on_gpu, current=0.0, fractions=[0.5, 1.0], gpu_bytes=400 * GiB,
+        host_bytes=92 * GiB, engine_sequences=2048, tokens_per_sequence=1408, engine_share=0.5,
+    )  # fmt: skip
+    assert (plan.optimizer_offload, plan.offload_train) == (0.0, False), plan.why

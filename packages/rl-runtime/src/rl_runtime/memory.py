@@ -377,7 +377,9 @@ def plan_colocation(
     best = current
     for f in sorted(x for x in fractions if x > current):
         option = estimate_at(f)
-        if not option.fits(gpu_bytes, host_bytes):
+        # (a layout whose backend keeps the optimizer on the GPU whatever the fraction, as
+        # sharded FSDP does, gains nothing: its host part does not grow)
+        if option.host <= estimate.host or not option.fits(gpu_bytes, host_bytes):
             continue
         best = f
         keep, why = beside(option)
