@@ -5,6 +5,12 @@
 #
 #   bash tools/bench/gpu_suite.sh [logprobs] [patch_embed] [hf_engine] [fsdp_train] [fsdp_accum] [megatron_parity] [weight_sync] [qwen35]
 #     [hf_dense] [hf_families] [megatron_train] [megatron_compiled] [megatron_profile] [megatron_accum] [megatron_flat] [hf_geo3k] [ipc_probe] [e2e] ...
+#
+# Wheels past the carry limit together (Ray in .whl/ and fla + tilelang in .wq35/, 91 MB) go in
+# two calls on one warm machine (it is kept 30 s after a call; /tmp/site stays): first
+# `WHEEL_DIR=.wq35 bash tools/bench/gpu_suite.sh setup` carrying .wq35, then at once the run
+# itself carrying .whl, e.g. `E2E_BACKENDS=megatron E2E_BENCH_ARGS="--shape qwen3.5-35b-a3b
+# --layers 8" bash tools/bench/gpu_suite.sh e2e`.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -122,6 +128,7 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
         # on Hopper with Triton < 3.7.1 tilelang for fla's backward)
         run qwen35 480 python3 tools/bench/bench_qwen35_megatron.py --device cuda --out "$OUT/qwen35.json" ;;
       gpu_tests) run gpu_tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider -o log_level=WARNING packages ;;
+      setup) ;;  # only install WHEEL_DIR into /tmp/site (see the header)
       *) echo "unknown benchmark $w" >>"$log" ;;
     esac
   done
