@@ -33,8 +33,9 @@ def pinned_empty(shape: int | Sequence[int], dtype: torch.dtype, *, pin: bool = 
     allocator, which rounds every block up to a power of two: a 26 GiB optimizer buffer takes
     32 GiB of locked memory, and on the H200 (2026-12-04) the 8B FSDP trainer's three such
     buffers held 17 GiB beyond its state. Large buffers are therefore plain memory registered
-    with the driver (``cudaHostRegister``), unregistered when the tensor is collected; small
-    ones keep the caching allocator (its reuse matters there, its rounding does not)."""
+    with the driver (``cudaHostRegister``), unregistered when the returned tensor object is
+    collected (keep it, not only a view or a ``.data`` that shares its storage); small ones
+    keep the caching allocator (its reuse matters there, its rounding does not)."""
     out = torch.empty(shape, dtype=dtype)
     if not (pin and torch.cuda.is_available()) or out.numel() == 0:
         return out

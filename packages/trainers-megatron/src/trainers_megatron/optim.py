@@ -118,10 +118,13 @@ def exact_pinned_masters(hybrid: Any) -> int:
     from trainer_core.offload import PIN_REGISTER_BYTES, pinned_empty
 
     moved = 0
+    kept = hybrid.__dict__.setdefault("_exact_pinned", [])  # registered while these live
     for cpu_param in list(getattr(hybrid, "cpu_copys_map_gpu_param", {})):
         nbytes = cpu_param.numel() * cpu_param.element_size()
         if nbytes >= PIN_REGISTER_BYTES and cpu_param.is_pinned():
-            cpu_param.data = pinned_empty(cpu_param.shape, cpu_param.dtype).copy_(cpu_param.data)
+            host = pinned_empty(cpu_param.shape, cpu_param.dtype).copy_(cpu_param.data)
+            cpu_param.data = host
+            kept.append(host)
             moved += nbytes
     empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
     if moved and empty_host_cache is not None:
