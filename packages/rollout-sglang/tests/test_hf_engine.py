@@ -360,6 +360,39 @@ def test_release_and_resume_memory(tiny_model, requests_):
     assert engine.generate(requests_[:1], greedy(1))[0].ok
 
 
+def test_weights_dropped_at_release_come_back_only_by_a_push(requests_):
+    """Without a host backup the release frees the weights; resumed, the engine refuses to
+    generate until a push rewrote every parameter (naming one it lacks), then generates as
+    before the release."""
+    from vlm_models.build import build_model
+    from vlm_models.presets import tiny_config
+
+    torch.manual_seed(1)
+    model = build_model(tiny_config())
+    engine = HFEngine(model, weights_backup=False)
+    weights = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    before = engine.generate(requests_, greedy(4))
+    engine.release_memory()
+    assert all(p.numel() == 0 for p in model.parameters())
+    engine.resume_memory()
+    with pytest.raises(RuntimeError, match="dropped at release_memory"):
+        engine.generate(requests_[:1], greedy(1))
+    last = list(dict(model.named_parameters()))[-1]  # a parameter, not a buffer
+    partial = [(n, t) for n, t in weights.items() if n != last]
+    engine.update_weights(iter_weight_buckets(partial, bucket_bytes=1 << 20))
+    with pytest.raises(RuntimeError, match=r"1 of \d+ parameters"):
+        engine.generate(requests_[:1], greedy(1))
+    engine.update_weights(iter_weight_buckets(weights.items(), bucket_bytes=1 << 20))
+    after = engine.generate(requests_, greedy(4))
+    assert [c.token_ids for c in after] == [c.token_ids for c in before]
+    engine.release_memory()  # again: dropped again, refilled again
+    engine.resume_memory()
+    engine.update_weights(iter_weight_buckets(weights.items(), bucket_bytes=1 << 20))
+    assert [c.token_ids for c in engine.generate(requests_, greedy(4))] == [
+        c.token_ids for c in before
+    ]
+
+
 def test_a_released_cache_is_sized_anew_from_what_is_free():
     """Colocated, the cache is released while the trainer steps and taken again at the next
     rollout; the trainer's optimizer state (allocated at its first step) may by then hold what

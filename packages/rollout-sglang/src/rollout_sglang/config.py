@@ -174,6 +174,16 @@ class RolloutConfig:
             "sdpa), triton, sdpa (torch over the batch's KV bucket with a length mask), matmul"
         },
     )
+    weights_cpu_backup: bool = field(
+        default=False,
+        metadata={
+            "help": "transformers engine: keep a host copy of its weights while its memory is "
+            "released (colocated, while the trainer steps); off: they are dropped and the "
+            "weight push after the step writes them all again (SGLang's release does the same "
+            "without --enable-weights-cpu-backup), which saves host memory the size of the "
+            "bf16 weights and two copies a step"
+        },
+    )
     # decode through transformers' own loop (hf/legacy.py) instead of the engine's decode step,
     # which covers Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE (a reference; slow)
     legacy_decode: bool = False
@@ -196,6 +206,7 @@ class RolloutConfig:
             "compile": self.compile_decode,
             "decode_attention": self.decode_attention,
             "legacy_decode": self.legacy_decode,
+            "weights_backup": self.weights_cpu_backup,
         }
 
     def check(self) -> None:

@@ -125,6 +125,7 @@ class HFEngine:
         prune_fraction: float = 0.25,
         decode_moe: str = "auto",
         legacy_decode: bool = False,
+        weights_backup: bool = True,
     ) -> None:
         self.model = model.eval()
         self.device = (
@@ -147,6 +148,8 @@ class HFEngine:
         self._loader = WeightLoader(model)
         self._released = False
         self._host = HostCopies()  # pinned host twins of the weights while released
+        self.weights_backup = weights_backup
+        self._dropped: list[tuple[nn.Parameter, torch.Size]] = []  # (without a backup)
         self.last_stats: dict[str, float] = {}  # where the last generate's time went
         self._rope_memo: dict = {}  # M-RoPE ids of prompt heads, per generate call
         self._legacy: LegacyHFEngine | None = None
@@ -240,6 +243,7 @@ class HFEngine:
             raise RuntimeError("HFEngine.generate after release_memory(); call resume_memory()")
         if self._legacy is not None:
             return self._legacy.generate(requests, params)
+        self._check_refilled()
         cache, runner = self._ensure_cache()
         cache.allocate()  # its budget is what the requests are checked against
         self._rope_memo = {}  # a prompt head's M-RoPE ids once per call (GRPO groups)
@@ -446,8 +450,10 @@ class HFEngine:
         logger.info("HFEngine: updated %d tensors", total)
 
     def release_memory(self) -> None:
-        """Free the KV cache and captured graphs and move the model to CPU, so a colocated
-        trainer can use the accelerator (no-op on CPU)."""
+        """Free the KV cache and captured graphs, so a colocated trainer can use the
+        accelerator, and the weights: into pinned host copies (``weights_backup``; nothing on
+        a CPU), or dropped, for the next weight push to rewrite (generate refuses until it
+        has)."""
         if self._legacy is not None:
             self._legacy.release_memory()
         else:
@@ -455,7 +461,9 @@ class HFEngine:
                 self.runner.reset()
             if self.cache is not None:
                 self.cache.release()
-            if self.device.type != "cpu":
+            if not self.weights_backup:
+                self._drop_weights()
+            elif self.device.type != "cpu":
                 self._host.move_module(self.model, torch.device("cpu"))
             if self.device.type == "cuda":
                 torch.cuda.synchronize()  # the copies out are done before the memory goes
@@ -470,9 +478,44 @@ class HFEngine:
             return
         if self._legacy is not None:
             self._legacy.resume_memory()
+        elif self._dropped:
+            self._allocate_dropped()
         elif self.device.type != "cpu":
             self._host.move_module(self.model, self.device)
         self._released = False
+
+    def _drop_weights(self) -> None:
+        """Free every parameter without a copy (``weights_backup`` off: the next weight push
+        rewrites them all, as SGLang's release does without ``enable_weights_cpu_backup``).
+        Buffers (rotary frequencies) are not pushed, so they stay."""
+        if not self._dropped:  # (else dropped before: allocated again, maybe not refilled)
+            params = dict.fromkeys(self.model.parameters())  # tied ones once
+            self._dropped = [(p, p.shape) for p in params]
+        for p, _ in self._dropped:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self._loader.written = None
+
+    def _allocate_dropped(self) -> None:
+        """Device memory for the dropped parameters, unfilled until the push writes them."""
+        for p, shape in self._dropped:
+            p.data = torch.empty(shape, dtype=p.dtype, device=self.device)
+        self._loader.written = set()
+
+    def _check_refilled(self) -> None:
+        """After a release without a backup, generating before every parameter was pushed
+        again would sample from uninitialised memory: refuse, naming one."""
+        if not self._dropped:
+            return
+        written = self._loader.written or set()
+        missing = [p for p, _ in self._dropped if p.untyped_storage().data_ptr() not in written]
+        if missing:
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            raise RuntimeError(
+                f"HFEngine: {len(missing)} of {len(self._dropped)} parameters were dropped at "
+                f"release_memory and not pushed since (first: {names.get(id(missing[0]))}); "
+                "push the weights before generating, or keep a host copy (weights_backup)"
+            )
+        self._dropped, self._loader.written = [], None
 
     def begin_weight_update(self) -> None:
         """Nothing to open: weights load in place at any time."""

@@ -50,6 +50,9 @@ class WeightLoader:
         self._targets: dict[str, Tensor] = dict(model.named_parameters(remove_duplicate=False))
         self._targets.update(dict(model.named_buffers(remove_duplicate=False)))
         self._transpose_experts = released_expert_transpose(model)
+        #: when a set: the storages (``data_ptr`` of each written tensor's storage) loads
+        #: wrote into, for an engine that must know its dropped weights all came back
+        self.written: set[int] | None = None
 
     def target(self, name: str) -> Tensor:
         if name in self._targets:
@@ -90,5 +93,7 @@ class WeightLoader:
                     )
                 src = src.reshape(dst.shape)  # e.g. a patch embedding stored flat
             dst.copy_(src.to(device=dst.device, dtype=dst.dtype), non_blocking=True)
+            if self.written is not None:
+                self.written.add(dst.untyped_storage().data_ptr())
             count += 1
         return count
