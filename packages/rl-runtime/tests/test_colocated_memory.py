@@ -56,6 +56,7 @@ class Trainer:
     def push_weights(self, rollout, bucket_bytes):
         assert self.on and "weights" not in rollout.released, "push without both sides' weights"
         rollout.weights_version += 1
+        rollout.weights_valid = True
 
     def release_cache(self):
         self.gpu.book("trainer", STATE if self.on else 0.0, "release_cache")
@@ -79,12 +80,16 @@ class Trainer:
 class Engine:
     """The RolloutGroup surface: generation needs its memory resumed. Weights and KV cache
     come back by parts, as SGLang's tags do; resuming a part not released fails, as SGLang's
-    does."""
+    does. A release drops the weights' values: only a push makes them generate again (sglang
+    0.5.23 keeps a host copy only with ``enable_weights_cpu_backup``,
+    ``srt/model_executor/model_runner_components/load_model_utils.py``; the transformers
+    engine without ``weights_backup`` refuses to generate until the push)."""
 
     def __init__(self, gpu: Gpu, weights: float = ENGINE, kv_cache: float = 0.0) -> None:
         self.gpu, self.weights_version = gpu, 0
         self.parts = {"weights": weights, "kv_cache": kv_cache}
         self.released: set[str] = set()
+        self.weights_valid = True
         gpu.book("engine", weights + kv_cache, "engine built")
 
     @property
@@ -93,6 +98,7 @@ class Engine:
 
     def generate(self, prompts, *, n, seed, **sampling):
         assert self.resumed, "generate after release_memory"
+        assert self.weights_valid, "generate with weights dropped at release and not pushed"
         return [
             [
                 SimpleNamespace(
@@ -105,6 +111,7 @@ class Engine:
 
     def release_memory(self):
         self.released = set(self.parts)
+        self.weights_valid = False
         self.gpu.book("engine", 0.0, "release_memory")
 
     def resume_memory(self, tags=None):
@@ -165,10 +172,12 @@ def test_colocated_steps_fit_one_gpu(tmp_path):
     parts = _parts(tmp_path, gpu)
     rows = run_grpo(_small_run(), parts)
     assert len(rows) == 3
-    assert parts.rollout.weights_version == 4  # the first push, then one per step
+    # the first push, one per step, and one after each save (step 2 and the last), whose
+    # release dropped the engine's weights
+    assert parts.rollout.weights_version == 6
     # every sync found the trainer's cache released before the engine's weights came back
     resumes = [e for e in gpu.events if e.startswith("resume_memory ['weights']")]
-    assert len(resumes) == 3
+    assert len(resumes) == 5
     assert all("'trainer': 32.0" in e for e in resumes), resumes
 
 
@@ -207,11 +216,11 @@ def test_the_kv_cache_comes_back_after_the_trainer_state_left(tmp_path):
     parts = _parts(tmp_path, gpu, engine)  # the trainer loads beside the released engine
     parts.engines_released = True
     rows = run_grpo(_small_run(), parts)
-    assert len(rows) == 3 and engine.weights_version == 4 and engine.resumed
+    assert len(rows) == 3 and engine.weights_version == 6 and engine.resumed
     resumes = [e for e in gpu.events if e.startswith("resume_memory")]
     weights = [e for e in resumes if e.startswith("resume_memory ['weights']")]
     kv = [e for e in resumes if e.startswith("resume_memory ['kv_cache']")]
-    assert len(weights) == len(kv) == 4  # the first push, then one sync per step
+    assert len(weights) == len(kv) == 6  # the first push, one sync per step, two saves
     assert all("'trainer': 0.0" in e for e in kv), kv
 
 

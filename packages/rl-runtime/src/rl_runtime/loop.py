@@ -387,13 +387,19 @@ def _save(
     rng: np.random.Generator,
 ) -> None:
     # colocated, the trainer's state comes back for the save: the engine makes room first
-    # (its KV cache and the trainer's state need not fit at once) and returns after
+    # (its KV cache and the trainer's state need not fit at once) and returns after, in the
+    # sync's order. A release drops the engine's weights (SGLang without a CPU backup, the
+    # transformers engine without --weights-cpu-backup), so they are pushed again.
     room = _offloads(p, cfg)
     if room:
         p.rollout.release_memory()
     _onload(p, cfg)
     state = {"sampler": sampler.state_dict(), "rng": rng.bit_generator.state}
     p.checkpoints.save(step, state | p.extra_loop_state, p.train.save_checkpoint)
+    if room:
+        p.train.release_cache()
+        p.rollout.resume_memory(WEIGHTS)
+        p.train.push_weights(p.rollout, cfg.weight_bucket_mb << 20)
     _offload(p, cfg)
     if room:
-        p.rollout.resume_memory()
+        p.rollout.resume_memory(KV_CACHE)
