@@ -238,7 +238,7 @@ def test_8b_on_one_gpu_keeps_part_of_the_optimizer_on_the_host(capsys, backend, 
     assert done.value.code == 0
     layout = json.loads(capsys.readouterr().out)["layout"]
     assert f"optimizer {fraction:.0%} on the host" in layout["description"], layout
-    assert layout["fits"] and layout["host_gib"] <= layout["host_budget_gib"] == 85.3, layout
+    assert layout["fits"] and layout["host_gib"] <= layout["host_budget_gib"] == 97.6, layout
     assert layout["optimizer_cpu_offload"].startswith("chosen: no layout holds"), layout
     from rl_runtime import plan_layout
     from vlm_models.sources import shape_of
@@ -258,15 +258,14 @@ def test_8b_on_one_gpu_keeps_part_of_the_optimizer_on_the_host(capsys, backend, 
 
 
 # FSDP's layout puts 50 % of its optimizer on the host, Megatron's 60 % (above)
-@pytest.mark.parametrize(("backend", "fraction"), [("fsdp", 0.8), ("megatron", 0.6)])
+@pytest.mark.parametrize(("backend", "fraction"), [("fsdp", 0.9), ("megatron", 0.7)])
 def test_8b_colocated_keeps_its_state_on_the_gpu_with_more_optimizer_on_the_host(
     capsys, backend, fraction
 ):
     """Offloading the 8B trainer's state for each rollout would need more host memory than
     128 GiB leave (its optimizer is already partly there), so it stays on the GPU and more of
-    the optimizer moves to the host, as much as the host holds, for the engine's KV cache
-    (Megatron's layout already holds as much); --print-config says so, and a fraction the user
-    gives is kept."""
+    the optimizer moves to the host, as much as the host holds, for the engine's KV cache;
+    --print-config says so, and a fraction the user gives is kept."""
     from rl_runtime import plan_layout
     from vlm_models.sources import shape_of
 
@@ -274,8 +273,7 @@ def test_8b_colocated_keeps_its_state_on_the_gpu_with_more_optimizer_on_the_host
     with pytest.raises(SystemExit):
         parse_grpo([*argv, "--print-config"], env={})
     shown = json.loads(capsys.readouterr().out)["offload_train"]
-    raised = shown.get("optimizer_offload_fraction")
-    assert not shown["on"] and raised == (fraction if backend == "fsdp" else None), shown
+    assert not shown["on"] and shown["optimizer_offload_fraction"] == fraction, shown
     assert "offloading it would take" in shown["why"], shown
     cfg = parse_grpo(argv, env={})
     settled, _ = plan_layout(

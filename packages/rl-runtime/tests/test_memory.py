@@ -19,6 +19,7 @@ from rl_runtime import (
     estimate_memory,
 )
 from rl_runtime.memory import (
+    HOST_RESERVE_BYTES,
     RESERVE_BYTES,
     GiB,
     MemoryEstimate,
@@ -248,3 +249,18 @@ def test_colocation_keeps_the_fraction_where_the_backend_does_not_offload():
         host_bytes=92 * GiB, engine_sequences=2048, tokens_per_sequence=1408, engine_share=0.5,
     )  # fmt: skip
     assert (plan.optimizer_offload, plan.offload_train) == (0.0, False), plan.why
+
+
+def test_host_budget_leaves_ray_its_headroom_and_counts_parked_weights_where_kept():
+    """A node's 128 GiB less Ray's 5 % and the reserve; colocated engines that keep a host
+    copy of their weights (--weights-cpu-backup) take their bf16 size too."""
+    from rl_runtime import ClusterConfig, ParallelConfig, host_budget
+
+    shape = dataclasses.replace(
+        _shape(147_456), language_params=8_200_000_000, vision_params=600_000_000
+    )
+    parallel, cluster = ParallelConfig(host_memory_gib=128), ClusterConfig(num_gpus=1)
+    dropped = host_budget(parallel, cluster, shape, with_engines=True, engines_park_weights=False)
+    parked = host_budget(parallel, cluster, shape, with_engines=True)
+    assert dropped == pytest.approx(128 * GiB * 0.95 - HOST_RESERVE_BYTES)
+    assert dropped - parked == pytest.approx(2 * 8.8e9)

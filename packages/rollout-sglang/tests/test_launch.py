@@ -38,8 +38,14 @@ def test_factory_passes_the_engine_settings():
         assert engine.max_batch_size == 4
         assert engine.decoder.attention == "matmul"
         assert engine._kv_cache_fraction == 0.3
+        assert not engine.weights_backup  # dropped at release, refilled by the push
     finally:
         engine.shutdown()
+    backed = _factory("float32", weights_cpu_backup=True)()
+    try:
+        assert backed.weights_backup
+    finally:
+        backed.shutdown()
     legacy = _factory("float32", legacy_decode=True)()
     try:
         assert legacy._legacy is not None
@@ -67,3 +73,10 @@ def test_gpu_engine_serves_in_the_rollout_dtype():
         assert next(engine.model.parameters()).is_cuda
     finally:
         engine.shutdown()
+
+
+def test_weights_cpu_backup_reaches_sglang_too():
+    """One setting for both engines: SGLang keeps its released weights on the host only with
+    enable_weights_cpu_backup (sglang 0.5.23, model_runner_components/load_model_utils.py)."""
+    assert "enable_weights_cpu_backup" not in RolloutConfig().server_args()
+    assert RolloutConfig(weights_cpu_backup=True).server_args()["enable_weights_cpu_backup"]

@@ -199,6 +199,7 @@ def print_layout(cfg: Geo3kGrpoConfig) -> dict[str, Any]:
         others=other_trainers(cfg.run.backend),
         model_name=cfg.model.model_name,
         longest_sample=longest_sample(cfg),
+        engines_park_weights=cfg.rollout.weights_cpu_backup,
     )
     report = layout_report(cfg.parallel, cfg.cluster, backend=cfg.run.backend, **common)
     try:  # the offload decision of the layout the run would settle on (its optimizer offload)
@@ -261,7 +262,13 @@ def colocation_plan(cfg: Geo3kGrpoConfig, fractions: Sequence[float] = ()) -> Co
         current=current,
         fractions=fractions,
         gpu_bytes=gpu,
-        host_bytes=host_budget(cfg.parallel, cfg.cluster, model, with_engines=True),
+        host_bytes=host_budget(
+            cfg.parallel,
+            cfg.cluster,
+            model,
+            with_engines=True,
+            engines_park_weights=cfg.rollout.weights_cpu_backup,
+        ),
         engine_sequences=min(cfg.rollout.max_batch_size, -(-samples // lay.num_engines)),
         tokens_per_sequence=longest_sample(cfg),
         engine_share=cfg.rollout.kv_cache_fraction,

@@ -124,6 +124,7 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
         shape_of=vlm_models.sources.shape_of,
         resolve=vlm_models.sources.resolve_model,
         longest_sample=longest_sample(cfg),
+        engines_park_weights=cfg.rollout.weights_cpu_backup,
     )
     free = cfg.parallel.offload_options  # optimizer fractions the user left to the launcher
     cfg = dataclasses.replace(cfg, model=model, parallel=parallel)

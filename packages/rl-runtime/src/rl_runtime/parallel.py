@@ -258,18 +258,19 @@ def host_budget(
     shape: ModelShape,
     *,
     with_engines: bool,
+    engines_park_weights: bool = True,
 ) -> float | None:
     """Host memory one trainer rank may fill with offloaded optimizer state: the node's memory
     less :data:`HOST_RESERVE_BYTES`, the share Ray keeps free (:data:`RAY_HEADROOM`) and the
-    weights colocated engines park on the host while
-    the trainer runs (bf16, one copy per engine), over the trainer ranks of a node (as many as
-    the node's visible GPUs, or all of them)."""
+    weights colocated engines park on the host while the trainer runs (bf16, one copy per
+    engine; none where ``engines_park_weights`` is off: they drop them and the push refills
+    them), over the trainer ranks of a node (as many as the node's visible GPUs, or all)."""
     total = host_memory_bytes(parallel)
     if total is None:
         return None
     lay = layout(cluster, with_engines=with_engines)
     per_node = min(lay.num_trainers, _local_gpus() or lay.num_trainers)
-    engines = per_node if (with_engines and cluster.colocate) else 0
+    engines = per_node if (with_engines and cluster.colocate and engines_park_weights) else 0
     params = shape.language_params + shape.vision_params
     left = total * (1 - RAY_HEADROOM) - HOST_RESERVE_BYTES - engines * 2 * params
     return max(0.0, left / max(1, per_node))
@@ -310,6 +311,7 @@ def plan_layout(
     model_name: str = "the model",
     with_engines: bool = True,
     longest_sample: int = 0,
+    engines_park_weights: bool = True,
 ) -> tuple[ParallelConfig, MemoryEstimate | None]:
     """`parallel` with the layout settled, and its memory estimate (None: a CPU run, or the
     model's shape or the GPU's memory is not known). Unset settings get the first layout that
@@ -322,7 +324,13 @@ def plan_layout(
         gpu = gpu_memory_bytes(parallel)
         if shape is not None and gpu is not None:
             model = ModelShape(**shape)
-            host = host_budget(parallel, cluster, model, with_engines=with_engines)
+            host = host_budget(
+                parallel,
+                cluster,
+                model,
+                with_engines=with_engines,
+                engines_park_weights=engines_park_weights,
+            )
             requested = _requested(parallel, cluster, trainer, with_engines, longest_sample)
             requested, _ = choose_layout(
                 model,
@@ -401,6 +409,7 @@ def layout_report(
     model_name: str = "the model",
     with_engines: bool = True,
     longest_sample: int = 0,
+    engines_park_weights: bool = True,
 ) -> dict[str, Any]:
     """For `--print-config`: the layout the run would use and its memory estimate, or why there
     is none; a layout that cannot fit is reported, not raised. ``backend``: the trainer's name,
@@ -411,7 +420,10 @@ def layout_report(
     if shape is None or gpu is None:
         missing = "the model's config" if shape is None else "the GPU memory (--gpu-memory-gib)"
         return {"description": f"not estimated: {missing} is not known before the run"}
-    host = host_budget(parallel, cluster, ModelShape(**shape), with_engines=with_engines)
+    park = engines_park_weights
+    host = host_budget(
+        parallel, cluster, ModelShape(**shape), with_engines=with_engines, engines_park_weights=park
+    )
     try:
         settled, estimate = plan_layout(
             parallel,
@@ -422,6 +434,7 @@ def layout_report(
             model_name=model_name,
             with_engines=with_engines,
             longest_sample=longest_sample,
+            engines_park_weights=park,
         )
     except PreflightError as err:
         requested = _requested(parallel, cluster, trainer, with_engines, longest_sample)
@@ -449,6 +462,7 @@ def settle(
     others: Sequence[TrainerConfig] = (),
     with_engines: bool = True,
     longest_sample: int = 0,
+    engines_park_weights: bool = True,
 ) -> tuple[M, ParallelConfig]:
     """Everything about the model a launcher settles before Ray, in order: the layout where the
     model's shape is known without a download (so a layout that cannot fit stops before it),
@@ -467,6 +481,7 @@ def settle(
             model_name=str(getattr(m, "model_name", m)),
             with_engines=with_engines,
             longest_sample=longest_sample,
+            engines_park_weights=engines_park_weights,
         )
 
     planned, estimate = plan(model)

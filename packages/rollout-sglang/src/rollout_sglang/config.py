@@ -177,11 +177,10 @@ class RolloutConfig:
     weights_cpu_backup: bool = field(
         default=False,
         metadata={
-            "help": "transformers engine: keep a host copy of its weights while its memory is "
-            "released (colocated, while the trainer steps); off: they are dropped and the "
-            "weight push after the step writes them all again (SGLang's release does the same "
-            "without --enable-weights-cpu-backup), which saves host memory the size of the "
-            "bf16 weights and two copies a step"
+            "help": "keep a host copy of the engines' weights while their memory is released "
+            "(colocated, while the trainer steps; SGLang's enable_weights_cpu_backup); off: "
+            "they are dropped and the weight push after the step writes them all again, "
+            "which saves host memory the size of the weights and two copies a step"
         },
     )
     # decode through transformers' own loop (hf/legacy.py) instead of the engine's decode step,
@@ -244,6 +243,8 @@ class RolloutConfig:
                 # memory, they would come back empty (sglang 0.5.23 keeps a CPU copy only
                 # with this flag, model_runner_components/load_model_utils.py)
                 args["enable_draft_weights_cpu_backup"] = True
+        if self.weights_cpu_backup and self.enable_memory_saver:
+            args["enable_weights_cpu_backup"] = True
         if self.max_running_requests is not None:
             args["max_running_requests"] = self.max_running_requests
         if self.cuda_graph_bs:
