@@ -267,6 +267,7 @@ def test_speculative_and_moe_settings_are_sglangs_own():
         speculative_num_draft_tokens=3,
         max_running_requests=512,
         cuda_graph_bs=(1, 2, 4, 8, 16),
+        weights_cpu_backup=True,
     )
     config = rollout.sglang_config()
     assert set(config.engine_kwargs()) <= set(ServerArgs.__struct_fields__)
@@ -276,4 +277,5 @@ def test_speculative_and_moe_settings_are_sglangs_own():
     assert (args.ep_size, args.speculative_algorithm, args.speculative_num_steps) == (8, "EAGLE", 2)
     assert (args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (1, 3)
     assert args.max_running_requests == 512 and args.enable_draft_weights_cpu_backup
+    assert args.enable_weights_cpu_backup  # --weights-cpu-backup
     assert list(args.cuda_graph_bs_decode) == [1, 2, 4, 8, 16]
