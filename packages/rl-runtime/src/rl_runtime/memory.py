@@ -17,9 +17,10 @@ AdamW moments) on the host and step it there (``ParallelLayout.optimizer_offload
 launchers' ``--optimizer-cpu-offload``); the backend says what that leaves on the GPU and
 puts on the host (``StateBytes.host``), and a layout fits when both do: the GPU as above, the
 host within the budget the launcher gives each trainer rank (``host_bytes``: the node's memory
-less :data:`HOST_RESERVE_BYTES`, Ray's headroom and what colocated engines park there). Such layouts are tried
-only after every layout that keeps the state on the GPU, the smallest fraction first.
-"""
+less :data:`HOST_RESERVE_BYTES`, Ray's headroom and what colocated engines park there). Such
+layouts are tried only after every layout that keeps the state on the GPU, the smallest
+fraction first. Colocated, where the trainer's state sits while the engine generates is planned
+against both memories too (:func:`plan_colocation`)."""
 
 from __future__ import annotations
 
