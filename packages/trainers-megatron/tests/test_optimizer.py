@@ -212,3 +212,4 @@ def test_large_host_masters_move_to_pinned_memory_of_their_own_size():
     gc.collect()  # the registration outlives the temporary tensor that made it
     assert big.is_pinned() and small.is_pinned() and torch.equal(big, expected)
     assert big in hybrid.cpu_copys_map_gpu_param  # the same object, new storage
+    assert exact_pinned_masters(hybrid) == 0  # (as its post-load hook: moved once only)

@@ -101,6 +101,9 @@ def build_optimizer(
     for opt in optimizers(optimizer):
         if (hybrid := hybrid_optimizer(opt)) is not None:
             exact_pinned_masters(hybrid)
+            # a state-dict load makes its host masters anew (its own post-load hook runs
+            # _init_sub_optimizers), pinned the rounding way again
+            hybrid.register_load_state_dict_post_hook(exact_pinned_masters)
     return optimizer
 
 
@@ -118,10 +121,20 @@ def exact_pinned_masters(hybrid: Any) -> int:
     from trainer_core.offload import PIN_REGISTER_BYTES, pinned_empty
 
     moved = 0
-    kept = hybrid.__dict__.setdefault("_exact_pinned", [])  # registered while these live
-    for cpu_param in list(getattr(hybrid, "cpu_copys_map_gpu_param", {})):
+    masters = list(getattr(hybrid, "cpu_copys_map_gpu_param", {}))
+    # registered while these tensors live: keep those still under a master (a load's new
+    # masters leave the earlier ones to be freed)
+    live = {m.data_ptr() for m in masters}
+    kept = [t for t in hybrid.__dict__.get("_exact_pinned", []) if t.data_ptr() in live]
+    hybrid.__dict__["_exact_pinned"] = kept
+    done = {t.data_ptr() for t in kept}
+    for cpu_param in masters:
         nbytes = cpu_param.numel() * cpu_param.element_size()
-        if nbytes >= PIN_REGISTER_BYTES and cpu_param.is_pinned():
+        if (
+            nbytes >= PIN_REGISTER_BYTES
+            and cpu_param.is_pinned()
+            and cpu_param.data_ptr() not in done
+        ):
             host = pinned_empty(cpu_param.shape, cpu_param.dtype).copy_(cpu_param.data)
             cpu_param.data = host
             kept.append(host)
