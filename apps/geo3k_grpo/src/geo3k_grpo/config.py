@@ -250,7 +250,7 @@ def colocation_plan(cfg: Geo3kGrpoConfig, fractions: Sequence[float] = ()) -> Co
     model = ModelShape(**shape)
 
     def estimate_at(fraction: float) -> MemoryEstimate:
-        parallel = with_optimizer_offload(cfg.parallel, fraction)
+        parallel = cfg.parallel.with_optimizer_offload(fraction)
         out = state_estimate(parallel, cfg.cluster, trainer=cfg.trainer, shape=shape)
         assert out is not None  # GPUs and a known shape
         return out
@@ -272,17 +272,6 @@ def colocation_plan(cfg: Geo3kGrpoConfig, fractions: Sequence[float] = ()) -> Co
         engine_sequences=min(cfg.rollout.max_batch_size, -(-samples // lay.num_engines)),
         tokens_per_sequence=longest_sample(cfg),
         engine_share=cfg.rollout.kv_cache_fraction,
-    )
-
-
-def with_optimizer_offload(parallel: ParallelConfig, fraction: float) -> ParallelConfig:
-    """``parallel`` with ``fraction`` of the optimizer state on the host (0: none)."""
-    if fraction == parallel.offload_fraction:
-        return parallel
-    return dataclasses.replace(
-        parallel,
-        optimizer_cpu_offload=True if fraction > 0 else None,
-        optimizer_offload_fraction=fraction or None,
     )
 
 

@@ -32,7 +32,6 @@ from geo3k_grpo.config import (
     longest_sample,
     other_trainers,
     parse,
-    with_optimizer_offload,
 )
 from rl_runtime import (
     CheckpointManager,
@@ -132,7 +131,7 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
     # the host (a host too small to take the state for each rollout)
     plan = colocation_plan(cfg, free)
     if plan.optimizer_offload != parallel.offload_fraction:
-        parallel = with_optimizer_offload(parallel, plan.optimizer_offload)
+        parallel = parallel.with_optimizer_offload(plan.optimizer_offload)
         cfg = dataclasses.replace(cfg, parallel=parallel)
         log.info(
             "optimizer: %.0f%% of its state on the host (%s)",

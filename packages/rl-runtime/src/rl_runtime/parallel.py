@@ -167,6 +167,14 @@ class ParallelConfig:
             return 0.0
         return self.optimizer_offload_fraction or 1.0
 
+    def with_optimizer_offload(self, fraction: float) -> ParallelConfig:
+        """This layout with ``fraction`` of the optimizer state on the host (0: none)."""
+        return dataclasses.replace(
+            self,
+            optimizer_cpu_offload=fraction > 0,
+            optimizer_offload_fraction=fraction or None,
+        )
+
     @property
     def offload_options(self) -> tuple[float, ...]:
         """The fractions a layout chooser may try after ``offload_fraction``: every tenth when
@@ -368,11 +376,7 @@ def plan_layout(
                     estimate.host / GiB,
                     "an unknown budget" if host is None else f"{host / GiB:.1f} GiB",
                 )
-            parallel = dataclasses.replace(
-                parallel,
-                optimizer_cpu_offload=chosen.optimizer_offload > 0,
-                optimizer_offload_fraction=chosen.optimizer_offload or None,
-            )
+            parallel = parallel.with_optimizer_offload(chosen.optimizer_offload)
     settled = dataclasses.replace(
         parallel,
         tensor_parallel=parallel.tensor_parallel or 1,
