@@ -184,6 +184,17 @@ def test_the_fsdp_config_refuses_megatron_only_layouts():
             cfg.trainer.for_run(dataclasses.replace(base, layout=layout))
 
 
+def test_sharded_fsdp_with_the_optimizer_on_the_host_is_refused_at_parse():
+    """Two FSDP ranks shard the optimizer instead of stepping it on the host: the launcher
+    says so before Ray starts (the actor's own refusal came only after the model loaded);
+    replicated ranks hold it whole and may offload it."""
+    argv = ["--preset", "tiny", "--backend", "fsdp", "--cpu-trainers", "2"]
+    with pytest.raises(ConfigError, match=r"needs one GPU or --fsdp-replicate"):
+        parse_grpo([*argv, "--optimizer-cpu-offload"], env={})
+    cfg = parse_grpo([*argv, "--optimizer-cpu-offload", "--fsdp-replicate"], env={})
+    assert cfg.parallel.offload_fraction == 1.0
+    assert parse_grpo(argv, env={}).parallel.offload_fraction == 0.0
+
 # the 2B shape on one H200, colocated with the transformers engine
 ONE_H200 = ["--model-name", "qwen3-vl-2b", "--num-gpus", "1", "--gpu-memory-gib", "141"]
 ISSUE_STEP = ["--rollout-batch-size", "16", "--n-samples-per-prompt", "8"]

@@ -50,6 +50,24 @@ class SkipStep(Exception):
     """A step that cannot run here (say why)."""
 
 
+def _checkpoint_buckets(model: Path, bucket_bytes: int = 512 << 20):
+    """Every tensor of the checkpoint on the GPU, in buckets of about ``bucket_bytes``."""
+    from safetensors import safe_open
+
+    bucket, size = [], 0
+    for file in sorted(model.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
+                tensor = f.get_tensor(name).to("cuda")
+                bucket.append((name, tensor))
+                size += tensor.numel() * tensor.element_size()
+                if size >= bucket_bytes:
+                    yield bucket
+                    bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
 def _checkpoint_tensor(model: Path, name: str):
     from safetensors import safe_open
 
@@ -97,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from rl_runtime.protocols import KV_CACHE, WEIGHTS
     from rollout_sglang.sglang_client.client import SGLangClient
     from rollout_sglang.sglang_client.common import SGLangConfig, require_sglang
     from rollout_sglang.sglang_client.engine import SGLangEngine
@@ -142,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         (out,) = state["engine"].generate([request], greedy)
         if not out.ok or not out.response_length:
             raise AssertionError(out.error or "empty response")
+        state["first"] = list(out.token_ids)
         return f"{out.response_length} tokens: {processor.decode(out.token_ids)[:60]!r}"
 
     def tensor_update() -> str:
@@ -161,13 +181,20 @@ def main(argv: list[str] | None = None) -> int:
         return f"CudaIpc transport, flattened_bucket ({where}): " + landed
 
     def memory() -> str:
+        # the loop's order at a sync: a release drops the weights (no CPU backup), so they
+        # come back empty, the whole checkpoint is pushed, then the KV cache returns; greedy
+        # decoding must then give the first answer again
         engine = state["engine"]
         engine.release_memory()
-        engine.resume_memory()
+        engine.resume_memory(WEIGHTS)
+        engine.update_weights(_checkpoint_buckets(args.model))
+        engine.resume_memory(KV_CACHE)
         (out,) = engine.generate([request], greedy)
         if not out.ok:
             raise AssertionError(out.error)
-        return "released, resumed, generated again"
+        if list(out.token_ids) != state["first"]:
+            raise AssertionError("after release, push and resume the greedy answer changed")
+        return "released, resumed the weights, pushed the checkpoint, resumed the KV cache"
 
     def server() -> str:
         state["engine"].shutdown()

@@ -40,7 +40,7 @@ class Split:
     gib: float  # state per GPU at TP1
     max_tokens_per_gpu: int = 4096
 
-    def supports(self, layout: ParallelLayout) -> str | None:
+    def supports(self, layout: ParallelLayout, world_size: int | None = None) -> str | None:
         return None
 
     def state_bytes(self, shape, layout, *, vision_patches_per_token=0.25) -> StateBytes:
@@ -58,7 +58,7 @@ class Split:
 class Whole(Split):
     """A backend that runs no split (as FSDP)."""
 
-    def supports(self, layout: ParallelLayout) -> str | None:
+    def supports(self, layout: ParallelLayout, world_size: int | None = None) -> str | None:
         return None if layout.tp == layout.cp == 1 else "--tensor-parallel is not for whole"
 
     def layout_flags(self, layout):

@@ -67,3 +67,15 @@ def test_fsdp_refuses_megatron_only_layouts_by_flag(parallel, flag):
     with pytest.raises(ValueError, match=flag):
         SHARDED.for_run(RunContext(model=None, seed=0, use_gpu=False, layout=parallel))
     assert SHARDED.supports(ParallelLayout(recompute="full")) is None
+
+
+def test_the_optimizer_on_the_host_needs_whole_parameters_on_each_rank():
+    """The host step is the flat masters' (trainers_fsdp.host_adamw): one rank or replicated
+    ranks; sharded ranks are refused once the world is known, naming the way out."""
+    offloaded = ParallelLayout(optimizer_offload=0.5)
+    assert SHARDED.supports(offloaded) is None  # world not known yet: the actor checks
+    assert SHARDED.supports(offloaded, 1) is None
+    refusal = SHARDED.supports(offloaded, 2)
+    assert refusal is not None and "--fsdp-replicate" in refusal
+    assert REPLICATED.supports(offloaded, 2) is None
+    assert SHARDED.supports(ParallelLayout(), 2) is None

@@ -130,14 +130,9 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
     # colocated: the trainer's state during rollout, which may put more of the optimizer on
     # the host (a host too small to take the state for each rollout)
     plan = colocation_plan(cfg, free)
-    if plan.optimizer_offload != parallel.offload_fraction:
+    if plan.optimizer_offload != parallel.offload_fraction:  # said with the plan, below
         parallel = parallel.with_optimizer_offload(plan.optimizer_offload)
         cfg = dataclasses.replace(cfg, parallel=parallel)
-        log.info(
-            "optimizer: %.0f%% of its state on the host (%s)",
-            100 * plan.optimizer_offload,
-            plan.why,
-        )
     run_dir = Path(cfg.run.output_dir)
     checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.loop.keep_checkpoints)
     start_step = resume_step(checkpoints, run_dir) if cfg.run.resume else None
@@ -187,8 +182,9 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
         raise PreflightError(str(err)) from None
     if lay.colocate and lay.use_gpu:
         log.info(
-            "trainer state %s the GPU during rollout (%s)",
+            "trainer state %s the GPU during rollout, optimizer %.0f%% on the host (%s)",
             "leaves" if plan.offload_train else "stays on",
+            100 * plan.optimizer_offload,
             plan.why,
         )
     loop_cfg = dataclasses.replace(

@@ -235,23 +235,7 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
                 # 5. Weight sync: the engines sample from the updated policy next step.
                 # (time_sync_s is the whole phase; its parts are timed too)
                 with timer("sync"):
-                    if p.offload_between_phases:
-                        # The trainer's allocator still caches the step's activations (over
-                        # 100 GiB for Megatron on a 2B model); the engine needs that memory.
-                        # Its weights come back for the push, its KV cache only once the
-                        # trainer's state has left the GPU (slime's order: the trainer's state
-                        # and the engine's whole memory need not fit at once).
-                        with timer("sync_resume"):
-                            p.train.release_cache()
-                            p.rollout.resume_memory(WEIGHTS)
-                    with timer("sync_push"):  # an engine that dies here is restarted
-                        engines.sync(
-                            lambda: p.train.push_weights(p.rollout, cfg.weight_bucket_mb << 20)
-                        )
-                    if p.offload_between_phases:
-                        with timer("sync_offload"):
-                            row.update(_offload(p, cfg))
-                            p.rollout.resume_memory(KV_CACHE)
+                    row.update(_sync(p, cfg, engines, timer))
             else:
                 log.warning("step %d: no group with a learning signal; update skipped", step)
             # 6. Evaluation every eval_interval steps and at the end.
@@ -277,7 +261,7 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
                 )
             # 7. Checkpoint (after the row is logged, so a resumed run rewrites nothing twice).
             if step == cfg.num_rollout or (cfg.save_interval and step % cfg.save_interval == 0):
-                _save(p, cfg, step, prompts_ahead, rng)
+                _save(p, cfg, engines, step, prompts_ahead, rng)
             advance(row)
     p.logger.plot()
     return p.logger.rows()
@@ -379,27 +363,47 @@ def _evaluate(p: GrpoParts, engines, evals, cfg: GrpoLoopConfig, step: int) -> d
     )
 
 
+def _sync(
+    p: GrpoParts, cfg: GrpoLoopConfig, engines: RestartingRollout, timer: Timer
+) -> dict[str, float]:
+    """The trainer's weights into the engines (an engine that dies in the push is restarted);
+    the offload's metrics. Colocated, the engines' memory comes back around the push in slime's
+    order: the trainer's allocator gives back its cache (the step's activations: over 100 GiB
+    for Megatron on a 2B model), the engines' weights return for the push, and their KV cache
+    only once the trainer's state has left the GPU, so the state and the engines' whole memory
+    never need to fit at once. Parts timed as ``sync_resume``, ``sync_push``,
+    ``sync_offload``."""
+    out: dict[str, float] = {}
+    if p.offload_between_phases:
+        with timer("sync_resume"):
+            p.train.release_cache()
+            p.rollout.resume_memory(WEIGHTS)
+    with timer("sync_push"):
+        engines.sync(lambda: p.train.push_weights(p.rollout, cfg.weight_bucket_mb << 20))
+    if p.offload_between_phases:
+        with timer("sync_offload"):
+            out = _offload(p, cfg)
+            p.rollout.resume_memory(KV_CACHE)
+    return out
+
+
 def _save(
     p: GrpoParts,
     cfg: GrpoLoopConfig,
+    engines: RestartingRollout,
     step: int,
     sampler: PromptPrefetch,
     rng: np.random.Generator,
 ) -> None:
     # colocated, the trainer's state comes back for the save: the engine makes room first
-    # (its KV cache and the trainer's state need not fit at once) and returns after, in the
-    # sync's order. A release drops the engine's weights (SGLang without a CPU backup, the
+    # (its KV cache and the trainer's state need not fit at once) and returns after as at a
+    # sync. A release drops the engine's weights (SGLang without a CPU backup, the
     # transformers engine without --weights-cpu-backup), so they are pushed again.
     room = _offloads(p, cfg)
     if room:
         p.rollout.release_memory()
-    _onload(p, cfg)
+        _onload(p, cfg)
     state = {"sampler": sampler.state_dict(), "rng": rng.bit_generator.state}
     p.checkpoints.save(step, state | p.extra_loop_state, p.train.save_checkpoint)
     if room:
-        p.train.release_cache()
-        p.rollout.resume_memory(WEIGHTS)
-        p.train.push_weights(p.rollout, cfg.weight_bucket_mb << 20)
-    _offload(p, cfg)
-    if room:
-        p.rollout.resume_memory(KV_CACHE)
+        _sync(p, cfg, engines, Timer())

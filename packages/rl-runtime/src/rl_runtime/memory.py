@@ -173,7 +173,7 @@ def _variants(trainer: TrainerConfig, base: ParallelLayout, layout: TrainLayout)
                 continue
             for recompute in ("none", "full"):
                 p = dataclasses.replace(base, tp=tp, sp=tp > 1, cp=cp, recompute=recompute)
-                if trainer.supports(p) is None:
+                if trainer.supports(p, world) is None:
                     out.append((trainer, TrainLayout(world, tokens, p, longest)))
     return out
 
@@ -185,7 +185,7 @@ def _offloaded(candidates: list[Candidate], fractions: Sequence[float]) -> list[
     for f in fractions:
         for c, t in candidates:
             p = dataclasses.replace(t.parallel, optimizer_offload=f)
-            if c.supports(p) is None:
+            if c.supports(p, t.world_size) is None:
                 out.append((c, dataclasses.replace(t, parallel=p)))
     return out
 

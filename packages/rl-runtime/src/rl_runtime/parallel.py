@@ -194,7 +194,8 @@ def check_parallel(
     """A layout the trainer's backend cannot run (`TrainerConfig.supports`) and (given the
     cluster) a split the trainer ranks cannot make, checked before anything starts (the
     backend would otherwise fail inside every rank)."""
-    refusal = trainer.supports(parallel.trainer_layout())
+    ranks = None if cluster is None else layout(cluster, with_engines=with_engines).num_trainers
+    refusal = trainer.supports(parallel.trainer_layout(), ranks)
     if refusal:
         raise ConfigError(refusal)
     if cluster is not None:

@@ -62,8 +62,9 @@ class TrainerConfig(Protocol):
         """This config completed for one run (ValueError: a layout it cannot run)."""
         ...
 
-    def supports(self, layout: ParallelLayout) -> str | None:
-        """Why this backend cannot run ``layout``, naming the flag; None when it can."""
+    def supports(self, layout: ParallelLayout, world_size: int | None = None) -> str | None:
+        """Why this backend cannot run ``layout`` on ``world_size`` trainer ranks (None: not
+        known yet), naming the flag; None when it can."""
         ...
 
     def state_bytes(

@@ -44,7 +44,7 @@ from trainer_core.offload import timed_copies, transfer_metrics
 from trainer_core.startup import StartupLog
 from trainers_fsdp.attention import PACKED_ATTENTION, PackedSeqInfo, register_packed_attention
 from trainers_fsdp.checkpoint import load_checkpoint, save_checkpoint
-from trainers_fsdp.config import FsdpConfig
+from trainers_fsdp.config import FsdpConfig, offload_refusal
 from trainers_fsdp.distributed import (
     all_reduce_mean_,
     build_mesh,
@@ -152,12 +152,13 @@ class FsdpActor:
         """The optimizer on the host (``optimizer_offload``) is the flat masters' step: one rank
         or ``replicate``, low-precision compute (float32 on the CPU: already on the host)."""
         cfg = self.config
-        if (self.world_size > 1 and not cfg.replicate) or cfg.shard_single_rank:
-            raise ValueError(
-                "optimizer offload (--optimizer-cpu-offload) on the fsdp backend needs one GPU "
-                "or --fsdp-replicate: sharded FSDP holds 1/N of the optimizer state per GPU "
-                "instead (or use --backend megatron)"
-            )
+        refusal = offload_refusal(
+            replicate=cfg.replicate,
+            shard_single_rank=cfg.shard_single_rank,
+            world_size=self.world_size,
+        )
+        if refusal:  # the launcher refuses it before anything starts; a direct build here
+            raise ValueError(refusal)
         if self.param_dtype in (None, torch.float32):
             logger.info("float32 compute on %s: the optimizer runs where it is", self.device)
 

@@ -203,9 +203,11 @@ class FsdpConfig:
         """The actor, built in each trainer rank's process."""
         return self.actor_class()(self)
 
-    def supports(self, layout: ParallelLayout) -> str | None:
-        """Why FSDP cannot run ``layout``, naming the flag (it shards instead of splitting
-        layers or experts, and recomputes whole layers or nothing); None when it can."""
+    def supports(self, layout: ParallelLayout, world_size: int | None = None) -> str | None:
+        """Why FSDP cannot run ``layout`` on ``world_size`` trainer ranks (None: not known yet),
+        naming the flag (it shards instead of splitting layers or experts, recomputes whole
+        layers or nothing, and steps the optimizer on the host only unsharded); None when it
+        can."""
         if layout.tp > 1 or layout.sp:
             return (
                 "--tensor-parallel / --sequence-parallel are for --backend megatron; "
@@ -219,6 +221,12 @@ class FsdpConfig:
             return "--expert-tensor-parallel is for --backend megatron"
         if layout.recompute == "selective":
             return "--recompute selective is for --backend megatron (fsdp: full or none)"
+        if layout.optimizer_offload > 0:
+            return offload_refusal(
+                replicate=self.replicate,
+                shard_single_rank=self.shard_single_rank,
+                world_size=world_size or 1,
+            )
         return None
 
     def state_bytes(
@@ -268,6 +276,18 @@ class FsdpConfig:
             reference_model=run.reference_model,
             optim=optim,
         )
+
+
+def offload_refusal(*, replicate: bool, shard_single_rank: bool, world_size: int) -> str | None:
+    """Why the optimizer cannot be stepped on the host: that is the flat masters' step, which
+    needs the parameters whole on each rank (one rank, or ``replicate``); None when it can."""
+    if (world_size > 1 and not replicate) or shard_single_rank:
+        return (
+            "optimizer offload (--optimizer-cpu-offload) on the fsdp backend needs one GPU or "
+            "--fsdp-replicate: sharded FSDP holds 1/N of the optimizer state per GPU instead "
+            "(or use --backend megatron)"
+        )
+    return None
 
 
 def warmup_steps(optim: OptimConfig, total_steps: int | None) -> int:

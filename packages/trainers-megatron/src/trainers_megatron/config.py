@@ -236,7 +236,7 @@ class MegatronConfig:
         """The actor, built in each trainer rank's process."""
         return self.actor_class()(self)
 
-    def supports(self, layout: ParallelLayout) -> str | None:
+    def supports(self, layout: ParallelLayout, world_size: int | None = None) -> str | None:
         """Megatron runs every split (a CLI check already refuses sequence parallel without
         TP; whether the ranks divide is the launcher's check); the optimizer on the host needs
         the distributed optimizer."""
