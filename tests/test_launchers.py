@@ -195,6 +195,7 @@ def test_sharded_fsdp_with_the_optimizer_on_the_host_is_refused_at_parse():
     assert cfg.parallel.offload_fraction == 1.0
     assert parse_grpo(argv, env={}).parallel.offload_fraction == 0.0
 
+
 # the 2B shape on one H200, colocated with the transformers engine
 ONE_H200 = ["--model-name", "qwen3-vl-2b", "--num-gpus", "1", "--gpu-memory-gib", "141"]
 ISSUE_STEP = ["--rollout-batch-size", "16", "--n-samples-per-prompt", "8"]

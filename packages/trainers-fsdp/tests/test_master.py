@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from trainers_fsdp import OptimConfig
 from trainers_fsdp.actor import FsdpActor
+from trainers_fsdp.synthetic import TINY_OVERRIDES
+from vlm_models.build import build_model
 
 BF16 = dict(param_dtype="bfloat16", max_tokens_per_gpu=64)  # several micro-batches per step
 # torch's AdamW per tensor over the masters: the arithmetic FSDP does, to compare bit for bit
@@ -292,3 +296,25 @@ def test_offload_round_trip_is_bit_exact_and_counts_its_bytes(make_config, batch
     for key in ("loss", "grad_norm", "lr"):
         assert after[0][key] == after[1][key], key
     assert torch.equal(masters.master, twin._masters.master)
+
+
+def test_a_bf16_checkpoint_loads_narrow_with_the_same_masters(make_config, batch, tmp_path, caplog):
+    """Masters from a bf16 checkpoint loaded in bf16 (``build_model(narrow_dtype=...)``) are
+    the float32 load's, bit for bit, and so is every log-prob: bf16 widens exactly. A folder
+    with one tensor stored in float32 (same values) still loads wide."""
+    model = build_model("qwen3-vl-tiny", dtype=torch.bfloat16, **TINY_OVERRIDES)
+    model.save_pretrained(tmp_path / "bf16")
+    model.get_input_embeddings().float()
+    model.save_pretrained(tmp_path / "mixed")
+    actors = {}
+    for name in ("bf16", "mixed"):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="vlm_models.build"):
+            config = make_config(model=str(tmp_path / name), model_overrides={}, **BF16)
+            actors[name] = FsdpActor(config)
+        assert ("loaded as stored" in caplog.text) == (name == "bf16")
+    narrow, wide = actors["bf16"], actors["mixed"]
+    assert narrow._masters is not None and wide._masters is not None
+    assert torch.equal(narrow._masters.master, wide._masters.master)
+    for a, b in zip(narrow.compute_logprobs(batch), wide.compute_logprobs(batch), strict=True):
+        assert torch.equal(a, b)

@@ -167,9 +167,16 @@ class FsdpActor:
         if cfg.attn_implementation == PACKED_ATTENTION:
             register_packed_attention()
         torch.manual_seed(cfg.seed)  # identical init on every rank before sharding
+        offload = not trainable and cfg.offload_reference and self.device.type == "cuda"
+        whole = self.world_size == 1 or cfg.replicate  # every rank holds the whole model
+        single = whole and not offload and not cfg.shard_single_rank  # no FSDP
+        compute = self.param_dtype or torch.float32
         model = build_model(
             cfg.model,
             dtype=torch.float32,
+            # without FSDP a lower compute dtype gets flat float32 masters (or a cast): a
+            # checkpoint stored in it loads as it is, not widened first
+            narrow_dtype=compute if single and compute != torch.float32 else None,
             attn_implementation=cfg.attn_implementation,
             vision_attn_implementation=cfg.vision_attn_implementation,
             freeze_vision=cfg.freeze_vision,
@@ -186,15 +193,13 @@ class FsdpActor:
         self._vision_inputs[id(model)] = VisionInputs.attach(model)
         if trainable and cfg.activation_checkpointing:
             apply_ac(model)
-        offload = not trainable and cfg.offload_reference and self.device.type == "cuda"
         if self.compile is None:
             self.compile = compile_by_default(self.device, model.config)
         # An offloaded reference copies each unit's weights in as it runs, so compiling it
         # gains little, and FSDP's offload hooks inside compiled calls were never measured.
         if self.compile and not offload:
             apply_compile(model)
-        whole = self.world_size == 1 or cfg.replicate  # every rank holds the whole model
-        if whole and not offload and not cfg.shard_single_rank:
+        if single:
             return self._place_single_rank(model, trainable=trainable)
         mp = mixed_precision_policy(self.param_dtype, _dtype(cfg.reduce_dtype))
         apply_fsdp(

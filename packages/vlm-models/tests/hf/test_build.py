@@ -5,7 +5,12 @@ import pytest
 import torch
 
 from vlm_models import ModelSourceError
-from vlm_models.build import build_model, set_vision_trainable, vision_tower
+from vlm_models.build import (
+    build_model,
+    set_vision_trainable,
+    stored_float_dtypes,
+    vision_tower,
+)
 from vlm_models.flops import count_parameters
 from vlm_models.presets import TINY_PRESETS, tiny_config
 
@@ -98,3 +103,33 @@ def test_config_object_source_is_not_mutated():
 def test_missing_folder_is_an_error_before_any_download(tmp_path):
     with pytest.raises(ModelSourceError, match="no such folder"):
         build_model(str(tmp_path / "missing" / "model"))
+
+
+@pytest.mark.parametrize("name", sorted(TINY_PRESETS))
+def test_a_checkpoint_loads_narrow_only_where_nothing_is_rounded(name, tmp_path):
+    """``narrow_dtype``: a bf16 checkpoint loads in bf16 with the values and buffers the float32
+    load has (bf16 widens exactly); one tensor stored wider keeps the whole load wide."""
+    build_model(name, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert stored_float_dtypes(tmp_path / "bf16") == {torch.bfloat16}
+    wide = build_model(tmp_path / "bf16")
+    narrow = build_model(tmp_path / "bf16", narrow_dtype=torch.bfloat16)
+    assert {p.dtype for p in narrow.parameters()} == {torch.bfloat16}
+    wide_params = dict(wide.named_parameters())
+    for key, param in narrow.named_parameters():
+        assert torch.equal(param.float(), wide_params[key]), key
+    wide_buffers = dict(wide.named_buffers())
+    for key, buffer in narrow.named_buffers():  # rotary frequencies stay float32
+        assert buffer.dtype == wide_buffers[key].dtype and torch.equal(buffer, wide_buffers[key])
+
+    mixed = build_model(name, dtype=torch.bfloat16)
+    mixed.get_input_embeddings().float()
+    mixed.save_pretrained(tmp_path / "mixed")
+    assert stored_float_dtypes(tmp_path / "mixed") == {torch.bfloat16, torch.float32}
+    loaded = build_model(tmp_path / "mixed", narrow_dtype=torch.bfloat16)
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+
+
+def test_stored_dtypes_are_unknown_without_safetensors(tmp_path):
+    tiny_config().save_pretrained(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    assert stored_float_dtypes(tmp_path) is None

@@ -1,0 +1,129 @@
+"""The FSDP trainer's model phase on one rank: a bf16 checkpoint widened to float32 on load
+(the baseline) against loaded as stored (``build_model(narrow_dtype=bfloat16)``), each followed
+by the flat float32 masters and bf16 compute weights the actor makes of it
+(``trainers_fsdp.master.MasterWeights``, ``--host-fraction`` of the masters on the host).
+
+Each variant runs in a fresh process (its own page faults and peak resident memory), on the
+same folder, alternating, ``--repeats`` times; the median is printed with the ratio. The folder
+is the preset's shape with random weights, cut to ``--layers`` decoder layers, built once
+under ``--folder`` (``tools/bench/bench_grpo_e2e.py``'s builder).
+
+    uv run python tools/bench/bench_model_load.py --shape qwen3-vl-2b --layers 14 \
+        --device cpu --out /tmp/model_load.json
+
+What it bounds: the load reads the checkpoint once (bytes on disk, from the page cache after
+the first run) and the masters write 4 bytes a parameter; the widened load also writes and
+reads 4 bytes a parameter more on the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import platform
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _one(folder: str, narrow: bool, device: str, host_fraction: float, queue) -> None:
+    import torch
+
+    from trainers_fsdp.master import MasterWeights
+    from vlm_models.build import build_model
+
+    start = time.perf_counter()
+    model = build_model(folder, narrow_dtype=torch.bfloat16 if narrow else None)
+    loaded = time.perf_counter()
+    masters = MasterWeights(
+        model, torch.bfloat16, torch.device(device), host_fraction=host_fraction
+    )
+    if device == "cuda":
+        torch.cuda.synchronize()
+    done = time.perf_counter()
+    queue.put(
+        {
+            "load_s": loaded - start,
+            "masters_s": done - loaded,
+            "total_s": done - start,
+            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "params": sum(p.numel() for p in masters.module.parameters()),
+        }
+    )
+
+
+def run(folder: Path, narrow: bool, device: str, host_fraction: float) -> dict[str, float]:
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_one, args=(str(folder), narrow, device, host_fraction, queue))
+    child.start()
+    out = queue.get()
+    child.join()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen3-vl-2b")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--host-fraction", type=float, default=0.0)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--folder", type=Path, default=Path("/tmp/glimpse_model_load"))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    from bench_grpo_e2e import build_hf_folder, shared_dir
+
+    name = args.shape + (f"-{args.layers}l" if args.layers else "")
+    folder = build_hf_folder(
+        args.shape,
+        shared_dir() / "models" / "Qwen3-VL-4B-Instruct",
+        args.folder / name,
+        seed=0,
+        layers=args.layers,
+    )
+    runs: dict[str, list[dict[str, float]]] = {"widened": [], "as_stored": []}
+    for _ in range(args.repeats):
+        for key, narrow in (("widened", False), ("as_stored", True)):
+            runs[key].append(run(folder, narrow, args.device, args.host_fraction))
+            print(key, json.dumps(runs[key][-1]), flush=True)
+    median = {
+        key: {m: statistics.median(r[m] for r in rows) for m in rows[0]}
+        for key, rows in runs.items()
+    }
+    ratio = median["widened"]["total_s"] / median["as_stored"]["total_s"]
+    for key, m in median.items():
+        print(
+            f"{key:>9}: load {m['load_s']:.2f} s, masters {m['masters_s']:.2f} s, "
+            f"total {m['total_s']:.2f} s, peak resident {m['peak_rss_gib']:.1f} GiB"
+        )
+    print(
+        f"{name}, {median['as_stored']['params'] / 1e9:.2f}B params on {args.device}: "
+        f"as stored {ratio:.2f}x the widened load"
+    )
+    if args.out:
+        args.out.write_text(
+            json.dumps(
+                {
+                    "shape": name,
+                    "device": args.device,
+                    "host": platform.processor() or platform.machine(),
+                    "host_fraction": args.host_fraction,
+                    "runs": runs,
+                    "median": median,
+                    "ratio": ratio,
+                },
+                indent=1,
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
