@@ -6,7 +6,8 @@ by the flat float32 masters and bf16 compute weights the actor makes of it
 Each variant runs in a fresh process (its own page faults and peak resident memory), on the
 same folder, alternating, ``--repeats`` times; the median is printed with the ratio. The folder
 is the preset's shape with random weights, cut to ``--layers`` decoder layers, built once
-under ``--folder`` (``tools/bench/bench_grpo_e2e.py``'s builder).
+in ``--work-dir`` by ``tools/bench/bench_grpo_e2e.py``'s builder, under its name (so a GPU call
+after ``gpu_suite.sh e2e`` reuses that folder: ``gpu_suite.sh model_load``).
 
     uv run python tools/bench/bench_model_load.py --shape qwen3-vl-2b --layers 14 \
         --device cpu --out /tmp/model_load.json
@@ -75,20 +76,15 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--host-fraction", type=float, default=0.0)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--folder", type=Path, default=Path("/tmp/glimpse_model_load"))
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/bench_grpo_e2e"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
     from bench_grpo_e2e import build_hf_folder, shared_dir
 
-    name = args.shape + (f"-{args.layers}l" if args.layers else "")
-    folder = build_hf_folder(
-        args.shape,
-        shared_dir() / "models" / "Qwen3-VL-4B-Instruct",
-        args.folder / name,
-        seed=0,
-        layers=args.layers,
-    )
+    name = f"model_{args.shape}" + (f"_{args.layers}l" if args.layers else "")
+    tokenizer = shared_dir() / "models" / "Qwen3-VL-4B-Instruct"
+    folder = build_hf_folder(args.shape, tokenizer, args.work_dir / name, 0, args.layers)
     runs: dict[str, list[dict[str, float]]] = {"widened": [], "as_stored": []}
     for _ in range(args.repeats):
         for key, narrow in (("widened", False), ("as_stored", True)):

@@ -4,7 +4,7 @@
 # (fill it with ../shared/tools/device-wheels). Each benchmark's JSON and one log go to $OUT.
 #
 #   bash tools/bench/gpu_suite.sh [logprobs] [patch_embed] [hf_engine] [fsdp_train] [fsdp_accum] [megatron_parity] [weight_sync] [qwen35]
-#     [hf_dense] [hf_families] [megatron_train] [megatron_compiled] [megatron_profile] [megatron_accum] [megatron_flat] [hf_geo3k] [ipc_probe] [e2e] ...
+#     [hf_dense] [hf_families] [megatron_train] [megatron_compiled] [megatron_profile] [megatron_accum] [megatron_flat] [hf_geo3k] [ipc_probe] [e2e] [model_load] ...
 #
 # Wheels past the carry limit together (Ray in .whl/ and fla + tilelang in .wq35/, 91 MB) go in
 # two calls on one warm machine (it is kept 30 s after a call; /tmp/site stays): first
@@ -123,6 +123,11 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
           --after-last-step 20 --work-dir /tmp/e2e --out "$OUT/e2e.json" ${E2E_BENCH_ARGS:-} \
           -- ${E2E_ARGS:-} "${transport[@]}"
         for f in /tmp/e2e/*.log; do [ -f "$f" ] && tail -c 400000 "$f" >"$OUT/e2e_$(basename "$f")"; done ;;
+      model_load)  # the FSDP one-rank model phase: a bf16 checkpoint widened first against
+        # loaded as stored; the 8B with the optimizer 90 % on the host (reuses e2e's folder)
+        run model_load "${LOAD_TIMEOUT:-420}" python3 tools/bench/bench_model_load.py --device cuda \
+          --shape "${LOAD_SHAPE:-qwen3-vl-8b}" --host-fraction "${LOAD_HOST_FRACTION:-0.9}" \
+          --work-dir /tmp/e2e --out "$OUT/model_load.json" ;;
       qwen35)  # Qwen3.5-35B-A3B cut to 4 layers, GRPO steps on Megatron: fla vs the torch
         # gated delta net, packed vs one sample per micro-batch (needs fla-core in .whl/, and
         # on Hopper with Triton < 3.7.1 tilelang for fla's backward)
