@@ -201,15 +201,23 @@ def print_layout(cfg: Geo3kGrpoConfig) -> dict[str, Any]:
         longest_sample=longest_sample(cfg),
         engines_park_weights=cfg.rollout.weights_cpu_backup,
     )
-    report = layout_report(cfg.parallel, cfg.cluster, backend=cfg.run.backend, **common)
     try:  # the offload decision of the layout the run would settle on (its optimizer offload)
         settled, _ = plan_layout(cfg.parallel, cfg.cluster, **common)
     except PreflightError:
         settled = cfg.parallel
     plan = colocation_plan(dataclasses.replace(cfg, parallel=settled), cfg.parallel.offload_options)
     colocation = {"on": plan.offload_train, "why": plan.why}
-    if plan.optimizer_offload != settled.offload_fraction:  # raised to give the cache room
+    raised = plan.optimizer_offload != settled.offload_fraction  # to give the cache room
+    if not raised:
+        report = layout_report(cfg.parallel, cfg.cluster, backend=cfg.run.backend, **common)
+    else:  # the layout as the run will hold it, with the raised fraction's estimate
         colocation["optimizer_offload_fraction"] = plan.optimizer_offload
+        shown = settled.with_optimizer_offload(plan.optimizer_offload)
+        report = layout_report(shown, cfg.cluster, backend=cfg.run.backend, **common)
+        report["optimizer_cpu_offload"] = (
+            f"chosen: {settled.offload_fraction:.0%} of it on the host for the layout, raised to "
+            f"{plan.optimizer_offload:.0%} colocated (offload_train says why)"
+        )
     out = {"layout": report, "offload_train": colocation}
     plan = placement_preview(cfg.cluster, layout(cfg.cluster, gpus_per_engine=cfg.rollout.tp_size))
     return out if plan is None else out | {"placement": plan}
