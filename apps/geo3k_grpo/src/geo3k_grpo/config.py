@@ -208,12 +208,11 @@ def print_layout(cfg: Geo3kGrpoConfig) -> dict[str, Any]:
     plan = colocation_plan(dataclasses.replace(cfg, parallel=settled), cfg.parallel.offload_options)
     colocation = {"on": plan.offload_train, "why": plan.why}
     raised = plan.optimizer_offload != settled.offload_fraction  # to give the cache room
-    if not raised:
-        report = layout_report(cfg.parallel, cfg.cluster, backend=cfg.run.backend, **common)
-    else:  # the layout as the run will hold it, with the raised fraction's estimate
+    # the layout as the run will hold it: with a raised fraction, that fraction's estimate
+    shown = settled.with_optimizer_offload(plan.optimizer_offload) if raised else cfg.parallel
+    report = layout_report(shown, cfg.cluster, backend=cfg.run.backend, **common)
+    if raised:
         colocation["optimizer_offload_fraction"] = plan.optimizer_offload
-        shown = settled.with_optimizer_offload(plan.optimizer_offload)
-        report = layout_report(shown, cfg.cluster, backend=cfg.run.backend, **common)
         report["optimizer_cpu_offload"] = (
             f"chosen: {settled.offload_fraction:.0%} of it on the host for the layout, raised to "
             f"{plan.optimizer_offload:.0%} colocated (offload_train says why)"

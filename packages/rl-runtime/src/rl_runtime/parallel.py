@@ -198,12 +198,13 @@ def check_parallel(
     refusal = trainer.supports(parallel.trainer_layout(), ranks)
     if refusal:
         raise ConfigError(refusal)
-    if cluster is not None:
-        _check_split(parallel, cluster, with_engines=with_engines)
+    if cluster is not None and ranks is not None:
+        _check_split(parallel, cluster, ranks, with_engines=with_engines)
 
 
-def _check_split(parallel: ParallelConfig, cluster: ClusterConfig, *, with_engines: bool) -> None:
-    ranks = layout(cluster, with_engines=with_engines).num_trainers
+def _check_split(
+    parallel: ParallelConfig, cluster: ClusterConfig, ranks: int, *, with_engines: bool
+) -> None:
     if not cluster.use_gpu:
         where = f"a CPU run has --cpu-trainers {ranks} trainer rank(s)"
     elif cluster.colocate or not with_engines:
