@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 
 import pytest
@@ -93,6 +94,20 @@ def test_export_hf_loads_with_from_pretrained(make_config, batch, tmp_path):
         ).logits[0]
     ref = torch.log_softmax(logits[:-1], -1).gather(1, ids[1:, None]).squeeze(1)
     torch.testing.assert_close(ours[0][1:], ref, atol=2e-5, rtol=1e-5)
+
+
+def test_export_hf_files_honour_the_umask(make_config, tmp_path):
+    """Every exported file gets the mode `open()` gives a new file: the weights were 0600
+    (safetensors' temporary file) beside a 0644 config.json."""
+    actor = FsdpActor(make_config())
+    saved = os.umask(0o027)
+    try:
+        actor.export_hf(tmp_path / "hf", dtype="float32")
+    finally:
+        os.umask(saved)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "hf").iterdir()}
+    assert any(name.startswith("model-") for name in modes), modes
+    assert set(modes.values()) == {oct(0o666 & ~0o027)}, modes
 
 
 def test_iter_hf_weights_are_full_checkpoint_named_tensors(make_config, make_plain_model, tmp_path):

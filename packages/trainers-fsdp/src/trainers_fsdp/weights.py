@@ -85,7 +85,7 @@ def export_hf_folder(
 ) -> None:
     """Write an HF folder (``config.json`` + sharded safetensors + index) that
     ``from_pretrained`` loads. Collective; rank 0 writes."""
-    from safetensors.torch import save_file
+    from weight_sync.files import save_safetensors
 
     out = Path(path)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -98,7 +98,7 @@ def export_hf_folder(
         if rank != 0:
             continue
         name = f"model-{i + 1:05d}.safetensors"
-        save_file({k: v.contiguous() for k, v in bucket}, out / name, metadata={"format": "pt"})
+        save_safetensors({k: v.contiguous() for k, v in bucket}, out / name, {"format": "pt"})
         files.append((name, [k for k, _ in bucket]))
     if rank == 0:
         total = len(files)

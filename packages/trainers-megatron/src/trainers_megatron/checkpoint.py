@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 from torch import Tensor
 
 from trainers_megatron.config import MegatronConfig
 from trainers_megatron.optim import load_optimizer_state, optimizer_state
 from vlm_models.megatron import SafetensorsReader
 from vlm_models.presets import PRESETS
+from weight_sync.files import save_safetensors
 
 if TYPE_CHECKING:
     from trainers_megatron.actor import MegatronActor
@@ -60,7 +60,7 @@ def export_hf(actor: MegatronActor, path: str | os.PathLike) -> None:
     if actor.rank == 0:
         path.mkdir(parents=True, exist_ok=True)
         actor.hf_config.save_pretrained(path)
-        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(tensors, path / "model.safetensors", {"format": "pt"})
     dist.barrier()
 
 

@@ -31,6 +31,7 @@ from vlm_models.megatron import (
 )
 from vlm_models.presets import tiny_config
 from weight_sync import iter_weight_buckets
+from weight_sync.files import umask_mode
 
 REPO = Path(__file__).resolve().parents[4]
 
@@ -103,6 +104,8 @@ def test_checkpoint_folders_round_trip_and_load(
     megatron_to_hf_checkpoint(tmp_path / "mg", tmp_path / "back", max_shard_bytes=8 << 20)
     index = json.loads((tmp_path / "back/model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # sharded output
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "back").iterdir()}
+    assert set(modes.values()) == {umask_mode()}, modes  # the shards too (safetensors: 0600)
     back = {}
     for path in (tmp_path / "back").glob("*.safetensors"):
         back.update(load_file(path))

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
+from weight_sync.files import save_safetensors
 from weight_sync.protocol import NamedTensors
 
 logger = logging.getLogger(__name__)
@@ -37,8 +38,6 @@ MANIFEST = "manifest.json"
 def write_bucket(bucket: NamedTensors, path: Path) -> None:
     """Write one bucket as a safetensors file (host copies; tensors that share storage are
     copied apart, which safetensors requires)."""
-    from safetensors.torch import save_file
-
     tensors: dict[str, Tensor] = {}
     storages: set[int] = set()
     for name, tensor in bucket:
@@ -52,7 +51,7 @@ def write_bucket(bucket: NamedTensors, path: Path) -> None:
         tensors[name] = cpu
     metadata = {NAMES_KEY: json.dumps([name for name, _ in bucket])}
     tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
+    save_safetensors(tensors, tmp, metadata)
     tmp.replace(path)  # a reader never sees half a file
 
 

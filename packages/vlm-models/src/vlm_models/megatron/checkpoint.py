@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 from transformers import AutoConfig, PretrainedConfig
 
@@ -47,6 +46,7 @@ from vlm_models.megatron.convert import (
     to_file_layout,
     vision_names_from,
 )
+from weight_sync.files import save_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ def hf_to_megatron_checkpoint(
     per_expert = reader.per_expert_layout()
     mtp = reader.mtp_tensors()
     if mtp:  # not trained here; kept as read, so the HF folder written back has it
-        save_file(mtp, str(out_dir / MTP_FILE), metadata={"format": "pt"})
+        save_safetensors(mtp, out_dir / MTP_FILE, {"format": "pt"})
         logger.info("kept %d MTP-head tensors in %s", len(mtp), out_dir / MTP_FILE)
 
     def get(name: str) -> Tensor:
@@ -291,9 +291,7 @@ def megatron_to_hf_checkpoint(
     def flush() -> None:
         nonlocal bucket, size
         path = out_dir / f"part-{len(files):05d}.safetensors"
-        save_file(
-            {k: v.contiguous() for k, v in bucket.items()}, str(path), metadata={"format": "pt"}
-        )
+        save_safetensors({k: v.contiguous() for k, v in bucket.items()}, path, {"format": "pt"})
         files.append((path, list(bucket)))
         bucket, size = {}, 0
 
