@@ -1,16 +1,22 @@
 """The docs run as written: every ```python block of README.md, docs/*.md and the packages' and
 apps' READMEs runs on a CPU (one process, each block in a fresh namespace, `../shared` beside
 its folder being GLIMPSE_SHARED as in a checkout), unless the line before it says why it cannot
-(`<!-- no-run: needs a GPU -->`)."""
+(`<!-- no-run: needs a GPU -->`); every launcher command line in a ```bash block names only
+flags its launcher knows, and a `--flag` in backticks in the prose is one a launcher knows
+(or an allowed flag of another tool)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import json
 import os
 import re
 import subprocess
 import sys
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -22,6 +28,8 @@ DOCS = [
     *sorted(ROOT.glob("packages/*/README.md")),
     *sorted(ROOT.glob("apps/*/README.md")),
 ]
+LAUNCHERS = {"geo3k_grpo": "geo3k_grpo", "geo3k-grpo": "geo3k_grpo", "geo3k_sft": "geo3k_sft",
+             "geo3k-sft": "geo3k_sft"}  # fmt: skip
 NO_RUN = re.compile(r"^\s*<!--\s*no-run:\s*(.+?)\s*-->\s*$")  # a line of its own
 
 
@@ -109,3 +117,137 @@ def test_python_block_runs(block: Block, python_results) -> None:
         pytest.skip(f"marked no-run: {block.no_run}")
     error = python_results[block.id]
     assert error is None, f"{block.id} raised:\n{error}"
+
+
+# --- flags ----------------------------------------------------------------------------------
+
+# Flags of other tools that the docs name in backticks without their command: SGLang's server
+# (set by rollout-sglang), Ray's CLI, pip's and uv's; and the recipes' flags that the migration
+# table's right column names as what we do not mirror.
+OTHER_TOOLS = {
+    "--enable-weights-cpu-backup", "--enable-deterministic-inference", "--mm-process-config",
+    "--host", "--head", "--address", "--no-build-isolation", "--no-deps", "--locked",
+    "--compile-bytecode", "--package",
+    "--micro-batch-size", "--qkv-format", "--sglang-disable-custom-all-reduce",
+    "--te", "--json",  # tools/convert_*.py's, tools/soak.py's
+}  # fmt: skip
+
+
+@cache
+def launcher_help(app: str) -> str:
+    """`app`'s --help (nothing runs)."""
+    parse = importlib.import_module(f"{app}.config").parse
+    help_text = io.StringIO()
+    with contextlib.redirect_stdout(help_text), pytest.raises(SystemExit):
+        parse(["--help"], env={})
+    return help_text.getvalue()
+
+
+@cache
+def launcher_flags(app: str) -> frozenset[str]:
+    """The option strings of `app`'s parser, read off its --help."""
+    flags = set()
+    for line in launcher_help(app).splitlines():
+        if line.strip().startswith("-"):
+            options = re.split(r"\s{2,}", line.strip())[0]  # before the help text
+            flags |= set(re.findall(r"--[\w.-]+", options))
+    assert "--print-config" in flags and "--lr" in flags, launcher_help(app)[:2000]
+    return frozenset(flags)
+
+
+ENV_NAME = re.compile(r"\b(?:GEO3K|MILES_SCRIPT|SLIME_SCRIPT)_[A-Z0-9_]+\b")
+
+
+@cache
+def launcher_env_names() -> frozenset[str]:
+    """The environment names either launcher reads (its --help lists them as `[env: ...]`)."""
+    return frozenset(
+        name
+        for app in ("geo3k_grpo", "geo3k_sft")
+        for env in re.findall(r"\[env: ([^\]]+)\]", launcher_help(app).replace("\n", " "))
+        for name in ENV_NAME.findall(env)
+    )
+
+
+def _flags(text: str) -> list[str]:
+    return [f.split("=")[0] for f in re.findall(r"(?<![\w-])--[A-Za-z][\w.-]*(?:=\S*)?", text)]
+
+
+def _launcher(text: str) -> str | None:
+    """The launcher a command line runs (`uv run apps/geo3k_grpo ...`, `geo3k-sft ...`)."""
+    found = re.search(r"(?:apps/|^|\s)(geo3k[_-](?:grpo|sft))\b", text)
+    return LAUNCHERS[found.group(1)] if found else None
+
+
+def _command_lines(code: str) -> list[str]:
+    """Shell lines of a bash block, continuations joined and comments dropped."""
+    joined = re.sub(r"\\\n\s*", " ", code)
+    return [re.sub(r"(^|\s)#.*$", "", line) for line in joined.splitlines()]
+
+
+def _launcher_commands() -> list[tuple[str, str, str]]:
+    """(where, launcher, command line) for every launcher run in a bash block."""
+    found = []
+    for block in BLOCKS:
+        if block.lang not in ("bash", "sh", "shell", "console"):
+            continue
+        for n, line in enumerate(_command_lines(block.code)):
+            app = _launcher(line)
+            if app:
+                found.append((f"{block.id}+{n}", app, line))
+    return found
+
+
+LAUNCHER_COMMANDS = _launcher_commands()
+
+
+@pytest.mark.parametrize(("where", "app", "line"), LAUNCHER_COMMANDS, ids=lambda x: str(x)[:60])
+def test_launcher_command_names_known_flags(where: str, app: str, line: str) -> None:
+    unknown = [f for f in _flags(line.split(app, 1)[1]) if f not in launcher_flags(app)]
+    assert not unknown, f"{where}: {app} has no {unknown}: {line.strip()}"
+
+
+def _prose_flags(path: Path) -> list[tuple[int, str, str | None]]:
+    """(line, flag, launcher or None for either) for each `--flag` in backticks outside code
+    blocks, where the span is a bare flag (`--lr 1e-6`) or a launcher's command. Spans that run
+    another command (`ray start --head`, `python tools/...`) and the left column of the table
+    of the recipes' flags (headed `miles / slime`) are not checked."""
+    found, in_code, recipe_table = [], False, False
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            in_code = not in_code
+            continue
+        if in_code:
+            continue
+        if line.startswith("|"):
+            cells = line.split("|")[1:-1]
+            if "miles" in cells[0] or "slime" in cells[0]:
+                recipe_table = True
+            if recipe_table:
+                line = "|".join(cells[1:])
+        else:
+            recipe_table = False
+        for span in re.findall(r"`([^`\n]+)`", line):
+            app = _launcher(span)
+            if app is None and not span.startswith("--"):
+                continue
+            found += [(n, flag, app) for flag in _flags(span)]
+    return found
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_flags_and_environment_names_in_prose_are_known(path: Path) -> None:
+    """architecture.md named `--sft-warmup-steps`; the flag is `--warmup-sft-steps`."""
+    either = launcher_flags("geo3k_grpo") | launcher_flags("geo3k_sft") | OTHER_TOOLS
+    unknown = [
+        f"{path.name}:{n} {flag}"
+        for n, flag, app in _prose_flags(path)
+        if flag not in (launcher_flags(app) if app else either)
+    ]
+    assert "GEO3K_NUM_GPUS" in launcher_env_names()
+    unknown += [
+        f"{path.name} {name}"
+        for name in ENV_NAME.findall(path.read_text())
+        if name not in launcher_env_names()
+    ]
+    assert not unknown, f"flags or environment names no launcher knows: {unknown}"
