@@ -11,8 +11,15 @@ from rl_runtime.config import parse_config, to_dict, to_json, validate
 from rl_runtime.config_fields import ConfigError, choice, option, section
 from rl_runtime.data import PromptPrefetch, PromptSampler
 from rl_runtime.evaluation import eval_prompts, evaluate
-from rl_runtime.faults import CheckpointFailed, NonFiniteStop, RunStopped, WorkerDied
+from rl_runtime.faults import (
+    CheckpointFailed,
+    LogprobMismatch,
+    NonFiniteStop,
+    RunStopped,
+    WorkerDied,
+)
 from rl_runtime.gc_policy import PeriodicGC
+from rl_runtime.logprob_guard import coarsest_dtype
 from rl_runtime.loop import GrpoLoopConfig, GrpoParts, run_grpo
 from rl_runtime.memory import (
     ColocationPlan,
@@ -59,6 +66,7 @@ __all__ = [
     "GrpoLoopConfig",
     "GrpoParts",
     "Layout",
+    "LogprobMismatch",
     "MemoryEstimate",
     "ModelShape",
     "NonFiniteStop",
@@ -99,6 +107,7 @@ __all__ = [
     "check_parallel",
     "choice",
     "choose_layout",
+    "coarsest_dtype",
     "count_gpus",
     "create_placement",
     "estimate_memory",

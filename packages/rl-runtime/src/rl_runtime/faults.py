@@ -46,6 +46,11 @@ class CheckpointFailed(RunStopped):
     """A save did not complete; its unfinished folder was removed."""
 
 
+class LogprobMismatch(RunStopped):
+    """The trainer's log-probs are far from the engine's: the two evaluate different models
+    (rl_runtime.logprob_guard)."""
+
+
 def short_error(err: BaseException) -> str:
     """`Type: message` of the error, or of the exception a Ray task raised; for an actor
     whose constructor raised, that exception (the last line of the traceback Ray folds into
