@@ -7,7 +7,9 @@ transformers engine and real processes that really die (`os._exit` inside the ac
 - a trainer rank dies: the run stops (no hang in the collective its peer waits in) naming the
   rank, the checkpoint intact;
 - a non-finite loss: the update is skipped and counted; N steps in a row stop the run;
-- the disk fills during a save: the partial save is removed, the previous checkpoint is used.
+- the disk fills during a save: the partial save is removed, the previous checkpoint is used;
+- the engine's weights go stale (pushes stop landing): the log-prob gap between engine and
+  trainer leaves the float32 band and the run stops with one line.
 """
 
 from __future__ import annotations
@@ -36,7 +38,14 @@ from rl_runtime import (
     read_metrics,
     run_grpo,
 )
-from rl_runtime.faults import CheckpointFailed, NonFiniteStop, RunStopped, WorkerDied
+from rl_runtime.faults import (
+    CheckpointFailed,
+    LogprobMismatch,
+    NonFiniteStop,
+    RunStopped,
+    WorkerDied,
+)
+from rl_runtime.logprob_guard import GAP_METRIC, band_of
 
 # Real processes on 2 shared cores.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -90,7 +99,9 @@ class FaultyTrainer:
     while the `trigger` file exists): "die" exits the process in `train_step`, "nan" makes the
     loss NaN from then on (NaN advantages), "enospc" runs out of disk part-way through a save."""
 
-    def __init__(self, cfg, fault: str | None, rank: int, at: int, trigger: str) -> None:
+    def __init__(
+        self, cfg, fault: str | None, rank: int, at: int, trigger: str, export_dtype: str
+    ) -> None:
         from rl_algos import GrpoLossConfig
         from trainers_fsdp import FsdpConfig, OptimConfig
         from trainers_fsdp.actor import FsdpActor
@@ -103,6 +114,7 @@ class FaultyTrainer:
                 seed=0,
                 optim=OptimConfig(lr=1e-3),
                 grpo=GrpoLossConfig(),
+                export_dtype=export_dtype,  # the weights' dtype on the wire to the engine
             )
         )
         self.fault, self.at, self.trigger = fault, at, Path(trigger)
@@ -138,11 +150,14 @@ class DyingEngine:
     """The real transformers engine; its process exits in `generate` when asked for
     `die_seed` while the `trigger` file exists (`once`: the file is removed first, so the
     restarted engine lives), or, with `die_in_sync`, in the first weight update after a
-    rollout."""
+    rollout. With `pushes` set it applies only that many weight updates and drops the rest
+    unread (a sync that silently never lands: stale weights)."""
 
-    def __init__(self, engine, die_seed, trigger: str, once: bool, die_in_sync: bool) -> None:
+    def __init__(
+        self, engine, die_seed, trigger: str, once: bool, die_in_sync: bool, pushes=None
+    ) -> None:
         self.engine, self.die_seed, self.trigger, self.once = engine, die_seed, Path(trigger), once
-        self.die_in_sync, self.generated = die_in_sync, False
+        self.die_in_sync, self.generated, self.pushes = die_in_sync, False, pushes
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -160,14 +175,22 @@ class DyingEngine:
             if self.once:
                 self.trigger.unlink()
             os._exit(1)
+        if self.pushes is not None:
+            self.pushes -= 1
+            if self.pushes < 0:
+                for _ in buckets:  # received, never loaded
+                    pass
+                return None
         return self.engine.update_weights(buckets)
 
 
-def make_trainer(cfg, fault=None, rank=0, at=0, trigger="/nonexistent"):
-    return FaultyTrainer(cfg, fault, rank, at, trigger)
+def make_trainer(cfg, fault=None, rank=0, at=0, trigger="/nonexistent", export_dtype="bfloat16"):
+    return FaultyTrainer(cfg, fault, rank, at, trigger, export_dtype)
 
 
-def make_engine(cfg, eos, die_seed=None, trigger="/nonexistent", once=True, die_in_sync=False):
+def make_engine(
+    cfg, eos, die_seed=None, trigger="/nonexistent", once=True, die_in_sync=False, pushes=None
+):
     import torch
 
     from rollout_sglang.hf.engine import HFEngine
@@ -175,7 +198,7 @@ def make_engine(cfg, eos, die_seed=None, trigger="/nonexistent", once=True, die_
 
     torch.manual_seed(0)
     engine = HFEngine(build_model(cfg), device="cpu", eos_token_ids=eos, max_batch_size=8)
-    return DyingEngine(engine, die_seed, trigger, once, die_in_sync)
+    return DyingEngine(engine, die_seed, trigger, once, die_in_sync, pushes)
 
 
 # ------------------------------------------------------------------------ the driver side
@@ -223,6 +246,7 @@ def run(
     world_size=1,
     score=_color_reward,
     resume=False,
+    compute_dtype="bfloat16",
     **loop,
 ):
     """One GRPO run of the tiny model with fresh actors; returns the logged rows."""
@@ -261,6 +285,7 @@ def run(
             logger=RunLogger(run_dir, resume_step=latest[0] if latest else None),
             checkpoints=checkpoints,
             resume=resume,
+            compute_dtype=compute_dtype,
         )
         return run_grpo(GrpoLoopConfig(**(LOOP | loop)), parts)
     finally:
@@ -395,3 +420,36 @@ def test_disk_full_during_save_keeps_the_previous_checkpoint(tiny, tmp_path):
     resumed = run(tiny, out, resume=True)
     assert not partial.exists()
     assert [r["step"] for r in resumed] == [1, 2, 3] and _steps(out) == [1, 2, 3]
+
+
+def _alternating_reward(texts, answers):
+    """1, 0, 1, ... within each group: every group has a learning signal, so the trainer moves
+    (the tiny model's first samples rarely name the colour)."""
+    return [float(i % 2 == 0) for i in range(len(texts))]
+
+
+def test_stale_engine_weights_stop_the_run_and_are_judged_after_resume(tiny, tmp_path):
+    """Engine and trainer in float32, the weights pushed in float32: the engine takes the
+    first push (step 0's weights) and silently drops every later one. Step 1 samples from the
+    trainer's own weights and stays inside the float32 band; at step 2 the trainer has moved
+    (lr 1e-3) and the engine has not, and the run stops with one line naming the gap, the
+    likely causes and step 1's checkpoint. Resumed with an engine that takes no push at all
+    (its own initial weights, as a wrongly loaded checkpoint would leave it), the first step
+    after the resume is judged and stops the run the same way."""
+    band = band_of("float32")
+    out = tmp_path / "run"
+    float32 = dict(trainer=dict(export_dtype="float32"), compute_dtype="float32")
+    with pytest.raises(LogprobMismatch) as err:
+        run(tiny, out, engine=dict(pushes=1), score=_alternating_reward, **float32)
+    message = str(err.value)
+    assert message.startswith("step 2: the trainer's log-probs differ from the engine's")
+    assert "far outside the float32 band" in message and "stale or unpushed weights" in message
+    assert "step_000001 is intact" in message and "\n" not in message
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]  # step 2's row is logged, not saved
+    assert rows[0][GAP_METRIC] < band.warn < band.stop < rows[1][GAP_METRIC]
+    assert _steps(out) == [1]
+
+    with pytest.raises(LogprobMismatch) as err:
+        run(tiny, out, engine=dict(pushes=0), score=_alternating_reward, resume=True, **float32)
+    assert str(err.value).startswith("step 2: ") and "step_000001 is intact" in str(err.value)

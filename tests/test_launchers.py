@@ -665,3 +665,34 @@ def test_malformed_jsonl_lines_count_in_skipped_rows(tmp_path, monkeypatch):
     assert [p.answer for p in sampler.next_batch(3)] == ["1", "2", "4"]
     assert source.malformed_lines == 2 and sampler.state.skipped == 1
     assert sampler.skipped_rows == 3
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_the_logprob_gap_is_judged_by_the_coarsest_dtype(backend):
+    """The alarm's band (rl_runtime.logprob_guard) is the coarsest of the engine's and the
+    trainer's compute dtypes and the dtype the weights are pushed in: on the CPU both compute
+    in float32, but the engine holds the weights the trainer pushes in bfloat16 (the tiny
+    preset's gap after step 1 is bfloat16-sized, docs/reliability.md). Its levels are settings,
+    and 0 turns the stop off."""
+    from geo3k_grpo.config import compute_dtype
+
+    cfg = parse_grpo(["--preset", "tiny", "--backend", backend], env={})
+    assert compute_dtype(cfg, use_gpu=False) == "bfloat16"
+    assert compute_dtype(cfg, use_gpu=True) == "bfloat16"
+    pushed_f32 = dataclasses.replace(
+        cfg, trainer=dataclasses.replace(cfg.trainer, export_dtype="float32")
+    )
+    assert compute_dtype(pushed_f32, use_gpu=False) == "float32"
+    half = parse_grpo(
+        ["--preset", "tiny", "--backend", backend, "--param-dtype", "float16"], env={}
+    )
+    half = dataclasses.replace(
+        half, trainer=dataclasses.replace(half.trainer, export_dtype="float32")
+    )
+    assert compute_dtype(half, use_gpu=False) == "float16"
+    set_ = parse_grpo(
+        ["--preset", "tiny", "--logprob-gap-warn", "0.5", "--logprob-gap-stop", "0"], env={}
+    )
+    assert (set_.loop.logprob_gap_warn, set_.loop.logprob_gap_stop) == (0.5, 0)
+    with pytest.raises(ConfigError, match=re.escape("--logprob-gap-warn 0: must be > 0")):
+        parse_grpo(["--preset", "tiny", "--logprob-gap-warn", "0"], env={})

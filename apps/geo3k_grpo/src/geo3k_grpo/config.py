@@ -31,6 +31,7 @@ from rl_runtime import (
     WarmupConfig,
     check_parallel,
     choice,
+    coarsest_dtype,
     gpu_memory_bytes,
     host_budget,
     layout,
@@ -231,6 +232,17 @@ def longest_sample(cfg: Geo3kGrpoConfig) -> int:
     """Tokens of the longest sequence a step trains on (prompt and response), which one
     micro-batch holds whole: what the layout's memory estimate sizes context parallelism by."""
     return (cfg.data.max_prompt_length or ASSUMED_PROMPT_TOKENS) + cfg.loop.rollout_max_response_len
+
+
+def compute_dtype(cfg: Geo3kGrpoConfig, use_gpu: bool) -> str:
+    """The coarsest of the engine's and the trainer's compute dtypes and the dtype the weights
+    are pushed in, whose band the log-prob gap between engine and trainer is judged by
+    (``rl_runtime.logprob_guard``). On the CPU the transformers engine computes in float32,
+    and the trainer by default, but the engine holds the weights as pushed (bfloat16 unless
+    the trainer's ``export_dtype`` says otherwise)."""
+    engine = cfg.rollout.dtype if use_gpu else "float32"
+    trainer = cfg.trainer.param_dtype or ("bfloat16" if use_gpu else "float32")
+    return coarsest_dtype(engine, trainer, cfg.trainer.export_dtype)
 
 
 def colocation_plan(cfg: Geo3kGrpoConfig, fractions: Sequence[float] = ()) -> ColocationPlan:

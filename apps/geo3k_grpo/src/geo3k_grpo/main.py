@@ -29,6 +29,7 @@ from geo3k_grpo.config import (
     PRESETS,
     Geo3kGrpoConfig,
     colocation_plan,
+    compute_dtype,
     longest_sample,
     other_trainers,
     parse,
@@ -233,6 +234,7 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
             offload_between_phases=lay.colocate and lay.use_gpu,
             engines_released=engines_first,
             forbidden_token_ids=frozenset(vlm_data.tokens.vision_token_ids(processor)),
+            compute_dtype=compute_dtype(cfg, lay.use_gpu),
         )
         rows = run_grpo(loop_cfg, parts)
         if parts.offload_between_phases and plan.offload_train:

@@ -22,6 +22,7 @@ from rl_runtime.config_fields import ConfigError, option
 from rl_runtime.data import PromptPrefetch, PromptSampler
 from rl_runtime.evaluation import eval_prompts, evaluate
 from rl_runtime.faults import NonFiniteStop, RestartingRollout, stop_with_checkpoint_note
+from rl_runtime.logprob_guard import LogprobGapGuard
 from rl_runtime.metrics import RunLogger
 from rl_runtime.progress import step_progress
 from rl_runtime.protocols import KV_CACHE, WEIGHTS, Decoder, PromptSource
@@ -76,6 +77,18 @@ class GrpoLoopConfig:
     max_nonfinite_steps: int = option(
         3, "stop after this many steps in a row with a non-finite loss or gradient (0: never)", ge=0
     )
+    logprob_gap_warn: float | None = option(
+        None,
+        "warn once when the trainer's old log-probs differ from the engine's by more than this "
+        "a response token (mean |old - rollout|; default: the compute dtype's band, "
+        "docs/reliability.md)",
+        gt=0,
+    )
+    logprob_gap_stop: float | None = option(
+        None,
+        "stop the run when that gap is above this (default: the compute dtype's band; 0: never)",
+        ge=0,
+    )
     offload_train: bool | None = option(
         None,
         "colocated: the trainer's weights, gradients and optimizer state go to the host while "
@@ -120,6 +133,10 @@ class GrpoParts:
     # Ids a response must not contain (image / video placeholders): such a response cannot be
     # scored by the trainer (its image tokens would have no image), so it is dropped and counted.
     forbidden_token_ids: frozenset[int] = frozenset()
+    # The coarsest of the engine's and the trainer's compute dtypes and the pushed weights'
+    # (the trainers push bfloat16 by default): the band of the log-prob gap between engine and
+    # trainer (rl_runtime.logprob_guard.coarsest_dtype).
+    compute_dtype: str = "bfloat16"
     extra_loop_state: dict[str, Any] = field(default_factory=dict)
 
 
@@ -167,6 +184,7 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
     # the next step's prompts are built while this step computes log-probs, trains and syncs
     prompts_ahead = PromptPrefetch(sampler, cfg.rollout_batch_size)
     nonfinite_in_row = 0
+    gap_guard = LogprobGapGuard(p.compute_dtype, cfg.logprob_gap_warn, cfg.logprob_gap_stop)
     with (
         closing(prompts_ahead),
         stop_with_checkpoint_note(p.checkpoints),
@@ -259,6 +277,7 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
                     f"gradient (--max-nonfinite-steps {cfg.max_nonfinite_steps}); stopping "
                     "before saving it"
                 )
+            gap_guard.check(step, row)  # engine and trainer evaluate the same model
             # 7. Checkpoint (after the row is logged, so a resumed run rewrites nothing twice).
             if step == cfg.num_rollout or (cfg.save_interval and step % cfg.save_interval == 0):
                 _save(p, cfg, engines, step, prompts_ahead, rng)
