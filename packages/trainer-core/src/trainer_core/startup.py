@@ -6,16 +6,23 @@ compiles or a download looks the same from outside. Each phase is logged when it
 with its time, when it ends (INFO, on the ``glimpse.startup`` logger, which rl-runtime's
 workers show whatever their level), so the last line of a stuck rank is its phase.
 
-Each phase's line also gives the process's resident host memory once the C heap's free pages
-went back to the system (glibc's ``malloc_trim``). Loading a checkpoint on the host in float32
-and moving it to the GPU leaves the freed blocks in the heap: on the H200 (2026-12-04) the 8B
-FSDP trainer held 15 GiB more after start-up than its optimizer state on the host, and Ray's
-memory monitor killed the run when the engine parked its weights.
+Each phase's line also gives the process's resident host memory once what the phase dropped
+is really gone: Python's cyclic garbage collected, then the C heap's free pages given back to
+the system (glibc's ``malloc_trim``). Loading a checkpoint on the host in float32 and moving it
+to the GPU leaves the freed blocks in the heap: on the H200 (2026-12-04) the 8B FSDP trainer
+held 15 GiB more after start-up than its optimizer state on the host, and Ray's memory monitor
+killed the run when the engine parked its weights. Unreachable cycles hold more: megatron-core
+builds a first HybridDeviceOptimizer over the whole model and drops it in a cycle (its hooks
+point back at it), with float32 copies of the offloaded part (23 GiB for the 8B at 70 %); a
+random-init model built through transformers can stay reachable from a cycle of frames. The
+trainer process turns automatic collection off once built (``rl_runtime.gc_policy``), so without
+a collection here they would stay through the first train step.
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import time
@@ -41,6 +48,7 @@ class StartupLog:
         begin = time.perf_counter()
         yield
         self.phases[name] = seconds = time.perf_counter() - begin
+        gc.collect()
         trim_host_heap()
         rss = resident_gib()
         host = "" if rss is None else f", {rss:.1f} GiB host memory resident"
