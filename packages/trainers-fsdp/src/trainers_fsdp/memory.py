@@ -13,8 +13,13 @@ the float32 gradient that run did not allocate.
 
 With the optimizer offloaded (``layout.parallel.optimizer_offload`` = f, one rank or
 ``replicate``; trainers_fsdp.host_adamw) f of the masters and moments (12 bytes per parameter)
-move to the host, with two pinned pieces of gradient and weights per rank; sharded FSDP does
-not offload, and is counted as without it."""
+move to the host, into page-locked buffers of their own size (``trainer_core.pinned_empty``),
+with the host step's two pinned pieces of gradient and weights (float32 and bf16, taken from
+torch's caching host allocator, which rounds each up to a power of two); sharded FSDP does not
+offload, and is counted as without it. :func:`host_bytes` is that host part, or with
+``on_cpu`` everything a rank holds between steps when the CPU plays the device, as the tests
+run it (tests/test_host_memory.py measures it: the estimate is within 10 % of the resident
+memory the actor adds)."""
 
 from __future__ import annotations
 
@@ -43,12 +48,8 @@ def state_bytes(
     shards = 1 if replicate else max(1, layout.world_size)
     weights = 2 * total_params / shards
     gradients = 6 * total_params / shards  # bf16, and float32 for the masters / reduce
-    optimizer = 12 * total_params / shards
-    host = 0.0
-    if shards == 1 and layout.parallel.optimizer_offload > 0:
-        host = optimizer * layout.parallel.optimizer_offload
-        optimizer -= host
-        host += 2 * CHUNK * (4 + 2)  # the pinned pieces: float32 gradient, bf16 weights
+    optimizer = 12 * total_params / shards * (1 - _offloaded(layout, shards))
+    host = host_bytes(shape, layout, replicate=replicate)
     if shards > 1:  # the gathered bf16 units: a decoder layer, the next one, the embedding
         unit = shape.language_params / max(1, layers)
         weights += 2 * (2 * unit + shape.vocab_size * h)
@@ -64,3 +65,33 @@ def state_bytes(
     )
     logits = layout.tokens_per_gpu * shape.vocab_size * (2 + 2)
     return StateBytes(weights, gradients, optimizer, activations, logits, host)
+
+
+def _offloaded(layout: TrainLayout, shards: int) -> float:
+    """The part of the optimizer state on the host: the layout's, where FSDP runs it (whole
+    ranks only)."""
+    return layout.parallel.optimizer_offload if shards == 1 else 0.0
+
+
+def host_bytes(
+    shape: ModelShape, layout: TrainLayout, *, replicate: bool, on_cpu: bool = False
+) -> float:
+    """Host memory of one rank's trainer state between steps.
+
+    On a GPU: the offloaded part of the optimizer, float32 masters and AdamW moments (12 bytes
+    per parameter), and the host step's pieces, a float32 gradient and a bf16 weight buffer of
+    :data:`CHUNK` elements each (fewer for a smaller host part), two of each, pinned whole and
+    rounded up to a power of two. ``on_cpu``: the whole state as a one-rank bf16 actor holds
+    it on the CPU (masters and moments wherever the fraction puts them, bf16 weights and
+    gradient, the float32 gradient a step of several micro-batches accumulates into), and of
+    the pieces' unpinned buffers only what the pieces reach."""
+    params = shape.language_params + shape.vision_params
+    shards = 1 if replicate else max(1, layout.world_size)
+    offloaded = params / shards * _offloaded(layout, shards)
+    if on_cpu:
+        state = 20 * params / shards  # weights 2, gradients 2 + 4, masters 4, moments 8
+        return state + 6 * min(offloaded, 2 * CHUNK)  # float32 gradient and bf16 pieces
+    if offloaded == 0:
+        return 0.0
+    piece = 1 << (int(min(offloaded, CHUNK)) - 1).bit_length()  # the allocator's rounding
+    return 12 * offloaded + 2 * piece * (4 + 2)

@@ -21,9 +21,15 @@ per token, one GPU, peak allocated): 69 GiB measured, 73.1 estimated.
 With the optimizer offloaded (``layout.parallel.optimizer_offload`` = f: megatron-core's
 HybridDeviceOptimizer under its precision-aware distributed optimizer) f of this rank's
 optimizer shard lives on the host: float32 masters and moments (12 bytes per parameter) and
-the pinned float32 gradient copies the host step reads (4); the rest keeps its float32 copy
-and moments on the GPU (12). The distributed optimizer's own float32 masters are gone in that
-form, so nothing else changes on the GPU."""
+the float32 gradient copies the host step reads (4), all pageable (trainers_megatron.optim
+keeps the gradients so; the masters are float32 widenings of pinned bf16 copies, whose rounded
+blocks it drops from torch's host cache, and the throwaway first hybrid optimizer, another
+float32 copy, is collected at build); the rest keeps its float32 copy and moments on the GPU
+(12). The distributed optimizer's own float32 masters are gone in that form, so nothing else
+changes on the GPU. :func:`host_bytes` is that host part, or with ``on_cpu`` everything a rank
+holds between steps when the CPU plays the device, as the tests run it
+(tests/test_host_memory.py measures it: the estimate is within 10 % of the resident memory the
+actor adds)."""
 
 from __future__ import annotations
 
@@ -46,20 +52,11 @@ def state_bytes(
     """What one rank holds at the step's peak (see the module docstring)."""
     p = layout.parallel
     h, inter = shape.hidden_size, shape.intermediate_size
-    tp, pp, ep, etp = p.tp, p.pp, p.ep, layout.expert_tp
-    dense = (shape.language_params - shape.expert_params) / (tp * pp) + shape.vision_params
-    experts = shape.expert_params / (ep * etp * pp)
-    held = dense + experts
-    if distributed_optimizer:  # experts over the expert-data-parallel ranks
-        expert_dp = max(1, layout.world_size // (ep * etp * pp))
-        opt_held = dense / layout.dp + experts / expert_dp
-    else:
-        opt_held = held
+    tp = p.tp
+    held, opt_held = _held(shape, layout, distributed_optimizer=distributed_optimizer)
     weights, gradients = 2 * held, 2 * held + 4 * opt_held
-    optimizer = 12 * opt_held
-    offload = p.optimizer_offload
-    host = 16 * opt_held * offload
-    optimizer *= 1 - offload
+    optimizer = 12 * opt_held * (1 - p.optimizer_offload)
+    host = host_bytes(shape, layout, distributed_optimizer=distributed_optimizer)
     per_layer_token: float = 2 * (8 * h + 4 * inter)
     if p.sp:
         per_layer_token /= tp
@@ -76,3 +73,39 @@ def state_bytes(
     )
     logits = tokens * shape.vocab_size / tp * (2 + 4)
     return StateBytes(weights, gradients, optimizer, activations, logits, host)
+
+
+def _held(
+    shape: ModelShape, layout: TrainLayout, *, distributed_optimizer: bool
+) -> tuple[float, float]:
+    """Parameters one rank holds, and those of its optimizer shard."""
+    p = layout.parallel
+    tp, pp, ep, etp = p.tp, p.pp, p.ep, layout.expert_tp
+    dense = (shape.language_params - shape.expert_params) / (tp * pp) + shape.vision_params
+    experts = shape.expert_params / (ep * etp * pp)
+    if not distributed_optimizer:
+        return dense + experts, dense + experts
+    expert_dp = max(1, layout.world_size // (ep * etp * pp))  # experts over expert-DP ranks
+    return dense + experts, dense / layout.dp + experts / expert_dp
+
+
+def host_bytes(
+    shape: ModelShape,
+    layout: TrainLayout,
+    *,
+    distributed_optimizer: bool,
+    on_cpu: bool = False,
+) -> float:
+    """Host memory of one rank's trainer state between steps.
+
+    On a GPU: the offloaded part of the optimizer shard, float32 masters, AdamW moments and
+    the gradient copies the host step reads (16 bytes per parameter). ``on_cpu``: also what a
+    GPU would hold, as a one-rank actor holds it on the CPU: bf16 weights, the DDP buffers'
+    float32 gradients, the float32 copies and moments of the rest (megatron-core's bf16
+    gradients live only inside the backward)."""
+    held, opt_held = _held(shape, layout, distributed_optimizer=distributed_optimizer)
+    offload = layout.parallel.optimizer_offload
+    host = 16 * opt_held * offload
+    if on_cpu:
+        host += (2 + 4) * held + 12 * opt_held * (1 - offload)
+    return host

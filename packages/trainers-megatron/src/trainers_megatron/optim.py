@@ -25,6 +25,7 @@ Clipping reaches every one of its AdamWs as ``grad_scale``.
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch
@@ -97,6 +98,14 @@ def build_optimizer(
     if offload > 0:
         _precision_aware(opt_config)
     optimizer = get_megatron_optimizer(opt_config, [model])
+    if offload > 0:
+        # megatron-core 0.16.1 builds a first HybridDeviceOptimizer over the whole model's
+        # parameters, then the DistributedOptimizer replaces it by one over its shards: the
+        # first one, with float32 copies of the offloaded part on the host (23 GiB for the 8B
+        # at 70 %) and of the rest on the GPU, is left in a reference cycle (its sub-optimizers'
+        # step hooks point back at it). A trainer process collects only between steps
+        # (rl_runtime.gc_policy): collect it now, not after the first step.
+        gc.collect()
     fuse_torch_adam(optimizer)
     for opt in optimizers(optimizer):
         if (hybrid := hybrid_optimizer(opt)) is not None:
@@ -108,16 +117,20 @@ def build_optimizer(
 
 
 def exact_pinned_masters(hybrid: Any) -> int:
-    """Move a HybridDeviceOptimizer's host masters into page-locked memory of their own size;
-    returns the bytes moved.
+    """Move a HybridDeviceOptimizer's pinned host masters into page-locked memory of their own
+    size, then empty torch's host cache; returns the bytes moved.
 
-    megatron-core 0.16.1 copies each offloaded parameter with ``Tensor.pin_memory()`` (whatever
-    ``pin_cpu_params`` says), and torch's caching host allocator rounds every block up to a
-    power of two and keeps freed ones locked: a 151 MB float32 matrix locks 256 MiB. On a host
-    that the 8B model's optimizer nearly fills, that is the difference between fitting and
-    Ray's memory monitor killing the trainer (it killed the FSDP trainer for the same rounding,
-    H200, 2026-12-04). Each master keeps its tensor object (``.data`` is swapped), so the
-    optimizer's maps and groups stay valid; the freed blocks go back to the system."""
+    megatron-core 0.16.1 copies each offloaded parameter to the host with
+    ``Tensor.pin_memory()`` (whatever ``pin_cpu_params`` says), through torch's caching host
+    allocator, which rounds every block up to a power of two and keeps freed ones locked: a
+    151 MB float32 matrix locks 256 MiB. Under the precision-aware optimizer those pinned copies
+    are the bf16 parameters, widened at once into pageable float32 masters; the pinned copies
+    are dropped, but their rounded blocks stay in the cache (about 15 GiB for the 8B at 70 %),
+    so the cache is emptied whether or not a master moved. On a host that the 8B model's
+    optimizer nearly fills, that is the difference between fitting and Ray's memory monitor
+    killing the trainer (it killed the FSDP trainer for the same rounding, H200, 2026-12-04).
+    Each master keeps its tensor object (``.data`` is swapped), so the optimizer's maps and
+    groups stay valid; the freed blocks go back to the system."""
     from trainer_core.offload import PIN_REGISTER_BYTES, pinned_empty
 
     moved = 0
@@ -140,7 +153,7 @@ def exact_pinned_masters(hybrid: Any) -> int:
             kept.append(host)
             moved += nbytes
     empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
-    if moved and empty_host_cache is not None:
+    if empty_host_cache is not None and torch.cuda.is_available():
         empty_host_cache()
     return moved
 
