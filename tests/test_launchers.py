@@ -256,8 +256,13 @@ def test_8b_on_one_gpu_keeps_part_of_the_optimizer_on_the_host(capsys, backend, 
     from vlm_models.sources import shape_of
 
     cfg = parse_grpo(argv, env={})
+    park = cfg.rollout.weights_cpu_backup  # as the launcher plans it (off: the engine drops them)
     settled, _ = plan_layout(
-        cfg.parallel, cfg.cluster, trainer=cfg.trainer, shape=shape_of(cfg.model)
+        cfg.parallel,
+        cfg.cluster,
+        trainer=cfg.trainer,
+        shape=shape_of(cfg.model),
+        engines_park_weights=park,
     )
     assert settled.optimizer_cpu_offload and settled.optimizer_offload_fraction == fraction
     actor = cfg.trainer.for_run(
@@ -269,14 +274,16 @@ def test_8b_on_one_gpu_keeps_part_of_the_optimizer_on_the_host(capsys, backend, 
         plan_layout(cfg.parallel, cfg.cluster, trainer=cfg.trainer, shape=shape_of(cfg.model))
 
 
-# FSDP's layout puts 50 % of its optimizer on the host, Megatron's 60 % (above)
-@pytest.mark.parametrize(("backend", "fraction"), [("fsdp", 0.9), ("megatron", 0.7)])
+# FSDP's layout puts 50 % of its optimizer on the host, Megatron's 60 % (above); the host's
+# 83.8 GiB for the trainer's state hold FSDP's 80 % (79.2 GiB), not Megatron's 70 % (91.4)
+@pytest.mark.parametrize(("backend", "fraction"), [("fsdp", 0.8), ("megatron", 0.6)])
 def test_8b_colocated_keeps_its_state_on_the_gpu_with_more_optimizer_on_the_host(
     capsys, backend, fraction
 ):
     """Offloading the 8B trainer's state for each rollout would need more host memory than
     128 GiB leave (its optimizer is already partly there), so it stays on the GPU and more of
-    the optimizer moves to the host, as much as the host holds, for the engine's KV cache;
+    the optimizer moves to the host, as much as the host holds under its 85 % cap, for the
+    engine's KV cache (none more for Megatron: the cache runs the rollout in turns);
     --print-config says so, and a fraction the user gives is kept."""
     from rl_runtime import plan_layout
     from vlm_models.sources import shape_of
@@ -286,21 +293,33 @@ def test_8b_colocated_keeps_its_state_on_the_gpu_with_more_optimizer_on_the_host
         parse_grpo([*argv, "--print-config"], env={})
     printed = json.loads(capsys.readouterr().out)
     shown, layout = printed["offload_train"], printed["layout"]
-    assert not shown["on"] and shown["optimizer_offload_fraction"] == fraction, shown
-    assert "offloading it would take" in shown["why"], shown
+    assert not shown["on"] and "offloading it would take" in shown["why"], shown
     # the layout printed is the one the run holds: the raised fraction and its host memory
     assert f"optimizer {fraction:.0%} on the host" in layout["description"], layout
-    assert f"raised to {fraction:.0%} colocated" in layout["optimizer_cpu_offload"], layout
-    assert layout["fits"] and layout["host_gib"] <= layout["host_budget_gib"] == 97.6, layout
+    if backend == "fsdp":
+        assert shown["optimizer_offload_fraction"] == fraction, shown
+        assert f"raised to {fraction:.0%} colocated" in layout["optimizer_cpu_offload"], layout
+    else:
+        assert "optimizer_offload_fraction" not in shown and "in turns" in shown["why"], shown
+    assert layout["fits"] and layout["host_gib"] <= layout["host_budget_gib"] == 83.8, layout
     cfg = parse_grpo(argv, env={})
+    park = cfg.rollout.weights_cpu_backup
     settled, _ = plan_layout(
-        cfg.parallel, cfg.cluster, trainer=cfg.trainer, shape=shape_of(cfg.model)
+        cfg.parallel,
+        cfg.cluster,
+        trainer=cfg.trainer,
+        shape=shape_of(cfg.model),
+        engines_park_weights=park,
     )
     plan = colocation_plan(dataclasses.replace(cfg, parallel=settled), cfg.parallel.offload_options)
     assert (plan.offload_train, plan.optimizer_offload) == (False, fraction), plan.why
     given = parse_grpo([*argv, "--optimizer-offload-fraction", "0.6"], env={})
     settled, _ = plan_layout(
-        given.parallel, given.cluster, trainer=given.trainer, shape=shape_of(given.model)
+        given.parallel,
+        given.cluster,
+        trainer=given.trainer,
+        shape=shape_of(given.model),
+        engines_park_weights=park,
     )
     plan = colocation_plan(
         dataclasses.replace(given, parallel=settled), given.parallel.offload_options

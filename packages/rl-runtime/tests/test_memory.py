@@ -19,7 +19,9 @@ from rl_runtime import (
     estimate_memory,
 )
 from rl_runtime.memory import (
+    HOST_CAP,
     HOST_RESERVE_BYTES,
+    PROCESS_HOST_BYTES,
     RESERVE_BYTES,
     GiB,
     MemoryEstimate,
@@ -180,9 +182,10 @@ def test_the_optimizer_goes_to_the_host_only_when_the_gpu_cannot_hold_it():
     assert estimate.to_dict(85 * GiB, 100 * GiB)["host_gib"] == 10.0
     assert choose_layout(SHAPE, backend, layout(1), 100 * GiB, **kw)[0] == layout(1)
     short = dict(kw, host_bytes=5 * GiB)
-    unchanged, _ = choose_layout(SHAPE, backend, layout(1), 85 * GiB, **short)
-    assert unchanged == layout(1)  # nothing fits: check_layout refuses
+    # nothing fits: the first that fits the GPU, whose host part check_layout refuses
+    gpu_only, _ = choose_layout(SHAPE, backend, layout(1), 85 * GiB, **short)
     offloaded = layout(1, optimizer_offload=0.2)
+    assert gpu_only == offloaded
     with pytest.raises(PreflightError, match=r"about 10\.0 GiB of host memory per trainer rank"):
         check_layout(SHAPE, backend, offloaded, 85 * GiB, host_bytes=5 * GiB)
     with pytest.raises(PreflightError) as err:
@@ -251,16 +254,36 @@ def test_colocation_keeps_the_fraction_where_the_backend_does_not_offload():
     assert (plan.optimizer_offload, plan.offload_train) == (0.0, False), plan.why
 
 
-def test_host_budget_leaves_ray_its_headroom_and_counts_parked_weights_where_kept():
-    """A node's 128 GiB less Ray's 5 % and the reserve; colocated engines that keep a host
-    copy of their weights (--weights-cpu-backup) take their bf16 size too."""
+def test_host_budget_keeps_the_node_peak_under_85_percent_of_its_memory():
+    """Ray's memory monitor kills a worker past 95 % of the node; the plan keeps the node's peak
+    (the launcher and Ray, every trainer rank's and engine's runtime, the weights engines park,
+    each rank's state at its budget) at 85 %, colocated or not, parked or dropped, and the
+    budget is what is left: 128 GiB and one GPU leave 83.8 GiB to the trainer's state."""
     from rl_runtime import ClusterConfig, ParallelConfig, host_budget
+    from rl_runtime.parallel import node_host_plan
 
     shape = dataclasses.replace(
         _shape(147_456), language_params=8_200_000_000, vision_params=600_000_000
     )
-    parallel, cluster = ParallelConfig(host_memory_gib=128), ClusterConfig(num_gpus=1)
-    dropped = host_budget(parallel, cluster, shape, with_engines=True, engines_park_weights=False)
-    parked = host_budget(parallel, cluster, shape, with_engines=True)
-    assert dropped == pytest.approx(128 * GiB * 0.95 - HOST_RESERVE_BYTES)
+    parallel = ParallelConfig(host_memory_gib=128)
+    for cluster in (ClusterConfig(num_gpus=1), ClusterConfig(num_gpus=4, colocate=False)):
+        for park in (True, False):
+            plan = node_host_plan(
+                parallel, cluster, shape, with_engines=True, engines_park_weights=park
+            )
+            assert plan is not None and plan.engines >= 1
+            peak = plan.reserve + plan.processes + plan.parked + plan.trainers * plan.per_rank
+            assert peak == pytest.approx(HOST_CAP * 128 * GiB) and HOST_CAP == 0.85
+            budget = host_budget(
+                parallel, cluster, shape, with_engines=True, engines_park_weights=park
+            )
+            assert budget == plan.per_rank
+    one = ClusterConfig(num_gpus=1)
+    dropped = host_budget(parallel, one, shape, with_engines=True, engines_park_weights=False)
+    parked = host_budget(parallel, one, shape, with_engines=True)
+    assert dropped == pytest.approx(0.85 * 128 * GiB - HOST_RESERVE_BYTES - 2 * PROCESS_HOST_BYTES)
+    assert dropped / GiB == pytest.approx(83.8)
     assert dropped - parked == pytest.approx(2 * 8.8e9)
+    # an SFT run has no engines: one process fewer
+    alone = host_budget(parallel, one, shape, with_engines=False)
+    assert alone == pytest.approx(dropped + PROCESS_HOST_BYTES)

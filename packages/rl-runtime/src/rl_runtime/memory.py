@@ -15,12 +15,14 @@ a layout will.
 Host memory counts too: a layout may keep part of the optimizer state (float32 masters and
 AdamW moments) on the host and step it there (``ParallelLayout.optimizer_offload``, the
 launchers' ``--optimizer-cpu-offload``); the backend says what that leaves on the GPU and
-puts on the host (``StateBytes.host``), and a layout fits when both do: the GPU as above, the
-host within the budget the launcher gives each trainer rank (``host_bytes``: the node's memory
-less :data:`HOST_RESERVE_BYTES`, Ray's headroom and what colocated engines park there). Such
-layouts are tried only after every layout that keeps the state on the GPU, the smallest
-fraction first. Colocated, where the trainer's state sits while the engine generates is planned
-against both memories too (:func:`plan_colocation`)."""
+puts on the host (``StateBytes.host``: every byte of the trainer's state there, allocator
+rounding included; each backend's CPU test measures it), and a layout fits when both do: the
+GPU as above, the host within the budget the launcher gives each trainer rank (``host_bytes``:
+what keeps the node's peak under :data:`HOST_CAP` of its memory once Ray, the launcher and
+every process's runtime have theirs; ``rl_runtime.parallel.host_budget``). Such layouts are
+tried only after every layout that keeps the state on the GPU, the smallest fraction first.
+Colocated, where the trainer's state sits while the engine generates is planned against both
+memories too (:func:`plan_colocation`)."""
 
 from __future__ import annotations
 
@@ -33,9 +35,10 @@ from rl_runtime.preflight import PreflightError
 from rl_runtime.protocols import TrainerConfig
 
 __all__ = [
+    "HOST_CAP",
     "HOST_RESERVE_BYTES",
     "OFFLOAD_FRACTIONS",
-    "RAY_HEADROOM",
+    "PROCESS_HOST_BYTES",
     "RESERVE_BYTES",
     "ColocationPlan",
     "GiB",
@@ -54,15 +57,19 @@ __all__ = [
 
 GiB = 1 << 30
 RESERVE_BYTES = 3 * GiB
-#: Host memory a node keeps for everything but the offloaded optimizer state and the engines'
-#: parked weights: Ray, the launcher, each process's torch and CUDA runtime, loading. On the
-#: H200 (2026-12-04, the 8B on FSDP) that came to about 22 GiB: 14.5 in the launcher, Ray and
-#: the page cache, 4.4 in the trainer beyond its estimate, a few in the engine's process.
-HOST_RESERVE_BYTES = 24 * GiB
-#: The part of a node's memory Ray's memory monitor keeps free: it kills a worker once the
-#: node's used memory passes 95 % (``RAY_memory_usage_threshold``'s default), as it killed
-#: that run's trainer.
-RAY_HEADROOM = 0.05
+#: The share of a node's memory the plan lets everything on it take at its peak. Ray's memory
+#: monitor kills a worker once the node's used memory passes 95 % (``RAY_memory_usage_threshold``'s
+#: default), as it killed the 8B trainers on the H200 (2026-12-04); the ten points between are
+#: the estimate's margin.
+HOST_CAP = 0.85
+#: What a node holds besides its trainer ranks and engines: the launcher, Ray's own processes,
+#: the page cache Ray counts as used. About 14.5 GiB on the H200 (2026-12-04, the 8B on FSDP).
+HOST_RESERVE_BYTES = 15 * GiB
+#: Host memory of one GPU process beside its state: Python, torch, the CUDA runtime's host
+#: side, compiled code. The 8B FSDP trainer held 5.2 GiB beyond its host masters once loaded
+#: (H200, 2026-12-04: 31.3 GiB resident, 26.1 of masters); counted for each trainer rank and
+#: each engine process on the node.
+PROCESS_HOST_BYTES = 5 * GiB
 #: Fractions of the optimizer state on the host a layout chooser tries, smallest first.
 OFFLOAD_FRACTIONS = tuple(round(0.1 * i, 1) for i in range(1, 11))
 PARTS = ("weights", "gradients", "optimizer", "activations", "logits", "reserve")
@@ -227,7 +234,8 @@ def choose_layout(
     """``layout`` when it fits, else the first layout of the same backend and tokens that does:
     with ``vary``, more tensor parallelism, then recomputation; then the same with each of
     ``offloads`` (fractions of the optimizer state on the host, within ``host_bytes`` per
-    rank), in that order. None fits: ``layout`` (``check_layout`` refuses)."""
+    rank), in that order. None fits: the first that fits the GPU alone, whose host part is
+    then what ``check_layout`` refuses, else ``layout``."""
     base = [layout]
     if vary:
         base += [
@@ -236,11 +244,14 @@ def choose_layout(
             if t != layout and c is trainer
         ]
     options = base + [t for _, t in _offloaded([(trainer, t) for t in base], offloads)]
+    gpu_only = None
     for option in options:
         estimate = estimate_memory(shape, trainer, option)
         if estimate.fits(gpu_bytes, host_bytes):
             return option, estimate
-    return layout, estimate_memory(shape, trainer, layout)
+        if gpu_only is None and estimate.fits(gpu_bytes):
+            gpu_only = option, estimate
+    return gpu_only or (layout, estimate_memory(shape, trainer, layout))
 
 
 def check_layout(
@@ -264,9 +275,10 @@ def check_layout(
         assert host_bytes is not None
         message = (
             f"{model} ({params:.2f}B parameters) as {estimate.description} needs about "
-            f"{estimate.host / GiB:.1f} GiB of host memory per trainer rank for the optimizer "
-            f"state, beyond the {host_bytes / GiB:.1f} GiB the host leaves each "
-            "(--host-memory-gib)."
+            f"{estimate.host / GiB:.1f} GiB of host memory per trainer rank for its optimizer "
+            f"state there, beyond the {host_bytes / GiB:.1f} GiB each may take: the plan keeps "
+            f"a node under {HOST_CAP:.0%} of its memory (--host-memory-gib) with Ray, the "
+            "launcher and every process's runtime."
         )
     else:
         message = (
@@ -285,6 +297,11 @@ def check_layout(
                 break
     if tries:
         message += " Try " + ", or ".join(tries) + "."
+    elif estimate.total <= gpu_bytes:  # the host is short whatever part of it moves there
+        message += (
+            " No --optimizer-offload-fraction fits both the GPU and the host: use more GPUs "
+            "(--num-gpus), or a node with more memory."
+        )
     else:
         message += " No layout on this many GPUs fits: use more GPUs (--num-gpus)."
     raise PreflightError(message)

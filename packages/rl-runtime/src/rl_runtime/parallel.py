@@ -16,9 +16,10 @@ from rl_algos.run_context import ParallelLayout, Recompute, TrainLayout
 from rl_runtime.cluster import ClusterConfig, layout
 from rl_runtime.config_fields import ConfigError, option
 from rl_runtime.memory import (
+    HOST_CAP,
     HOST_RESERVE_BYTES,
     OFFLOAD_FRACTIONS,
-    RAY_HEADROOM,
+    PROCESS_HOST_BYTES,
     MemoryEstimate,
     ModelShape,
     check_layout,
@@ -270,20 +271,76 @@ def host_budget(
     with_engines: bool,
     engines_park_weights: bool = True,
 ) -> float | None:
-    """Host memory one trainer rank may fill with offloaded optimizer state: the node's memory
-    less :data:`HOST_RESERVE_BYTES`, the share Ray keeps free (:data:`RAY_HEADROOM`) and the
-    weights colocated engines park on the host while the trainer runs (bf16, one copy per
-    engine; none where ``engines_park_weights`` is off: they drop them and the push refills
-    them), over the trainer ranks of a node (as many as the node's visible GPUs, or all)."""
+    """Host memory one trainer rank's state may take (the backend's ``StateBytes.host``) so that
+    the node's peak stays under :data:`~rl_runtime.memory.HOST_CAP` of its memory
+    (:func:`node_host_plan`); None where the node's memory is not known."""
+    plan = node_host_plan(
+        parallel,
+        cluster,
+        shape,
+        with_engines=with_engines,
+        engines_park_weights=engines_park_weights,
+    )
+    return None if plan is None else plan.per_rank
+
+
+@dataclass(frozen=True)
+class NodeHostPlan:
+    """A node's host memory as the plan shares it out (bytes): under ``cap`` (:data:`HOST_CAP`
+    of its ``total``) go the launcher and Ray (``reserve``), the runtime of each of its
+    ``trainers`` and ``engines`` processes (``processes``), the weights colocated engines park
+    there (``parked``), and ``per_rank`` for each trainer rank's state."""
+
+    total: float
+    cap: float
+    reserve: float
+    processes: float
+    parked: float
+    trainers: int
+    engines: int
+
+    @property
+    def per_rank(self) -> float:
+        left = self.cap - self.reserve - self.processes - self.parked
+        return max(0.0, left / max(1, self.trainers))
+
+
+def node_host_plan(
+    parallel: ParallelConfig,
+    cluster: ClusterConfig,
+    shape: ModelShape,
+    *,
+    with_engines: bool,
+    engines_park_weights: bool = True,
+) -> NodeHostPlan | None:
+    """How one node's memory (``--host-memory-gib``, else the machine's) is shared out: the
+    trainer ranks of a node are as many as its visible GPUs (or all); its engines, colocated,
+    one per trainer GPU, else the rollout GPUs beside them; the weights they park on the host
+    (bf16, one copy per engine) only where ``engines_park_weights`` (else a release drops them
+    and the push refills them). None where the node's memory is not known."""
     total = host_memory_bytes(parallel)
     if total is None:
         return None
     lay = layout(cluster, with_engines=with_engines)
-    per_node = min(lay.num_trainers, _local_gpus() or lay.num_trainers)
-    engines = per_node if (with_engines and cluster.colocate and engines_park_weights) else 0
+    local = _local_gpus()
+    trainers = min(lay.num_trainers, local or lay.num_trainers)
+    if not with_engines:
+        engines = 0
+    elif lay.colocate:
+        engines = trainers
+    else:
+        engines = min(lay.num_engines, max(0, (local or cluster.num_gpus) - trainers))
+    park = with_engines and lay.colocate and engines_park_weights
     params = shape.language_params + shape.vision_params
-    left = total * (1 - RAY_HEADROOM) - HOST_RESERVE_BYTES - engines * 2 * params
-    return max(0.0, left / max(1, per_node))
+    return NodeHostPlan(
+        total=total,
+        cap=HOST_CAP * total,
+        reserve=HOST_RESERVE_BYTES,
+        processes=(trainers + engines) * PROCESS_HOST_BYTES,
+        parked=engines * 2 * params if park else 0.0,
+        trainers=trainers,
+        engines=engines,
+    )
 
 
 def _local_gpus() -> int:
