@@ -431,13 +431,14 @@ class RolloutGroup:
         return [f"rollout engine {i}" for i in range(len(self.workers))]
 
     def dead_engines(self, timeout_s: float = 60.0) -> list[int]:
-        """Which engines' actors are gone (their ``health`` call raises Ray's actor error)."""
+        """Which engines' actors are gone (their ``health`` call raises Ray's actor error, or
+        its memory monitor's for an engine it killed)."""
         futures = [w.health.remote() for w in self.workers]
         dead = []
         for i, ref in enumerate(futures):
             try:
                 ray.get(ref, timeout=timeout_s)
-            except ray.exceptions.RayActorError:
+            except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError):
                 dead.append(i)
         return dead
 

@@ -4,12 +4,16 @@ Every fault that ends a run raises :class:`RunStopped` (or a subclass) with a on
 that names what failed and says which checkpoint is kept; the launchers print that line, not a
 traceback. Calls to a group of Ray actors go through :func:`gather`, which notices a dead actor
 as soon as Ray does, instead of waiting forever on its peers (a trainer rank blocked in a
-collective whose partner died never returns on its own).
+collective whose partner died never returns on its own). An actor Ray's memory monitor killed
+(``ray.exceptions.OutOfMemoryError``, with Ray's multi-line report of the node's memory) is
+:class:`OutOfHostMemory`: one line with the node's figures and the settings that size what the
+plan puts on the host.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -17,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +40,37 @@ class WorkerDied(RunStopped):
     def __init__(self, message: str, indices: Sequence[int]) -> None:
         super().__init__(message)
         self.indices = list(indices)
+
+
+class OutOfHostMemory(WorkerDied):
+    """One or more actors of a group were killed because the node ran out of host memory."""
+
+
+#: What to change when a node's host memory ran out: the settings that size the plan's share.
+HOST_MEMORY_SETTINGS = (
+    "put less of the optimizer on the host (a lower --optimizer-offload-fraction), give the "
+    "node's real memory (--host-memory-gib), or use more GPUs"
+)
+
+
+def killed_for_memory(err: BaseException) -> bool:
+    """Whether ``err`` says an actor was killed for host memory: Ray's ``OutOfMemoryError`` (its
+    memory monitor's kill, also inside a task that called that actor), or an actor's death
+    whose cause says the node ran low on memory."""
+    if isinstance(err, OutOfMemoryError):
+        return True
+    text = str(err)
+    return isinstance(err, RayActorError) and any(
+        mark in text for mark in ("running low on memory", "NODE_OUT_OF_MEMORY")
+    )
+
+
+def memory_note(err: BaseException) -> str:
+    """The node's figures from Ray's report, in a few words (Ray's "GB" are GiB), or ""."""
+    found = re.search(r"was ([\d.]+)GB(?: used)? / ([\d.]+)GB", str(err))
+    if found is None:
+        return ""
+    return f"Ray's memory monitor: the node had {found[1]} of {found[2]} GiB in use"
 
 
 class NonFiniteStop(RunStopped):
@@ -100,7 +135,15 @@ def gather(
             results[index[ready[0]]] = ray.get(ready[0])
         except Exception as first:
             done, _ = ray.wait(pending, num_returns=len(pending), timeout=SETTLE_S)
-            dead = [index[r] for r in [ready[0], *done] if _died(r)]
+            ends = {index[r]: _ending(r) for r in [ready[0], *done]}
+            dead = sorted(i for i, end in ends.items() if end is not None)
+            if not dead and killed_for_memory(first):  # an actor it called was killed
+                note = memory_note(first)
+                raise RunStopped(
+                    f"{names[index[ready[0]]]} failed during {what}: an actor it called was "
+                    f"killed for host memory{f' ({note})' if note else ''}: "
+                    f"{HOST_MEMORY_SETTINGS}"
+                ) from first
             if not dead and isinstance(first, RayActorError):  # an actor it called died
                 raise RunStopped(
                     f"{names[index[ready[0]]]} failed during {what}: an actor it called died "
@@ -108,28 +151,35 @@ def gather(
                 ) from first
             if not dead:
                 raise
-            who = ", ".join(names[i] for i in sorted(dead))
-            raise WorkerDied(
-                f"{who} died during {what} ({short_error(first)})", sorted(dead)
-            ) from first
+            who = ", ".join(names[i] for i in dead)
+            killed = [ends[i] for i in dead if killed_for_memory(ends[i])]
+            if killed:
+                note = memory_note(killed[0])
+                raise OutOfHostMemory(
+                    f"{who} {'was' if len(dead) == 1 else 'were'} killed for host memory during "
+                    f"{what}{f' ({note})' if note else ''}: {HOST_MEMORY_SETTINGS}",
+                    dead,
+                ) from first
+            raise WorkerDied(f"{who} died during {what} ({short_error(first)})", dead) from first
         if pending and while_waiting is not None:
             while_waiting(index[ready[0]], results[index[ready[0]]])
     return results
 
 
-def _died(ref: Any) -> bool:
-    """Whether the actor behind this finished call died. A task that failed because an actor
-    it called died (a trainer pushing to a dead engine) raises a `RayTaskError` that is also a
-    `RayActorError`; that actor is alive."""
+def _ending(ref: Any) -> BaseException | None:
+    """How the actor behind this finished call ended, if it died: Ray's error (a dead actor's,
+    or the memory monitor's ``OutOfMemoryError``), else None. A task that failed because an
+    actor it called died (a trainer pushing to a dead engine) raises a `RayTaskError` that is
+    also that actor's error; that actor is alive."""
     try:
         ray.get(ref, timeout=0)
     except RayTaskError:
-        return False
-    except RayActorError:
-        return True
+        return None
+    except (RayActorError, OutOfMemoryError) as err:
+        return err
     except Exception:
-        return False
-    return False
+        return None
+    return None
 
 
 def last_checkpoint_note(checkpoints: Any) -> str:
