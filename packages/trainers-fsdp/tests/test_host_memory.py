@@ -10,7 +10,7 @@ garbage collection is off from the build on, as in a trainer process
 
 The model is Qwen3-VL-2B's shape (hidden 2048, MLP 6144, 16 / 8 heads, its vision tower's
 1024-wide blocks) cut to one decoder layer, one vision block without deepstack mergers and a
-16,384-token vocabulary: 126M parameters, about 2.6 GB of state, well above the few hundred MB
+16,384-token vocabulary: 126M parameters, about 3 GB of state, well above the few hundred MB
 torch and the interpreter hold, and within a few GB of peak memory.
 """
 
