@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_recipe_defaults():
     cfg = parse_grpo([], env={})
-    loop, loss, optim = cfg.loop, cfg.loss, cfg.trainer
+    loop, loss, optim = cfg.loop, cfg.loss, cfg.trainer.optim
     assert (loop.rollout_batch_size, loop.n_samples_per_prompt, loop.global_batch_size) == (
         64,
         8,
@@ -70,7 +70,7 @@ def test_sft_recipe_defaults(backend):
     (--lr-warmup-fraction 0.1), betas 0.9 / 0.95, 128 conversations a step; the warm-up's steps
     settle from the run's length."""
     cfg = parse_sft(["--backend", backend], env={})
-    optim = cfg.trainer if backend == "megatron" else cfg.trainer.optim
+    optim = cfg.trainer.optim
     assert (optim.lr, optim.lr_schedule, optim.min_lr, optim.warmup_fraction) == (
         1e-5,
         "cosine",
@@ -81,7 +81,7 @@ def test_sft_recipe_defaults(backend):
     assert cfg.sft.sft_batch_size == 128 and cfg.data.template == "none"
     assert cfg.run.wandb_group == f"qwen3-vl-8b-instruct-{backend}"
     run = cfg.trainer.for_run(RunContext(model=None, seed=0, use_gpu=False, total_steps=500))
-    assert (run if backend == "megatron" else run.optim).warmup_steps == 50
+    assert run.optim.warmup_steps == 50
 
 
 @pytest.mark.parametrize("prefix", ["GEO3K", "MILES_SCRIPT", "SLIME_SCRIPT"])

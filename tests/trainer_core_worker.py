@@ -25,7 +25,8 @@ if not torch.cuda.is_available():
     _cpu_compat.apply()
 
 from rl_algos import GrpoLoss, GrpoLossConfig, TrainBatch
-from trainers_fsdp import FsdpConfig, OptimConfig
+from rl_algos.optimizer import OptimConfig
+from trainers_fsdp import FsdpConfig
 from trainers_fsdp.actor import FsdpActor
 from trainers_fsdp.synthetic import TINY_OVERRIDES, synthetic_batch
 from trainers_megatron import MegatronConfig
@@ -94,9 +95,7 @@ def build(name: str, *, lr: float = LR, reference_model: bool = False):
             model=preset,
             model_overrides=dict(TINY_OVERRIDES),
             max_tokens_per_gpu=MAX_TOKENS,
-            lr=lr,
-            weight_decay=0.0,
-            max_grad_norm=1.0,
+            optim=OptimConfig(lr=lr, weight_decay=0.0, max_grad_norm=1.0),
             export_dtype="float32",
             reference_model=reference_model,
             **settings,

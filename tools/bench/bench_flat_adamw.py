@@ -4,7 +4,7 @@ Both run the FSDP actor's sequence after a backward of one micro-batch, in the s
 parameters of a named shape (random values): the gradient norm, its host read, the clipped AdamW
 step and the cast into the bf16 weights, and zeroing the gradients.
 
-- baseline (``OptimConfig(flat_update=False)``): the bf16 gradient moved into float32, the
+- baseline (``FsdpConfig(flat_update=False)``): the bf16 gradient moved into float32, the
   norm per tensor, torch's fused AdamW (foreach on CPU) over the float32 masters, one cast pass;
 - ours (the CUDA default): :class:`trainers_fsdp.flat_adamw.FlatAdamW`, the norm and one
   compiled pass per group that reads the bf16 gradient and writes masters, moments and bf16
@@ -60,7 +60,7 @@ def build_masters(preset: str, device: torch.device):
 
 
 def time_config(args, device: torch.device, flat: bool) -> dict:
-    from trainers_fsdp import OptimConfig
+    from rl_algos.optimizer import OptimConfig
     from trainers_fsdp.flat_adamw import FlatAdamW
     from trainers_fsdp.optim import (
         build_optimizer,
@@ -70,8 +70,8 @@ def time_config(args, device: torch.device, flat: bool) -> dict:
     )
 
     masters = build_masters(args.preset, device)
-    cfg = OptimConfig(lr=1e-6, weight_decay=0.01, max_grad_norm=1.0, flat_update=flat)
-    optimizer = build_optimizer(masters.module, cfg, device, masters)
+    cfg = OptimConfig(lr=1e-6, weight_decay=0.01, max_grad_norm=1.0)
+    optimizer = build_optimizer(masters.module, cfg, device, masters, flat_update=flat)
     assert isinstance(optimizer, FlatAdamW) and optimizer.is_flat == flat
     gen = torch.Generator(device=device).manual_seed(0)
 

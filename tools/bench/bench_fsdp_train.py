@@ -343,7 +343,8 @@ def run_baseline(args, device: torch.device) -> tuple[dict, int]:
 
 
 def ours_config(args, device: torch.device, **changes):
-    from trainers_fsdp import FsdpConfig, OptimConfig
+    from rl_algos.optimizer import OptimConfig
+    from trainers_fsdp import FsdpConfig
 
     cfg = dict(
         model=args.preset,
@@ -781,6 +782,7 @@ def run_megatron(args, device: torch.device, name: str) -> tuple[dict, int, int]
     variant's :data:`MEGATRON` changes) on the same batch and token budget: the default backend
     against the FSDP actor, same process kind. ``compile`` is set either way, so that the
     variants are eager or compiled on any device."""
+    from rl_algos.optimizer import OptimConfig
     from trainers_megatron import MegatronConfig
     from trainers_megatron.actor import MegatronActor
 
@@ -789,9 +791,7 @@ def run_megatron(args, device: torch.device, name: str) -> tuple[dict, int, int]
             model=args.preset,
             model_overrides=model_overrides(args),
             max_tokens_per_gpu=args.max_tokens_per_gpu,
-            lr=1e-6,
-            weight_decay=0.01,
-            max_grad_norm=1.0,
+            optim=OptimConfig(lr=1e-6, weight_decay=0.01, max_grad_norm=1.0),
             **MEGATRON[name],
         )
     )

@@ -197,6 +197,7 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
+    from rl_algos.optimizer import OptimConfig
     from trainers_megatron import MegatronConfig
     from trainers_megatron.actor import MegatronActor
     from vlm_models.megatron import fla_available
@@ -209,7 +210,7 @@ def main() -> None:
         MegatronConfig(
             model=config,
             seed=args.seed,
-            lr=1e-6,
+            optim=OptimConfig(lr=1e-6),
             max_tokens_per_gpu=args.max_tokens_per_gpu,
             linear_attention_kernels="torch",  # switched per run below
             param_dtype=args.dtype,

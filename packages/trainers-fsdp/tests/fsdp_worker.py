@@ -44,11 +44,12 @@ def main() -> None:
     args = parser.parse_args()
     # fused AdamW: the optimizer step below takes the no-host-sync path (sharded grad norm,
     # device-side clip), which must agree across world sizes too
-    optim = OptimConfig(lr=1e-2, weight_decay=0.0, fused=True)
+    optim = OptimConfig(lr=1e-2, weight_decay=0.0)
     cfg: FsdpConfig = tiny_actor_config(
         model=args.model,
         max_tokens_per_gpu=64,
         optim=optim,
+        fused_adamw=True,
         replicate=args.replicate,
         param_dtype="bfloat16" if args.bf16 else None,
         reduce_dtype=args.reduce_dtype,

@@ -155,8 +155,8 @@ def test_device_side_clip_and_skip_equal_host_path(make_config, batch):
     from trainers_fsdp import OptimConfig
 
     def run(fused: bool):
-        optim = OptimConfig(lr=1e-3, max_grad_norm=1e-2, fused=fused)
-        actor = FsdpActor(make_config(optim=optim))
+        optim = OptimConfig(lr=1e-3, max_grad_norm=1e-2)
+        actor = FsdpActor(make_config(optim=optim, fused_adamw=fused))
         metrics = actor.train_step(batch, loss="sft")
         params = actor.full_parameters()
         return actor, metrics, params

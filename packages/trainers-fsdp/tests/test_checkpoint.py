@@ -36,11 +36,7 @@ class RunsCode:
     ids=["float32", "bf16-masters", "bf16-masters-flat", "fsdp"],
 )
 def test_resume_reproduces_next_step_exactly(make_config, batch, tmp_path, mode):
-    mode = dict(mode)
-    flat = mode.pop("flat_update", None)
-    optim = OptimConfig(
-        lr=1e-2, lr_schedule="cosine", warmup_steps=1, total_steps=5, flat_update=flat
-    )
+    optim = OptimConfig(lr=1e-2, lr_schedule="cosine", warmup_steps=1, total_steps=5)
     actor = FsdpActor(make_config(optim=optim, **mode))
     actor.train_step(batch, loss="grpo")
     actor.save_checkpoint(tmp_path / "ckpt")

@@ -36,7 +36,7 @@ def test_host_step_equals_the_device_step(make_config, batch, fraction, flat):
     bound is the issue's 1e-6 (bf16 weights turn any float32 difference into a different next
     gradient, which three steps at lr 1e-2 would show far above it)."""
     device = FsdpActor(
-        make_config(optim=OptimConfig(flat_update=flat, fused=True, **OPTIM), **BF16)
+        make_config(optim=OptimConfig(**OPTIM), flat_update=flat, fused_adamw=True, **BF16)
     )
     host = FsdpActor(make_config(optim=OptimConfig(**OPTIM), optimizer_offload=fraction, **BF16))
     initial = host.full_parameters()
@@ -76,14 +76,15 @@ def test_host_part_holds_the_first_fraction_of_the_trainable_masters(make_config
 def test_offloaded_checkpoint_resumes_exactly_and_moves(make_config, batch, tmp_path):
     """A checkpoint of the offloaded optimizer resumes bit for bit, in an offloaded actor and in
     one that keeps the optimizer on the device (the state dict is torch's either way)."""
-    optim = OptimConfig(flat_update=True, **OPTIM)
-    actor = FsdpActor(make_config(optim=optim, optimizer_offload=1.0, **BF16))
+    optim = OptimConfig(**OPTIM)
+    BF16_FLAT = dict(BF16, flat_update=True)
+    actor = FsdpActor(make_config(optim=optim, optimizer_offload=1.0, **BF16_FLAT))
     _steps(actor, batch, steps=1)
     actor.save_checkpoint(tmp_path / "ckpt")
     second = actor.train_step(batch, loss="grpo")
     expected = actor.full_parameters()
     for fraction in (1.0, 0.0):
-        other = FsdpActor(make_config(optim=optim, optimizer_offload=fraction, seed=5, **BF16))
+        other = FsdpActor(make_config(optim=optim, optimizer_offload=fraction, seed=5, **BF16_FLAT))
         other.load_checkpoint(tmp_path / "ckpt")
         assert other.step == 1
         got = other.train_step(batch, loss="grpo")

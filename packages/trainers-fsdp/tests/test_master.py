@@ -14,7 +14,7 @@ from vlm_models.build import build_model
 
 BF16 = dict(param_dtype="bfloat16", max_tokens_per_gpu=64)  # several micro-batches per step
 # torch's AdamW per tensor over the masters: the arithmetic FSDP does, to compare bit for bit
-PER_TENSOR = OptimConfig(lr=1e-2, weight_decay=0.0, flat_update=False)
+PER_TENSOR = OptimConfig(lr=1e-2, weight_decay=0.0)
 
 
 def _run(actor: FsdpActor, batch) -> tuple[list, list[dict], dict, dict]:
@@ -42,7 +42,7 @@ def test_masters_equal_fsdp_on_one_rank(make_config, batch):
     gradient wrongly moves them by tens of percent. The final weights get 1 % of one update.
     """
     fsdp = FsdpActor(make_config(shard_single_rank=True, **BF16))
-    ours = FsdpActor(make_config(optim=PER_TENSOR, **BF16))
+    ours = FsdpActor(make_config(optim=PER_TENSOR, flat_update=False, **BF16))
     assert type(fsdp.model).__name__.startswith("FSDP")
     assert not type(ours.model).__name__.startswith("FSDP")
     initial = ours.full_parameters()
@@ -74,8 +74,8 @@ def test_flat_update_is_torch_adamw(make_config, batch, max_tokens):
     gradient it reads directly, never allocating the float32 one)."""
     optim = dict(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5)
     kw = dict(param_dtype="bfloat16", max_tokens_per_gpu=max_tokens)
-    ref = FsdpActor(make_config(optim=OptimConfig(flat_update=False, **optim), **kw))
-    ours = FsdpActor(make_config(optim=OptimConfig(flat_update=True, **optim), **kw))
+    ref = FsdpActor(make_config(optim=OptimConfig(**optim), flat_update=False, **kw))
+    ours = FsdpActor(make_config(optim=OptimConfig(**optim), flat_update=True, **kw))
     assert ours.optimizer.is_flat and not ref.optimizer.is_flat
     initial = ours.full_parameters()
     got = ours.train_step(batch, loss="grpo")
@@ -99,19 +99,18 @@ def test_flat_update_is_the_cuda_default(make_config):
     """Uncompiled on the CPU the flat pass is slower than torch's foreach AdamW: it is the
     default on CUDA only (the gpu tests check it there)."""
     assert not FsdpActor(make_config(**BF16)).optimizer.is_flat
-    flat = OptimConfig(flat_update=True)
-    assert FsdpActor(make_config(optim=flat, **BF16)).optimizer.is_flat
+    assert FsdpActor(make_config(flat_update=True, **BF16)).optimizer.is_flat
 
 
 def test_flat_update_keeps_torch_state_dict(make_config, batch):
     """The moments are views of two flat buffers but read, load and move as torch's
     per-parameter state: a loaded state dict lands in the flat buffers."""
-    flat = OptimConfig(lr=1e-2, weight_decay=0.0, flat_update=True)
-    actor = FsdpActor(make_config(optim=flat, **BF16))
+    kw = dict(optim=OptimConfig(lr=1e-2, weight_decay=0.0), flat_update=True, **BF16)
+    actor = FsdpActor(make_config(**kw))
     actor.train_step(batch, loss="sft")
     opt = actor.optimizer
     saved = {k: {n: t.clone() for n, t in s.items()} for k, s in opt.state_dict()["state"].items()}
-    other = FsdpActor(make_config(seed=3, optim=flat, **BF16)).optimizer
+    other = FsdpActor(make_config(seed=3, **kw)).optimizer
     other.load_state_dict({"state": saved, "param_groups": opt.state_dict()["param_groups"]})
     flat = other.exp_avg.untyped_storage().data_ptr()
     for key, state in other.state_dict()["state"].items():
@@ -184,8 +183,7 @@ def test_checkpoints_move_between_fsdp_and_masters(make_config, batch, tmp_path,
     fsdp.save_checkpoint(tmp_path / "ckpt")
     expected = fsdp.train_step(batch, loss="grpo")
 
-    optim = OptimConfig(flat_update=flat, **kw)
-    ours = FsdpActor(make_config(optim=optim, seed=7, **BF16))
+    ours = FsdpActor(make_config(optim=OptimConfig(**kw), flat_update=flat, seed=7, **BF16))
     ours.load_checkpoint(tmp_path / "ckpt")
     assert ours.step == 1
     got = ours.train_step(batch, loss="grpo")

@@ -21,6 +21,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 from rl_algos import GrpoLossConfig, TrainBatch, aligned_logprobs, grpo_loss
+from rl_algos.optimizer import OptimConfig
 from vlm_models.build import build_model
 from vlm_models.presets import tiny_config
 
@@ -28,7 +29,9 @@ pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("actor_worker.py")
 LR = 1e-3
 COMMON = dict(
-    model="qwen3-vl-tiny", lr=LR, weight_decay=0.0, max_grad_norm=1.0, export_dtype="float32"
+    model="qwen3-vl-tiny",
+    optim=OptimConfig(lr=LR, weight_decay=0.0, max_grad_norm=1.0),
+    export_dtype="float32",
 )
 SCENARIOS = {
     # megatron-core's plain optimizer (the whole state on each rank)

@@ -32,6 +32,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 from rl_algos import TrainBatch
+from rl_algos.optimizer import OptimConfig
 from vlm_models.presets import PRESETS
 
 pytestmark = pytest.mark.slow
@@ -45,7 +46,8 @@ ATOL = 1e-5
 # ill-conditioned sums over every token), which at the default eps of 1e-8 moves such a weight
 # by up to 5e-4. eps = 1e-6 bounds that at 5e-6, inside the 1e-5 the weights are held to.
 EPS = 1e-6
-COMMON = dict(lr=LR, eps=EPS, weight_decay=0.0, max_grad_norm=1.0, export_dtype="float32", seed=0)
+OPTIM = OptimConfig(lr=LR, eps=EPS, weight_decay=0.0, max_grad_norm=1.0)
+COMMON = dict(optim=OPTIM, export_dtype="float32", seed=0)
 LAYOUTS = {
     "ref": dict(),
     "cp2": dict(cp=2),

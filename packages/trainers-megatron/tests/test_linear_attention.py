@@ -81,10 +81,12 @@ def batch(geo3k_dir: Path, qwen3vl_dir: Path) -> TrainBatch:
 
 
 def _actor(preset: str = "qwen3.5-tiny", **kwargs):
+    from rl_algos.optimizer import OptimConfig
     from trainers_megatron import MegatronConfig
     from trainers_megatron.actor import MegatronActor
 
-    config = dict(model=tiny_config(preset, **IDS), lr=1e-3, weight_decay=0.0, seed=0)
+    optim = OptimConfig(lr=1e-3, weight_decay=0.0)
+    config = dict(model=tiny_config(preset, **IDS), optim=optim, seed=0)
     return MegatronActor(MegatronConfig(**config, **kwargs))
 
 

@@ -128,10 +128,12 @@ def test_actor_state_round_trips_bit_exactly(one_process):
     not copied, and the next step equals that of a twin actor that never moved (the views
     into megatron-core's buffers still connect the optimizer to the model). The CPU stands in
     for both ends (the actor offloads only from a GPU)."""
+    from rl_algos.optimizer import OptimConfig
     from trainers_megatron import MegatronConfig
     from trainers_megatron.actor import MegatronActor
 
-    config = MegatronConfig(model="qwen3-vl-moe-tiny", lr=1e-3, weight_decay=0.0)
+    optim = OptimConfig(lr=1e-3, weight_decay=0.0)
+    config = MegatronConfig(model="qwen3-vl-moe-tiny", optim=optim)
     moved, twin = MegatronActor(config), MegatronActor(config)
     batch = _text_batch()
     for actor in (moved, twin):

@@ -18,6 +18,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 import torch
 
 from rl_algos import TrainBatch
+from rl_algos.optimizer import OptimConfig
 from trainers_megatron import MegatronConfig
 from trainers_megatron.actor import MegatronActor
 from trainers_megatron.flat_masters import FlatMasters
@@ -35,11 +36,15 @@ def _batch(vocab: int) -> TrainBatch:
     )
 
 
-def _steps(steps: int = 1, *, fused: bool = True, **config):
+OPTIM = dict(lr=1e-2, weight_decay=0.1)
+
+
+def _steps(steps: int = 1, *, fused: bool = True, max_grad_norm: float = 1.0, **config):
     """GRPO steps of a tiny actor: (the actor, the steps' metrics, weights before, weights and
     masters after). ``fused=False`` puts torch's default (foreach) AdamW back, as
     megatron-core builds it."""
-    settings = dict(model="qwen3-vl-tiny", lr=1e-2, weight_decay=0.1, seed=0) | config
+    optim = OptimConfig(**OPTIM, max_grad_norm=max_grad_norm)
+    settings = dict(model="qwen3-vl-tiny", optim=optim, seed=0) | config
     actor = MegatronActor(MegatronConfig(**settings))
     groups = [g for opt in optimizers(actor.optimizer) for g in opt.optimizer.param_groups]
     assert groups and all(g["fused"] for g in groups)
@@ -123,7 +128,7 @@ def test_bf16_weights_are_the_flat_masters_rounded():
 
 # bf16 weights (megatron-core's precision-aware optimizer takes no float32 ones); clipping in
 # every step (the norms are above 0.05)
-COMMON = dict(param_dtype="bfloat16", max_grad_norm=0.05)
+COMMON = dict(param_dtype="bfloat16", optim=OptimConfig(**OPTIM, max_grad_norm=0.05))
 
 
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
@@ -168,7 +173,7 @@ def test_offloaded_checkpoint_resumes_exactly(tmp_path):
     """Save after one step; the second step from the checkpoint, in the same actor and in a
     fresh one (whose empty hybrid optimizer first steps on random gradients), is the second
     step taken without stopping, to the bit."""
-    config = MegatronConfig(model="qwen3-vl-tiny", optimizer_offload=1.0, lr=1e-2, **COMMON)
+    config = MegatronConfig(model="qwen3-vl-tiny", optimizer_offload=1.0, **COMMON)
     actor = MegatronActor(config)
     batch = _batch(actor.hf_config.text_config.vocab_size)
     batch.old_logprobs = actor.compute_logprobs(batch)

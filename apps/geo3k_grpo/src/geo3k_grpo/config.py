@@ -1,9 +1,9 @@
 """geo3k_grpo's configuration: the packages' own configs as one tree, the recipe's values and
 the presets. Nothing is declared here a second time: each setting is its package's field.
 
-Every setting has a dotted flag (`--trainer.lr`, `--loop.num-rollout`) and a short one (`--lr`,
-`--num-rollout`: the names of the README's migration table); `--backend` picks the trainer
-section. The environment names (`GEO3K_*`, then the recipes' `MILES_SCRIPT_*` and
+Every setting has a dotted flag (`--trainer.optim.lr`, `--loop.num-rollout`) and a short one
+(`--lr`, `--num-rollout`: the names of the README's migration table); `--backend` picks the
+trainer section. The environment names (`GEO3K_*`, then the recipes' `MILES_SCRIPT_*` and
 `SLIME_SCRIPT_*`) are `rl_runtime.recipe_env_aliases`.
 """
 
@@ -80,7 +80,12 @@ class Geo3kGrpoConfig:
     reward: RewardConfig = section(RewardConfig)
     trainer: MegatronConfig | FsdpConfig = choice(TRAINERS, by="backend")
     loop: GrpoLoopConfig = section(GrpoLoopConfig)
-    warmup: WarmupConfig = section(WarmupConfig)
+    warmup: WarmupConfig = section(
+        WarmupConfig,
+        "the SFT warm-up before GRPO (without --load): its own steps, batch and constant "
+        "learning rate; the trainer section's --lr, --lr-schedule, --lr-warmup-steps and "
+        "--min-lr are the GRPO steps'",
+    )
 
     def check(self) -> None:
         self.run = self.run.with_wandb_names(self.model.model_name)  # shown by --print-config

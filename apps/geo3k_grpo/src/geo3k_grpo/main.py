@@ -79,7 +79,7 @@ def warm_up(cfg: Geo3kGrpoConfig) -> Path:
             use_gpu=cfg.cluster.use_gpu,
             layout=cfg.parallel.trainer_layout(),
             total_steps=w.warmup_sft_steps,
-            lr=w.warmup_sft_lr,
+            schedule=w.schedule(),
         )
     )
 

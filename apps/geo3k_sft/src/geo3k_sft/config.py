@@ -1,7 +1,7 @@
 """geo3k_sft's configuration: the packages' own configs as one tree, the recipe's values and
 the presets. Nothing is declared here a second time: each setting is its package's field.
 
-Every setting has a dotted flag (`--trainer.lr`, `--sft.sft-num-steps`) and a short one
+Every setting has a dotted flag (`--trainer.optim.lr`, `--sft.sft-num-steps`) and a short one
 (`--lr`, `--sft-num-steps`); `--backend` picks the trainer section. The environment names
 (`GEO3K_*`, then the recipes' `MILES_SCRIPT_*` and `SLIME_SCRIPT_*`) are
 `rl_runtime.recipe_env_aliases`.

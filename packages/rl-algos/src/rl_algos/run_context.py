@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rl_algos.losses import GrpoLossConfig
+from rl_algos.optimizer import Schedule
 
 Recompute = Literal["none", "selective", "full"]
 
@@ -34,7 +35,9 @@ class ParallelLayout:
 class RunContext:
     """Everything ``TrainerConfig.for_run`` completes a config with: what the launcher settles
     (model source, seed, device, layout) and what the loop sets (sampling temperature, loss,
-    reference model, schedule length, a learning rate of its own, e.g. the SFT warm-up's)."""
+    reference model, schedule length). ``schedule``: a learning-rate schedule of the phase's
+    own in place of the optimizer settings' (the SFT warm-up's constant rate: the ``--lr``
+    settings are the GRPO steps')."""
 
     model: Any
     seed: int
@@ -44,7 +47,7 @@ class RunContext:
     grpo: GrpoLossConfig | None = None
     reference_model: bool = False
     total_steps: int | None = None
-    lr: float | None = None
+    schedule: Schedule | None = None
 
 
 @dataclass(frozen=True)

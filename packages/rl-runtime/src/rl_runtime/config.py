@@ -55,6 +55,7 @@ from rl_runtime.config_fields import (
     is_setting,
     item_type,
     leaves,
+    section_help,
     setting_key,
     skeleton,
     strip_optional,
@@ -210,11 +211,25 @@ def build_parser(
     groups: dict[str, argparse._ArgumentGroup] = {}
     taken: set[str] = set()
 
-    def add(group: argparse._ArgumentGroup, flags: list[str], leaf: Leaf, item: int | None) -> None:
+    # A setting every pick has (the backends' shared optimizer section) is listed once, in a
+    # section named without the pick; a section's declared help heads its group.
+    shared = set.intersection(*({leaf.path for leaf in t.leaves} for t in trees))
+
+    def group_for(tree: _Tree, leaf: Leaf) -> argparse._ArgumentGroup:
+        title = ".".join(leaf.path[:-1]) or "general"
+        if leaf.picked_by and leaf.path not in shared:
+            title += f" (--{leaf.picked_by[0].replace('_', '-')} {leaf.picked_by[1]})"
+        if title not in groups:
+            about = section_help(tree.cfg, leaf.path[:-1]) or None
+            groups[title] = parser.add_argument_group(title, about)
+        return groups[title]
+
+    def add(tree: _Tree, flags: list[str], leaf: Leaf, item: int | None) -> None:
         free = [f for f in flags if f not in taken]
         if not free:
             return
         taken.update(free)
+        group = group_for(tree, leaf)
         tp = leaf.type if item is None else item_type(leaf.type)
         default = leaf.default if item is None else leaf.default[item]
         extra = (
@@ -237,13 +252,9 @@ def build_parser(
 
     for tree in trees:
         for leaf in tree.leaves:
-            title = ".".join(leaf.path[:-1]) or "general"
-            if leaf.picked_by:
-                title += f" (--{leaf.picked_by[0].replace('_', '-')} {leaf.picked_by[1]})"
-            group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
-            add(group, [leaf.flag, *([flag_name(leaf.short)] if leaf.short else [])], leaf, None)
+            add(tree, [leaf.flag, *([flag_name(leaf.short)] if leaf.short else [])], leaf, None)
             for i, item in enumerate(leaf.items):
-                add(group, [flag_name(item)], leaf, i)
+                add(tree, [flag_name(item)], leaf, i)
     return parser
 
 

@@ -219,6 +219,18 @@ def _walk(
             )
 
 
+def section_help(cfg: Any, path: Sequence[str]) -> str:
+    """What the section at `path` is for, as declared (`section(cls, help)`, or a nested
+    dataclass field's help): `--help` shows it above the section's flags. "" for the root and
+    for a section declared without one."""
+    found = ""
+    for name in path:
+        f = next(f for f in dataclasses.fields(cfg) if f.name == name)
+        cfg = getattr(cfg, name)
+        found = f.metadata.get("help", "")
+    return "" if found in (type(cfg).__name__, "section") else found
+
+
 def choice_fields(cls: type) -> dict[tuple[str, ...], dataclasses.Field]:
     """The choice fields of the tree `cls` (at the root: choices do not nest)."""
     return {(f.name,): f for f in dataclasses.fields(cls) if "options" in f.metadata}

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from rl_algos import TrainBatch
+from rl_algos.optimizer import Schedule
 from rl_runtime.checkpoint import CheckpointManager, resume_step
 from rl_runtime.cluster import Cluster, ClusterConfig, layout
 from rl_runtime.config import to_dict
@@ -42,13 +43,23 @@ class SftLoopConfig:
 
 @dataclass
 class WarmupConfig:
-    """A GRPO run's SFT warm-up, without --load: a random model learns the answer format."""
+    """A GRPO run's SFT warm-up, without --load: a random model learns the answer format. Its
+    settings are its own: the trainer's optimizer settings (--lr, --lr-schedule, ...) are the
+    GRPO steps'; the warm-up trains at the constant rate --warmup-sft-lr."""
 
     warmup_sft_steps: int = option(
         0, "without --load: SFT steps to run first (the tiny preset's format warm-up)", ge=0
     )
     warmup_sft_batch_size: int = option(32, "SFT warm-up batch size", ge=1)
-    warmup_sft_lr: float = option(3e-3, "SFT warm-up learning rate", gt=0)
+    warmup_sft_lr: float = option(
+        3e-3,
+        "SFT warm-up learning rate, constant (the --lr schedule settings are GRPO's)",
+        gt=0,
+    )
+
+    def schedule(self) -> Schedule:
+        """The warm-up's learning rate: constant, whatever schedule the GRPO steps follow."""
+        return Schedule(lr=self.warmup_sft_lr)
 
     def loop(self, seed: int) -> SftLoopConfig:
         """The warm-up's SFT loop: a checkpoint only at the end."""

@@ -139,6 +139,8 @@ class FsdpActor:
                 self.device,
                 self._masters,
                 host_threads=config.host_optimizer_threads,
+                fused=config.fused_adamw,
+                flat_update=config.flat_update,
             )
             self.scheduler = build_scheduler(self.optimizer, config.optim)
         startup.done()

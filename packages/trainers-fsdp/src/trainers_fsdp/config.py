@@ -4,62 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
 from rl_algos import GrpoLossConfig
+from rl_algos.optimizer import OptimConfig
 from rl_algos.run_context import ModelShape, ParallelLayout, RunContext, StateBytes, TrainLayout
 from trainers_fsdp.memory import state_bytes as memory_state_bytes
-
-LrSchedule = Literal["constant", "cosine"]
-
-
-@dataclass
-class OptimConfig:
-    """AdamW with gradient-norm clipping and a warmup + (constant | cosine) schedule."""
-
-    lr: float = field(
-        default=1e-6, metadata={"help": "learning rate (the peak, after any warm-up)", "gt": 0}
-    )
-    # the recipes' betas and decay (miles / slime geo3k); torch's AdamW defaults are 0.999, 0.01
-    betas: tuple[float, float] = field(
-        default=(0.9, 0.98),
-        metadata={"help": "Adam betas", "items": ("adam_beta1", "adam_beta2"), "ge": 0, "lt": 1},
-    )
-    eps: float = 1e-8
-    weight_decay: float = field(  # applied to matrices only; norms, biases and embeddings' 1-D
-        default=0.1, metadata={"help": "weight decay", "ge": 0}
-    )
-    max_grad_norm: float = field(  # <= 0: report the norm, do not clip
-        default=1.0,
-        metadata={
-            "help": "gradient-norm clip (0: report the norm, do not clip)",
-            "flag": "clip_grad",
-            "ge": 0,
-        },
-    )
-    lr_schedule: LrSchedule = field(default="constant", metadata={"help": "learning-rate schedule"})
-    warmup_steps: int = field(  # linear warmup from 0 to lr
-        default=0, metadata={"help": "linear warm-up steps", "flag": "lr_warmup_steps", "ge": 0}
-    )
-    total_steps: int | None = None  # cosine: steps to decay over (warmup included)
-    min_lr: float = field(  # the recipes' --min-lr (miles' SFT script: 1e-6)
-        default=0.0, metadata={"help": "cosine schedule's floor (a learning rate)", "ge": 0}
-    )
-    warmup_fraction: float = field(  # the recipes' --lr-warmup-fraction; steps win when set
-        default=0.0,
-        metadata={
-            "help": "linear warm-up over this fraction of the run's optimizer steps "
-            "(when --lr-warmup-steps is 0)",
-            "flag": "lr_warmup_fraction",
-            "ge": 0,
-            "le": 1,
-        },
-    )
-    fused: bool | None = None  # fused AdamW kernel; None: on CUDA
-    # One rank with bf16 master weights: the whole update as one compiled pass per group over
-    # the flat buffers (trainers_fsdp.flat_adamw); off: torch's AdamW per tensor, then a cast
-    # pass. None: on CUDA (on the CPU the uncompiled pass is slower than torch's foreach).
-    flat_update: bool | None = None
 
 
 @dataclass
@@ -139,7 +89,16 @@ class FsdpConfig:
     logprobs_scope: str = "loss"
     grpo: GrpoLossConfig = field(default_factory=GrpoLossConfig)
     sft_loss_agg_mode: str = "token-mean"
-    optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "AdamW"})
+    optim: OptimConfig = field(
+        default_factory=OptimConfig,
+        metadata={"help": "AdamW and the learning-rate schedule of the run's training steps"},
+    )
+    # torch's fused AdamW kernel; None: on CUDA
+    fused_adamw: bool | None = None
+    # One rank with bf16 master weights: the whole update as one compiled pass per group over
+    # the flat buffers (trainers_fsdp.flat_adamw); off: torch's AdamW per tensor, then a cast
+    # pass. None: on CUDA (on the CPU the uncompiled pass is slower than torch's foreach).
+    flat_update: bool | None = None
     # the fraction of the float32 masters and AdamW moments kept and stepped in host memory
     # (trainers_fsdp.host_adamw); set by for_run from the layout (the launchers'
     # --optimizer-cpu-offload, chosen to fit). One GPU or `replicate` only.
@@ -170,10 +129,6 @@ class FsdpConfig:
         if not 0.0 <= self.optimizer_offload <= 1.0:
             raise ValueError(
                 f"optimizer_offload must be within [0, 1], got {self.optimizer_offload}"
-            )
-        if self.optim.lr_schedule not in ("constant", "cosine"):
-            raise ValueError(
-                f"optim.lr_schedule must be 'constant' or 'cosine', got {self.optim.lr_schedule!r}"
             )
 
     def actor_class(self) -> type:
@@ -257,13 +212,6 @@ class FsdpConfig:
         refusal = self.supports(run.layout)
         if refusal:
             raise ValueError(refusal)
-        total_steps = run.total_steps
-        optim = replace(
-            self.optim,
-            total_steps=total_steps,
-            lr=self.optim.lr if run.lr is None else run.lr,
-            warmup_steps=warmup_steps(self.optim, total_steps),
-        )
         return replace(
             self,
             model=run.model,
@@ -274,7 +222,7 @@ class FsdpConfig:
             temperature=run.temperature,
             grpo=self.grpo if run.grpo is None else run.grpo,
             reference_model=run.reference_model,
-            optim=optim,
+            optim=self.optim.for_run(run.total_steps, run.schedule),
         )
 
 
@@ -288,11 +236,3 @@ def offload_refusal(*, replicate: bool, shard_single_rank: bool, world_size: int
             "(or use --backend megatron)"
         )
     return None
-
-
-def warmup_steps(optim: OptimConfig, total_steps: int | None) -> int:
-    """The warm-up's optimizer steps: ``warmup_steps`` if set, else ``warmup_fraction`` of the
-    run (megatron-core's ``lr_warmup_fraction`` rounds the same way)."""
-    if optim.warmup_steps or not optim.warmup_fraction or not total_steps:
-        return optim.warmup_steps
-    return int(optim.warmup_fraction * total_steps)

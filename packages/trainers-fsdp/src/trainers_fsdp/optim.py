@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from trainers_fsdp.config import OptimConfig
+from rl_algos.optimizer import OptimConfig
 from trainers_fsdp.flat_adamw import FlatAdamW
 from trainers_fsdp.master import MasterWeights
 
@@ -22,21 +22,23 @@ def build_optimizer(
     masters: MasterWeights | None = None,
     *,
     host_threads: int | None = None,
+    fused: bool | None = None,
+    flat_update: bool | None = None,
 ) -> torch.optim.AdamW:
     """AdamW over the trainable parameters; weight decay on matrices only.
 
     Norm weights and biases (1-D) are not decayed, the usual practice. With ``masters`` (one
     rank, bf16 compute; ``model`` is then ``masters.module``) it is a
     :class:`~trainers_fsdp.flat_adamw.FlatAdamW` (one pass per group over the flat buffers
-    on CUDA, or as ``cfg.flat_update`` says; masters kept on the host step there, on
-    ``host_threads`` threads). Otherwise, on CUDA the fused kernel (it takes
-    DTensor parameters); on CPU the foreach implementation.
+    on CUDA, or as ``flat_update`` says; masters kept on the host step there, on
+    ``host_threads`` threads). Otherwise, on CUDA (or as ``fused`` says) the fused kernel (it
+    takes DTensor parameters); on CPU the foreach implementation.
     """
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
-    fused = cfg.fused if cfg.fused is not None else device.type == "cuda"
+    fused = fused if fused is not None else device.type == "cuda"
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -44,7 +46,7 @@ def build_optimizer(
     groups = [g for g in groups if g["params"]]
     kw = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     if masters is not None:
-        flat = cfg.flat_update if cfg.flat_update is not None else device.type == "cuda"
+        flat = flat_update if flat_update is not None else device.type == "cuda"
         return FlatAdamW(
             groups,
             masters,

@@ -104,17 +104,18 @@ def _lr_scheduler(optimizer: Any, config: MegatronConfig) -> Any:
     (times each group's ``wd_mult``: 0 for 1-D tensors and biases)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    warmup = config.warmup_steps
+    optim = config.optim
+    warmup = optim.warmup_steps
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
-        max_lr=config.lr,
-        min_lr=config.min_lr,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
         lr_warmup_steps=warmup,
-        lr_decay_steps=max(config.total_steps or 0, warmup + 1),
-        lr_decay_style=config.lr_schedule,
-        start_wd=config.weight_decay,
-        end_wd=config.weight_decay,
+        lr_decay_steps=max(optim.total_steps or 0, warmup + 1),
+        lr_decay_style=optim.lr_schedule,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
         wd_incr_steps=1,
         wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=False,
@@ -234,11 +235,11 @@ class MegatronActor:
             self.model = wrap_ddp(self.module, distributed_optimizer=config.distributed_optimizer)
             self.optimizer = build_optimizer(
                 self.model,
-                lr=config.lr,
-                min_lr=config.min_lr,
-                betas=config.betas,
-                eps=config.eps,
-                weight_decay=config.weight_decay,
+                lr=config.optim.lr,
+                min_lr=config.optim.min_lr,
+                betas=config.optim.betas,
+                eps=config.optim.eps,
+                weight_decay=config.optim.weight_decay,
                 distributed_optimizer=config.distributed_optimizer,
                 offload=config.optimizer_offload,
                 overlap_offload=config.overlap_cpu_optimizer_d2h_h2d,
@@ -512,7 +513,7 @@ class MegatronActor:
                 self.scheduler.step(1)  # this step's LR (the scheduler counts steps from 1)
                 # AdamW on the float32 masters, then the weights (all-gathered under the
                 # distributed optimizer)
-                self._step.step(grad_norm, self.config.max_grad_norm)
+                self._step.step(grad_norm, self.config.optim.max_grad_norm)
             self._step.zero_grad(self.model)
             self._grads_zero = True
         return self.optimizer.param_groups[0]["lr"]

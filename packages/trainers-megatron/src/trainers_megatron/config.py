@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from rl_algos import GrpoLossConfig
+from rl_algos.optimizer import OptimConfig
 from rl_algos.run_context import ModelShape, ParallelLayout, RunContext, StateBytes, TrainLayout
 from trainers_megatron.memory import state_bytes as memory_state_bytes
 
@@ -131,46 +132,9 @@ class MegatronConfig:
     temperature: float = 1.0  # the rollout's sampling temperature, for log-probs
     grpo: GrpoLossConfig = field(default_factory=GrpoLossConfig)
     sft_loss_agg_mode: str = "token-mean"
-    lr: float = field(
-        default=1e-6, metadata={"help": "learning rate (the peak, after any warm-up)", "gt": 0}
-    )
-    # the recipes' betas and decay (miles / slime geo3k); torch's AdamW defaults are 0.999, 0.01
-    betas: tuple[float, float] = field(
-        default=(0.9, 0.98),
-        metadata={"help": "Adam betas", "items": ("adam_beta1", "adam_beta2"), "ge": 0, "lt": 1},
-    )
-    eps: float = 1e-8
-    weight_decay: float = field(  # matrices only (norms, biases: none)
-        default=0.1, metadata={"help": "weight decay", "ge": 0}
-    )
-    max_grad_norm: float = field(  # <= 0: report the norm, do not clip
-        default=1.0,
-        metadata={
-            "help": "gradient-norm clip (0: report the norm, do not clip)",
-            "flag": "clip_grad",
-            "ge": 0,
-        },
-    )
-    lr_schedule: str = field(  # megatron-core's scheduler
-        default="constant",
-        metadata={"help": "learning-rate schedule", "choices": ("constant", "cosine")},
-    )
-    warmup_steps: int = field(  # linear warmup from 0 to lr over this many optimizer steps
-        default=0, metadata={"help": "linear warm-up steps", "flag": "lr_warmup_steps", "ge": 0}
-    )
-    total_steps: int | None = None  # cosine: optimizer steps to decay over (warmup included)
-    min_lr: float = field(  # the recipes' --min-lr (miles' SFT script: 1e-6)
-        default=0.0, metadata={"help": "cosine schedule's floor (a learning rate)", "ge": 0}
-    )
-    warmup_fraction: float = field(  # the recipes' --lr-warmup-fraction; steps win when set
-        default=0.0,
-        metadata={
-            "help": "linear warm-up over this fraction of the run's optimizer steps "
-            "(when --lr-warmup-steps is 0)",
-            "flag": "lr_warmup_fraction",
-            "ge": 0,
-            "le": 1,
-        },
+    optim: OptimConfig = field(
+        default_factory=OptimConfig,
+        metadata={"help": "AdamW and the learning-rate schedule of the run's training steps"},
     )
     export_dtype: str = "bfloat16"
     seed: int = 0
@@ -194,20 +158,16 @@ class MegatronConfig:
             )
         if self.recompute_num_layers < 1:
             raise ValueError(f"recompute_num_layers must be >= 1, got {self.recompute_num_layers}")
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise ValueError(
-                f"lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}"
-            )
-        if self.lr_schedule == "cosine" and not self.total_steps:
-            raise ValueError("lr_schedule='cosine' needs total_steps")
+        if self.optim.lr_schedule == "cosine" and not self.optim.total_steps:
+            raise ValueError("optim.lr_schedule='cosine' needs optim.total_steps")
         if not 0.0 <= self.optimizer_offload <= 1.0:
             raise ValueError(
                 f"optimizer_offload must be within [0, 1], got {self.optimizer_offload}"
             )
         if self.optimizer_offload > 0 and not self.distributed_optimizer:
             raise ValueError(OFFLOAD_NEEDS_DISTRIBUTED)
-        if self.warmup_steps < 0 or not 0.0 <= self.min_lr <= self.lr:
-            raise ValueError("warmup_steps must be >= 0 and min_lr within [0, lr]")
+        if self.optim.min_lr > self.optim.lr:  # megatron-core's scheduler asserts it
+            raise ValueError("optim.min_lr must be within [0, optim.lr]")
 
     def actor_class(self) -> type:
         """The actor this config builds (importing it loads megatron-core, so a launcher
@@ -283,7 +243,7 @@ class MegatronConfig:
         """This config completed for one run: what a launcher settles (the model, the layout)
         and what the loop sets (sampling temperature, loss, schedule length). The device is
         the rank's (CUDA where there is one)."""
-        p, total_steps = run.layout, run.total_steps
+        p = run.layout
         return replace(
             self,
             model=run.model,
@@ -299,11 +259,5 @@ class MegatronConfig:
             temperature=run.temperature,
             grpo=self.grpo if run.grpo is None else run.grpo,
             reference_model=run.reference_model,
-            total_steps=total_steps,
-            lr=self.lr if run.lr is None else run.lr,
-            warmup_steps=(
-                int(self.warmup_fraction * total_steps)
-                if not self.warmup_steps and self.warmup_fraction and total_steps
-                else self.warmup_steps
-            ),
+            optim=self.optim.for_run(run.total_steps, run.schedule),
         )
