@@ -118,7 +118,7 @@ def test_grpo_from_sft_raises_the_reward(sft_run: Path, tmp_path: Path) -> None:
     rows = rows[1:]
     assert [r["step"] for r in rows] == list(range(1, 21))
     for r in rows:
-        assert {"reward_mean", "response_length_mean", "time_step_s"} <= r.keys()
+        assert {"reward_mean", "response_length_mean", "perf/grpo_step_s"} <= r.keys()
     rewards = [r["reward_mean"] for r in rows]
     first, last = _mean(rewards[:6]), _mean(rewards[-6:])
     # The warm-up taught the format (a random model scores exactly 0), GRPO then improves it.
@@ -137,7 +137,7 @@ def _load_weights(folder: Path) -> dict:
     return tensors
 
 
-_VOLATILE = ("time_", "tokens_per_s", "step_time_s", "perf/")  # perf/: host-side timings
+_VOLATILE = ("time_", "tokens_per_s", "perf/")  # perf/: host-side timings
 
 
 def _stable(row: dict) -> dict:
@@ -277,6 +277,11 @@ def test_readme_quick_start(tmp_path: Path) -> None:
     assert (run / "sft_warmup" / "hf" / "config.json").is_file()
     rows = _rows(run)
     assert [r["step"] for r in rows] == [0, 1, 2]  # step 0: the evaluation before training
+    assert "GRPO done: 2 steps" in text  # the GRPO steps, not the rows
+    # the whole step's time and the trainer's, each named for what it is
+    assert {"perf/grpo_step_s", "perf/train_step_s"} <= rows[1].keys()
+    assert "perf/sft_step_s" in _rows(run / "sft_warmup")[-1]
+    assert not {"time_step_s", "step_time_s"} & (rows[1].keys() | _rows(run / "sft_warmup")[-1])
     assert rows[-1]["eval_accuracy"] is not None and (run / "reward.png").is_file()
 
 

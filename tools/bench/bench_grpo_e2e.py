@@ -52,6 +52,8 @@ SYNC_PARTS = ("sync_resume", "sync_push", "sync_offload")
 # the engines' split of the rollout (rl_runtime.loop._engine_stats): seconds and counts
 ENGINE_KEYS = ("time_rollout_engine", "rollout_prefills", "rollout_decode_steps", "rollout_graph")
 # the trainer's state over the host link (trainer_core.offload.transfer_metrics): GB, s, GB/s
+#: the whole GRPO step's seconds in metrics.jsonl (the report's ``grpo_step_s``)
+GRPO_STEP = "perf/grpo_step_s"
 TRANSFER_KEYS = tuple(f"perf/{d}_{u}" for d in ("onload", "offload") for u in ("gb", "s", "gbps"))
 
 
@@ -286,10 +288,10 @@ def run_backend(args: argparse.Namespace, backend: str, model: Path) -> dict[str
     if proc.returncode != 0 and not stopped:
         result["log_tail"] = log_path.read_text()[-4000:]
     steady = rows[1:] or rows  # the first step includes compilation and allocator warm-up
-    for key in (*(f"time_{p}_s" for p in (*PHASES, *SYNC_PARTS)), "time_step_s"):
+    for key in (*(f"time_{p}_s" for p in (*PHASES, *SYNC_PARTS)), GRPO_STEP):
         values = [r[key] for r in steady if key in r]
         if values:
-            result[key] = round(statistics.median(values), 3)
+            result[key.removeprefix("perf/")] = round(statistics.median(values), 3)
     engine = sorted({k for r in steady for k in r if k.startswith(ENGINE_KEYS)})
     for key in (
         "train_tokens_per_s",
@@ -310,11 +312,13 @@ def run_backend(args: argparse.Namespace, backend: str, model: Path) -> dict[str
         result["train_mfu"] = round(
             6 * params * result["train_tokens_per_s"] / gpus / PEAK_FLOPS, 4
         )
-    result["first_step_s"] = round(rows[0]["time_step_s"], 2) if rows else None
+    result["first_step_s"] = round(rows[0][GRPO_STEP], 2) if rows else None
     # each step's phases too: a recompile or an allocator stall in one step moves the median of
     # the step but of no phase, so the medians alone need not add up
-    step_keys = [f"time_{p}_s" for p in (*PHASES, "step")]
-    result["steps"] = [{k: round(r[k], 3) for k in step_keys if k in r} for r in rows]
+    step_keys = [f"time_{p}_s" for p in PHASES] + [GRPO_STEP]
+    result["steps"] = [
+        {k.removeprefix("perf/"): round(r[k], 3) for k in step_keys if k in r} for r in rows
+    ]
     return result
 
 
@@ -376,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
         mfu = 100 * r.get("train_mfu", float("nan"))
         print(
             f"{r['backend']:<9} {r['returncode']:>3} {r['steps_done']:>5} "
-            f"{r.get('time_step_s', float('nan')):7.2f} {phases} "
+            f"{r.get('grpo_step_s', float('nan')):7.2f} {phases} "
             f"{r.get('train_tokens_per_s', float('nan')):11.0f} {mfu:5.1f}% "
             f"{r.get('optimizer_s', float('nan')):6.2f} {peak:8.1f} {host:8.1f} "
             f"{r.get('perf/onload_gbps', float('nan')):8.1f} "

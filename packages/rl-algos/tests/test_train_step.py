@@ -211,6 +211,15 @@ def test_nonfinite_gradient_skips_the_update():
     assert out["update_skipped"] == 0.0 and backend.updates[-1] == pytest.approx(out["grad_norm"])
 
 
+def test_the_step_is_timed_under_a_name_of_its_own():
+    """The trainer's step time is ``perf/train_step_s``: a GRPO row holds the loop's whole step
+    (``perf/grpo_step_s``) beside it, and neither is a bare ``step_time_s`` / ``time_step_s``."""
+    batch = _batch()
+    out = train_step.train_step(ToyBackend(batch, max_tokens=10), batch, GrpoLoss())
+    assert out["perf/train_step_s"] > 0 and out["tokens_per_s"] > 0
+    assert not {"step_time_s", "time_step_s"} & out.keys()
+
+
 def test_bad_requests_are_clear():
     batch = _batch()
     with pytest.raises(ValueError, match="loss must be"):

@@ -245,7 +245,8 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
     for name, src in (("train", train_prompts), ("eval", eval_prompts)):
         if src is not None and src.skipped:
             log.warning("%s rows skipped, by reason: %s", name, dict(src.builder.stats))
-    log.info("GRPO done: %d steps; run folder %s", len(rows), run_dir)
+    steps = sum(r.get("step", 0) > 0 for r in rows)  # step 0: the evaluation before the first
+    log.info("GRPO done: %d steps; run folder %s", steps, run_dir)
     return rows
 
 

@@ -193,7 +193,8 @@ def train_step(
     values = metrics.read(backend.group, extra={"grad_norm": backend.finish_grads()})
     out = {**values, **apply_update(backend, values.pop("grad_norm"))}
     elapsed = time.perf_counter() - start
-    out.update(step_time_s=elapsed, tokens_per_s=out["tokens"] / elapsed)
+    # the trainer's own step (a GRPO step's is the loop's perf/grpo_step_s)
+    out.update({"perf/train_step_s": elapsed, "tokens_per_s": out["tokens"] / elapsed})
     return out
 
 

@@ -266,7 +266,7 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
                     row.update(_evaluate(p, engines, evals, cfg, step))
             row["engine_restarts"] = engines.restarts
             row.update(timer.times)
-            row["time_step_s"] = time.perf_counter() - t_step
+            row["perf/grpo_step_s"] = time.perf_counter() - t_step  # the whole GRPO step
             row["rollout_tokens_per_s"] = sum(lengths) / max(timer.times["time_rollout_s"], 1e-9)
             p.logger.log(row)
             if "eval_accuracy" in row:
@@ -362,7 +362,7 @@ def _resync(p: GrpoParts, cfg: GrpoLoopConfig) -> None:
 
 def _metric_name(key: str) -> str:
     """Trainer metrics keep their names, except those that clash with the loop's own."""
-    return f"trainer_{key}" if key in ("step", "time_step_s") else key
+    return f"trainer_{key}" if key == "step" else key
 
 
 def _evaluate(p: GrpoParts, engines, evals, cfg: GrpoLoopConfig, step: int) -> dict[str, float]:

@@ -22,7 +22,8 @@ _CONSOLE_KEYS = (
     "grad_norm",
     "clip_frac",
     "eval_accuracy",
-    "time_step_s",
+    "perf/grpo_step_s",
+    "perf/sft_step_s",
 )
 
 

@@ -114,7 +114,7 @@ def run_sft(
             row = {f"trainer_{k}" if k == "step" else k: float(v) for k, v in metrics.items()}
             row = {"step": step, **row}
             row |= {"num_tokens": batch.num_tokens, "skipped_rows": sampler.skipped_rows}
-            row |= {"time_step_s": dt, "train_tokens_per_s": batch.num_tokens / max(dt, 1e-9)}
+            row |= {"perf/sft_step_s": dt, "train_tokens_per_s": batch.num_tokens / max(dt, 1e-9)}
             logger.log(row)
             if step == cfg.sft_num_steps or (
                 cfg.sft_save_interval and step % cfg.sft_save_interval == 0

@@ -359,7 +359,7 @@ class FsdpActor:
     def train_step(self, batch: TrainBatch, *, loss: str | TrainLoss = "grpo") -> dict[str, float]:
         """One optimizer step over ``batch`` (this rank's part of the global batch): the step
         of :mod:`rl_algos.train_step` over this actor's hooks. Returns global metrics with
-        ``tokens``, ``step_time_s`` and ``tokens_per_s``; the host reads the device once, and
+        ``tokens``, ``perf/train_step_s`` and ``tokens_per_s``; the host reads the device once, and
         the update is queued behind that read without waiting for it, so whatever the host
         does next overlaps the optimizer on the GPU."""
         self._require_onloaded()
