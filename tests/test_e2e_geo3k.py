@@ -3,7 +3,8 @@
 1. SFT on the synthetic task until the answer format is learned; GRPO from that checkpoint: the
    reward of the last steps beats the first steps by a clear margin (seeded).
 2. A GRPO run killed with SIGKILL after a checkpoint and resumed ends in the same state as an
-   uninterrupted run (same per-step metrics, same final weights).
+   uninterrupted run (same per-step metrics, same final weights). Ctrl-C stops either launcher
+   with exit 130 and one line naming the checkpoint to `--resume` from.
 3. The README's quick start, as written (with fewer steps); a run with the disk weight transport.
 4. Qwen3.5 (gated delta net + full attention): the same SFT warm-up, then a few GRPO steps on
    each backend raise the reward, and the two backends see the same rewards.
@@ -198,6 +199,71 @@ def test_killed_run_resumes_to_the_same_state(sft_run: Path, tmp_path: Path) -> 
     assert wa.keys() == wb.keys()
     for name in wa:
         assert (wa[name] == wb[name]).all(), name
+
+
+#: A run with a checkpoint after its first step and many steps after it (no GRPO warm-up: the
+#: interrupt needs a checkpoint, not a model that learned anything).
+INTERRUPTED = {
+    "geo3k_grpo": [
+        *("--warmup-sft-steps", "0", "--num-rollout", "10", "--save-interval", "1"),
+        *("--eval-interval", "0", "--rollout-batch-size", "4", "--global-batch-size", "32"),
+    ],
+    "geo3k_sft": ["--sft-num-steps", "30", "--sft-save-interval", "1", "--sft-batch-size", "8"],
+}
+
+
+def _group_left(pgid: int) -> bool:
+    """Whether any process of the launcher's process group is still there."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("app", sorted(INTERRUPTED))
+def test_ctrl_c_stops_naming_the_checkpoint_to_resume_from(app: str, tmp_path: Path) -> None:
+    """Ctrl-C once a checkpoint exists: the step under way is abandoned, Ray and its actors shut
+    down, the launcher exits 130 and its last line names the checkpoint `--resume` continues
+    from; no traceback. The SIGINT goes to `uv run`, which passes it on: the launcher gets one,
+    as from a terminal's Ctrl-C (`uv run` without a terminal would forward a SIGINT sent to its
+    whole group a second time; test_fault_messages covers a second one)."""
+    run, log_path = tmp_path / "run", tmp_path / "log.txt"
+    argv = [*_cmd(app), "--preset", "tiny", "--ray-num-cpus", "2", *INTERRUPTED[app]]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [*argv, "--output-dir", str(run)],
+            cwd=ROOT,
+            env=_env() | {"COLUMNS": "500"},  # one log record on one line
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            # a shell's background job ignores SIGINT, and its children with it; a terminal's not
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+        try:
+            deadline = time.monotonic() + 600
+            while not _checkpoints(run):
+                assert proc.poll() is None, log_path.read_text()[-3000:]
+                assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
+                time.sleep(0.2)
+            os.kill(proc.pid, signal.SIGINT)
+            returncode = proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    text = log_path.read_text()
+    assert returncode == 130, text[-3000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    last = text.strip().splitlines()[-1]
+    latest = _checkpoints(run)[-1][1]
+    assert f"interrupted: the step under way was abandoned; the last checkpoint {latest}" in last
+    assert "(--resume continues from it)" in last, last
+    assert not (run / "hf").exists()  # it stopped mid-way: no final weights
+    assert not _group_left(proc.pid), subprocess.run(
+        ["ps", "-o", "pid,args", "-g", str(proc.pid)], capture_output=True, text=True
+    ).stdout
 
 
 def test_grpo_on_the_megatron_backend(sft_run: Path, tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rl_runtime import CheckpointManager, RunStopped, WorkerDied
-from rl_runtime.faults import RestartingRollout, stop_with_checkpoint_note
+from rl_runtime.faults import Interrupted, RestartingRollout, stop_with_checkpoint_note
 
 
 class Group:
@@ -68,4 +68,24 @@ def test_stop_message_names_the_kept_checkpoint(tmp_path):
     assert str(err.value) == (
         f"trainer rank 1 died during train_step; the last checkpoint {tmp_path / 'step_000010'}"
         " is intact (--resume continues from it)"
+    )
+
+
+def test_ctrl_c_becomes_one_line_naming_what_resume_continues_from(tmp_path):
+    """Ctrl-C in a loop: the step under way is abandoned, and the line says which checkpoint
+    `--resume` continues from, or that there is none and the same command starts over."""
+    checkpoints = CheckpointManager(tmp_path / "checkpoints")
+    with pytest.raises(Interrupted) as err, stop_with_checkpoint_note(checkpoints):
+        raise KeyboardInterrupt
+    assert str(err.value) == (
+        "interrupted: the step under way was abandoned; no checkpoint was saved yet; the same "
+        "command without --resume starts over"
+    )
+    assert err.value.__cause__ is None and err.value.__suppress_context__  # no traceback chain
+    checkpoints.save(3, {}, lambda path: None)
+    with pytest.raises(Interrupted) as err, stop_with_checkpoint_note(checkpoints):
+        raise KeyboardInterrupt
+    assert str(err.value) == (
+        "interrupted: the step under way was abandoned; the last checkpoint "
+        f"{tmp_path / 'checkpoints' / 'step_000003'} is intact (--resume continues from it)"
     )

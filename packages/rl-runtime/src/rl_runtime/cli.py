@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from rl_runtime.config_fields import ConfigError
-from rl_runtime.faults import RunStopped
+from rl_runtime.faults import Interrupted, RunStopped
 from rl_runtime.preflight import PreflightError
 
 log = logging.getLogger(__name__)
@@ -47,10 +47,27 @@ def as_config_error(
 def user_errors(
     prog: str, argv: Sequence[str], extra: tuple[type[BaseException], ...] = ()
 ) -> Iterator[None]:
-    """Turn a `USER_ERRORS` (or `extra`) exception into `prog: error: <one line>`, exit 2, and
-    a `RunStopped` fault into its one line (logged; the checkpoint it names is kept), exit 1."""
+    """Turn a `USER_ERRORS` (or `extra`) exception into `prog: error: <one line>`, exit 2, a
+    `RunStopped` fault into its one line (logged; the checkpoint it names is kept), exit 1, and
+    Ctrl-C into one line (what `--resume` continues from, where the loop knows it), exit 130."""
     try:
         yield
+    except Interrupted as err:
+        log.debug("interrupted", exc_info=True)
+        log.warning("%s", err)
+        raise SystemExit(130) from None
+    except KeyboardInterrupt as err:
+        # a second Ctrl-C that cut the shutdown after the first short (`uv run` without a
+        # terminal forwards the one SIGINT its process group got): the first one's line
+        first = _interrupted(err)
+        if first is not None:
+            log.warning("%s", first)
+        else:  # outside the training loops: starting or finishing
+            log.warning(
+                "interrupted while starting or finishing (no step was under way); --resume "
+                "continues from the run folder's last checkpoint, if it has one"
+            )
+        raise SystemExit(130) from None
     except RunStopped as err:
         log.debug("stopped", exc_info=True)
         log.error("%s", err)
@@ -61,3 +78,11 @@ def user_errors(
         message = getattr(err, "message", None) or str(err) or type(err).__name__
         print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _interrupted(err: BaseException) -> Interrupted | None:
+    """The `Interrupted` that `err` was raised while handling, if any."""
+    seen: BaseException | None = err.__context__
+    while seen is not None and not isinstance(seen, Interrupted):
+        seen = seen.__context__
+    return seen

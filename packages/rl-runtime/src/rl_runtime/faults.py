@@ -86,6 +86,10 @@ class LogprobMismatch(RunStopped):
     (rl_runtime.logprob_guard)."""
 
 
+class Interrupted(RunStopped):
+    """Ctrl-C (SIGINT): the step under way was abandoned; the launchers exit with status 130."""
+
+
 def short_error(err: BaseException) -> str:
     """`Type: message` of the error, or of the exception a Ray task raised; for an actor
     whose constructor raised, that exception (the last line of the traceback Ray folds into
@@ -199,7 +203,8 @@ def last_checkpoint_note(checkpoints: Any) -> str:
 
 @contextmanager
 def stop_with_checkpoint_note(checkpoints: Any) -> Iterator[None]:
-    """Add the kept checkpoint to the message of a :class:`RunStopped` raised inside."""
+    """Add the kept checkpoint to the message of a :class:`RunStopped` raised inside, and turn
+    Ctrl-C into an :class:`Interrupted` whose one line says what ``--resume`` continues from."""
     try:
         yield
     except RunStopped as err:
@@ -207,6 +212,11 @@ def stop_with_checkpoint_note(checkpoints: Any) -> Iterator[None]:
         if note not in str(err):
             err.args = (f"{err}; {note}",)
         raise
+    except KeyboardInterrupt:
+        note = last_checkpoint_note(checkpoints)
+        if checkpoints.latest() is None:
+            note += "; the same command without --resume starts over"
+        raise Interrupted(f"interrupted: the step under way was abandoned; {note}") from None
 
 
 class RestartingRollout:

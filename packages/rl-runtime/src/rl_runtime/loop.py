@@ -152,7 +152,13 @@ class Timer:
 
 
 def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
-    """Train for `cfg.num_rollout` steps (continuing from the last checkpoint when resuming)."""
+    """Train for `cfg.num_rollout` steps (continuing from the last checkpoint when resuming).
+    A fault that stops the run, and Ctrl-C, end in a `RunStopped` naming the checkpoint kept."""
+    with stop_with_checkpoint_note(p.checkpoints):
+        return _run_grpo(cfg, p)
+
+
+def _run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
     sampler = PromptSampler(p.train_prompts, seed=cfg.rollout_seed)
     rng = np.random.default_rng(cfg.rollout_seed)
     start = 0
@@ -187,7 +193,6 @@ def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
     gap_guard = LogprobGapGuard(p.compute_dtype, cfg.logprob_gap_warn, cfg.logprob_gap_stop)
     with (
         closing(prompts_ahead),
-        stop_with_checkpoint_note(p.checkpoints),
         step_progress(cfg.num_rollout, start, "GRPO") as advance,
     ):
         for step in range(start + 1, cfg.num_rollout + 1):

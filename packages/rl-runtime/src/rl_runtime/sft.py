@@ -24,6 +24,7 @@ from rl_runtime.cluster import Cluster, ClusterConfig, layout
 from rl_runtime.config import to_dict
 from rl_runtime.config_fields import option
 from rl_runtime.data import PromptSampler
+from rl_runtime.faults import stop_with_checkpoint_note
 from rl_runtime.metrics import RunLogger
 from rl_runtime.progress import step_progress
 from rl_runtime.protocols import PromptSource, TrainerConfig
@@ -97,7 +98,30 @@ def run_sft(
     export_dir: str | Path | None = None,
     resume: bool = False,
 ) -> list[dict[str, Any]]:
-    """Train `cfg.sft_num_steps` steps; export the final weights to `export_dir` (HF layout)."""
+    """Train `cfg.sft_num_steps` steps; export the final weights to `export_dir` (HF layout).
+    Ctrl-C ends in a `RunStopped` (`Interrupted`) naming the checkpoint kept."""
+    with stop_with_checkpoint_note(checkpoints):
+        return _run_sft(
+            cfg,
+            train=train,
+            samples=samples,
+            logger=logger,
+            checkpoints=checkpoints,
+            export_dir=export_dir,
+            resume=resume,
+        )
+
+
+def _run_sft(
+    cfg: SftLoopConfig,
+    *,
+    train: Any,
+    samples: PromptSource,
+    logger: RunLogger,
+    checkpoints: CheckpointManager,
+    export_dir: str | Path | None,
+    resume: bool,
+) -> list[dict[str, Any]]:
     sampler = PromptSampler(samples, seed=cfg.sft_seed)
     start = 0
     if resume and (latest := checkpoints.latest()):
