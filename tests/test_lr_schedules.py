@@ -157,3 +157,14 @@ def test_the_sft_warmup_steps_at_its_constant_rate(monkeypatch):
     batch = synthetic_batch(warm.model, [20, 16], grpo=False)
     lrs = [actor.train_step(batch, loss="sft")["lr"] for _ in range(2)]
     assert lrs == [cfg.warmup.warmup_sft_lr] * 2
+
+
+def test_a_floor_above_the_peak_is_refused_at_parse():
+    """--min-lr above --lr (megatron-core's scheduler asserts it; FSDP's cosine would rise) is
+    one line naming both flags, on either backend, before anything starts."""
+    from geo3k_sft.config import parse
+    from rl_runtime import ConfigError
+
+    for backend in ("fsdp", "megatron"):
+        with pytest.raises(ConfigError, match=r"--min-lr 1e-06 must not exceed --lr 5e-07"):
+            parse(["--backend", backend, "--lr", "5e-7"], env={})

@@ -208,7 +208,7 @@ class FsdpConfig:
     def for_run(self, run: RunContext) -> FsdpConfig:
         """This config completed for one run: what a launcher settles (the model, the layout,
         which must be one FSDP runs: see :meth:`supports`) and what the loop sets (sampling
-        temperature, loss, schedule length)."""
+        temperature, loss, schedule length, a phase's own schedule: ``OptimConfig.for_run``)."""
         refusal = self.supports(run.layout)
         if refusal:
             raise ValueError(refusal)

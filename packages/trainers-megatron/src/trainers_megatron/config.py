@@ -241,8 +241,9 @@ class MegatronConfig:
 
     def for_run(self, run: RunContext) -> MegatronConfig:
         """This config completed for one run: what a launcher settles (the model, the layout)
-        and what the loop sets (sampling temperature, loss, schedule length). The device is
-        the rank's (CUDA where there is one)."""
+        and what the loop sets (sampling temperature, loss, schedule length, a phase's own
+        schedule: ``OptimConfig.for_run``). The device is the rank's (CUDA where there is
+        one)."""
         p = run.layout
         return replace(
             self,
