@@ -6,7 +6,7 @@ import pytest
 
 from rl_runtime.data import PromptPrefetch, PromptSampler
 from rl_runtime.metrics import RunLogger, read_metrics
-from rl_runtime.preflight import PreflightError, check_backend, check_gpus
+from rl_runtime.preflight import PreflightError, check_backend, check_gpus, check_output_dir
 
 
 def test_metrics_rows_plot_and_resume_truncation(tmp_path):
@@ -87,6 +87,16 @@ def test_a_failed_prefetch_raises_where_the_batch_is_taken():
 def test_sampler_all_bad_raises():
     with pytest.raises(RuntimeError, match="every row"):
         PromptSampler(Source(3, bad={0, 1, 2})).next_batch(1)
+
+
+def test_output_dir_must_be_a_folder_or_become_one(tmp_path):
+    check_output_dir(tmp_path / "new" / "run")  # made later, with its parents
+    (tmp_path / "file").write_text("")
+    with pytest.raises(PreflightError, match=r"^--output-dir: .*/file: a file, not a folder$"):
+        check_output_dir(tmp_path / "file")
+    with pytest.raises(PreflightError, match=r"/file/run: .*/file is a file, not a folder$"):
+        check_output_dir(tmp_path / "file" / "run")
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]  # nothing made
 
 
 def test_preflight_messages():

@@ -8,8 +8,10 @@ import datasets
 import pytest
 from PIL import Image
 
+from vlm_data import DataConfig
 from vlm_data.images import ImageLoader
 from vlm_data.loading import DatasetLoadError, load_rows
+from vlm_data.paths import check_dataset, looks_like_path
 
 
 def test_geo3k_folder_parquet_file_and_canonical_columns(geo3k_dir):
@@ -116,6 +118,28 @@ def test_errors_name_the_source_and_say_what_to_pass(tmp_path: Path, monkeypatch
     datasets.Dataset.from_dict({"q": ["a"], "answer": ["1"]}).to_parquet(tmp_path / "x.parquet")
     with pytest.raises(DatasetLoadError, match="missing column"):
         load_rows(tmp_path / "x.parquet")
+
+
+@pytest.mark.parametrize("name", ["/data/geo3k-x", "./geo3k-x", "../geo3k-x", "~/geo3k-x", "a/b/c"])
+def test_a_path_that_is_not_there_is_named_as_a_path(name, monkeypatch, tmp_path):
+    """Written as a path, it is never tried on the hub (whose message said "It is not a local
+    path either" about `/data/x`); `owner/name` stays a hub name."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(DatasetLoadError) as err:
+        load_rows(name)
+    assert str(err.value) == f"{name}: no such file or directory"
+    assert not looks_like_path("hiyouga/geometry3k") and looks_like_path(name)
+
+
+def test_check_dataset_reads_names_only(tmp_path: Path):
+    """The launcher's check before anything starts: the training split's files by name."""
+    check_dataset(DataConfig(dataset="synthetic:color"))
+    check_dataset(DataConfig(dataset="someone/on-the-hub"))  # asked when the rows load
+    with pytest.raises(DatasetLoadError, match="no file for split 'train'"):
+        check_dataset(DataConfig(dataset=str(tmp_path)))
+    (tmp_path / "train.parquet").write_bytes(b"")
+    check_dataset(DataConfig(dataset=str(tmp_path)))
 
 
 def test_custom_keys_work_before_and_after_load_rows_renames_them(tmp_path: Path, tiny):

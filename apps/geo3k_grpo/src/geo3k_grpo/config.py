@@ -45,7 +45,6 @@ from rl_runtime import (
     state_estimate,
 )
 from rollout_sglang import RolloutConfig
-from rollout_sglang.launch import uses_sglang
 from trainers_fsdp import FsdpConfig
 from trainers_megatron import MegatronConfig
 from vlm_data import DataConfig
@@ -257,6 +256,7 @@ def colocation_plan(cfg: Geo3kGrpoConfig, fractions: Sequence[float] = ()) -> Co
     KV cache holds a rollout beside it, else offloaded where the host holds it, else on the GPU
     with more of the optimizer on the host, one of ``fractions``: those the user left free).
     SGLang sizes its pool once at start, so it keeps the recipes' offload."""
+    from rollout_sglang.launch import uses_sglang  # torch: only when asked
     from vlm_models.sources import shape_of  # transformers: only when asked
 
     current = cfg.parallel.offload_fraction

@@ -16,56 +16,48 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import rollout_sglang
-import rollout_sglang.launch
-import rollout_sglang.types
-import vlm_data
-import vlm_data.sources
-import vlm_data.tokens
-import vlm_models
-import vlm_models.sources
-from geo3k_grpo.config import (
-    ENV_ALIASES,
-    PRESETS,
-    Geo3kGrpoConfig,
-    colocation_plan,
-    compute_dtype,
-    longest_sample,
-    other_trainers,
-    parse,
-)
+from geo3k_grpo.config import ENV_ALIASES, PRESETS, Geo3kGrpoConfig, parse
 from rl_runtime import (
-    CheckpointManager,
-    Cluster,
-    GrpoParts,
     PreflightError,
     RunContext,
-    RunLogger,
     as_config_error,
-    check_backend,
-    layout,
-    resume_step,
-    run_grpo,
-    settle,
+    check_gpus,
+    check_output_dir,
     setup_logging,
-    sft_warmup,
-    to_dict,
     to_json,
     user_errors,
-    write_config,
 )
-from vlm_data.loading import DatasetLoadError
+from vlm_data.paths import DatasetLoadError, check_dataset
 from vlm_models import ModelSourceError
+from vlm_models.hub import check_model
 
-__all__ = ["PRESETS", "Geo3kGrpoConfig", "main", "parse", "run"]
+__all__ = ["PRESETS", "Geo3kGrpoConfig", "check", "main", "parse", "run"]
 
 log = logging.getLogger(__name__)
 
 DATASET = f"--dataset / {ENV_ALIASES['dataset'][0]}"  # how a dataset error names the setting
+OUTPUT_DIR = f"--output-dir / {ENV_ALIASES['output_dir'][0]}"
+
+
+def check(cfg: Geo3kGrpoConfig) -> None:
+    """What parsing cannot see, checked before anything is printed or written (and before
+    torch loads): the run folder can be one, a local dataset is there with its training
+    split's files, this machine has the GPUs, and the model (and --tokenizer, --load) exists:
+    a local folder, or a hub id on the hub or in the cache (asked, not downloaded)."""
+    check_output_dir(cfg.run.output_dir, OUTPUT_DIR)
+    with as_config_error(DatasetLoadError, DATASET):
+        check_dataset(cfg.data)
+    check_gpus(cfg.cluster.num_gpus, preset=cfg.run.preset)
+    check_model(cfg.model, load=cfg.run.load)
 
 
 def warm_up(cfg: Geo3kGrpoConfig) -> Path:
     """A short SFT run, so that a random model learns the answer format; GRPO loads its folder."""
+    import vlm_data.sources
+    import vlm_data.tokens
+    import vlm_models.sources
+    from rl_runtime import sft_warmup, to_dict
+
     processor = vlm_data.sources.load_processor(
         vlm_models.sources.processor_source(cfg.model), cfg.data
     )
@@ -101,6 +93,26 @@ def warm_up(cfg: Geo3kGrpoConfig) -> Path:
 
 def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
     """Settle the model and layout, build the data, trainer, engines and Ray, then train."""
+    import rollout_sglang.launch  # torch, Ray, transformers: imported once the flags are checked
+    import rollout_sglang.types
+    import vlm_data.sources
+    import vlm_data.tokens
+    import vlm_models.sources
+    from geo3k_grpo.config import colocation_plan, compute_dtype, longest_sample, other_trainers
+    from rl_runtime import (
+        CheckpointManager,
+        Cluster,
+        GrpoParts,
+        RunLogger,
+        check_backend,
+        layout,
+        resume_step,
+        run_grpo,
+        settle,
+        to_dict,
+        write_config,
+    )
+
     check_backend(cfg.run.backend, cfg.trainer, use_gpu=cfg.cluster.use_gpu)
     lay = layout(cfg.cluster, gpus_per_engine=cfg.rollout.tp_size)
     try:  # colocated on a GPU: CUDA IPC; SGLang on GPUs of its own: NCCL; else Ray's store
@@ -254,6 +266,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     with user_errors("geo3k_grpo", argv, extra=(ModelSourceError,)):
         cfg = parse(argv)
+        check(cfg)
         setup_logging(cfg.run.log_level)
         log.info("geo3k_grpo configuration:\n%s", to_json(cfg))
         run(cfg)

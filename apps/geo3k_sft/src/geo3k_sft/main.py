@@ -13,37 +13,57 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import vlm_data
-import vlm_data.sources
-import vlm_data.tokens
-import vlm_models
-import vlm_models.sources
-from geo3k_sft.config import ENV_ALIASES, PRESETS, Geo3kSftConfig, other_trainers, parse
+from geo3k_sft.config import ENV_ALIASES, PRESETS, Geo3kSftConfig, parse
 from rl_runtime import (
-    CheckpointManager,
     RunContext,
     as_config_error,
-    check_backend,
-    resume_step,
-    settle,
+    check_gpus,
+    check_output_dir,
     setup_logging,
-    to_dict,
     to_json,
-    train_sft,
     user_errors,
-    write_config,
 )
-from vlm_data.loading import DatasetLoadError
+from vlm_data.paths import DatasetLoadError, check_dataset
 from vlm_models import ModelSourceError
+from vlm_models.hub import check_model
 
-__all__ = ["PRESETS", "Geo3kSftConfig", "main", "parse", "run"]
+__all__ = ["PRESETS", "Geo3kSftConfig", "check", "main", "parse", "run"]
 
 log = logging.getLogger(__name__)
+
+DATASET = f"--dataset / {ENV_ALIASES['dataset'][0]}"  # how a dataset error names the setting
+OUTPUT_DIR = f"--output-dir / {ENV_ALIASES['output_dir'][0]}"
+
+
+def check(cfg: Geo3kSftConfig) -> None:
+    """What parsing cannot see, checked before anything is printed or written (and before
+    torch loads): the run folder can be one, a local dataset is there with its training
+    split's files, this machine has the GPUs, and the model (and --tokenizer, --load) exists:
+    a local folder, or a hub id on the hub or in the cache (asked, not downloaded)."""
+    check_output_dir(cfg.run.output_dir, OUTPUT_DIR)
+    with as_config_error(DatasetLoadError, DATASET):
+        check_dataset(cfg.data)
+    check_gpus(cfg.cluster.num_gpus, preset=cfg.run.preset)
+    check_model(cfg.model, load=cfg.run.load)
 
 
 def run(cfg: Geo3kSftConfig) -> Path:
     """Settle the model and layout, build the samples and the trainer, train; return the
     exported HF folder."""
+    import vlm_data.sources  # torch, Ray, transformers: imported once the flags are checked
+    import vlm_data.tokens
+    import vlm_models.sources
+    from geo3k_sft.config import other_trainers
+    from rl_runtime import (
+        CheckpointManager,
+        check_backend,
+        resume_step,
+        settle,
+        to_dict,
+        train_sft,
+        write_config,
+    )
+
     check_backend(cfg.run.backend, cfg.trainer, use_gpu=cfg.cluster.use_gpu)
     load = cfg.run.load
     model, parallel = settle(
@@ -65,7 +85,7 @@ def run(cfg: Geo3kSftConfig) -> Path:
     processor = vlm_data.sources.load_processor(
         vlm_models.sources.processor_source(cfg.model, load=load), cfg.data
     )
-    with as_config_error(DatasetLoadError, f"--dataset / {ENV_ALIASES['dataset'][0]}"):
+    with as_config_error(DatasetLoadError, DATASET):
         samples = vlm_data.sources.sft_source(cfg.data, processor, seed=cfg.run.seed)
     token_ids = vlm_data.tokens.model_token_ids(processor)
     vlm_models.sources.check_token_ids(cfg.model, token_ids, load=load)
@@ -96,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     with user_errors("geo3k_sft", argv, extra=(ModelSourceError,)):
         cfg = parse(argv)
+        check(cfg)
         setup_logging(cfg.run.log_level)
         log.info("geo3k_sft configuration:\n%s", to_json(cfg))
         run(cfg)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rl_algos.losses import GrpoLossConfig
+from rl_algos.config import GrpoLossConfig
 from rl_algos.optimizer import Schedule
 
 Recompute = Literal["none", "selective", "full"]

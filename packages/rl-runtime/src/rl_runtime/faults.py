@@ -20,9 +20,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import ray
-from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError
-
 log = logging.getLogger(__name__)
 
 #: After the first failure, how long to wait for the other actors of the group to settle, so
@@ -57,6 +54,8 @@ def killed_for_memory(err: BaseException) -> bool:
     """Whether ``err`` says an actor was killed for host memory: Ray's ``OutOfMemoryError`` (its
     memory monitor's kill, also inside a task that called that actor), or an actor's death
     whose cause says the node ran low on memory."""
+    from ray.exceptions import OutOfMemoryError, RayActorError
+
     if isinstance(err, OutOfMemoryError):
         return True
     text = str(err)
@@ -124,6 +123,9 @@ def gather(
     ``still_waiting(seconds, names)`` is called every ``every_s`` seconds without a result, with
     the names of the calls still running (a start-up that hangs says so, and who).
     """
+    import ray  # here, not at the top: a launcher imports the faults' types before Ray
+    from ray.exceptions import RayActorError
+
     index = {ref: i for i, ref in enumerate(futures)}
     results: list[Any] = [None] * len(futures)
     pending = list(futures)
@@ -175,6 +177,9 @@ def _ending(ref: Any) -> BaseException | None:
     or the memory monitor's ``OutOfMemoryError``), else None. A task that failed because an
     actor it called died (a trainer pushing to a dead engine) raises a `RayTaskError` that is
     also that actor's error; that actor is alive."""
+    import ray  # here, not at the top: a launcher imports the faults' types before Ray
+    from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError
+
     try:
         ray.get(ref, timeout=0)
     except RayTaskError:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from rl_algos.run_context import ParallelLayout, Recompute, TrainLayout
-from rl_runtime.cluster import ClusterConfig, layout
+from rl_runtime.cluster_config import ClusterConfig, layout
 from rl_runtime.config_fields import ConfigError, option
 from rl_runtime.memory import (
     HOST_CAP,
@@ -26,7 +26,7 @@ from rl_runtime.memory import (
     choose_layout,
     estimate_memory,
 )
-from rl_runtime.preflight import PreflightError, check_gpus
+from rl_runtime.preflight import PreflightError, check_gpus, count_gpus
 from rl_runtime.protocols import TrainerConfig
 from rl_runtime.run import RunConfig
 
@@ -241,6 +241,8 @@ def gpu_memory_bytes(parallel: ParallelConfig) -> float | None:
     a CUDA context, hundreds of MiB, in the driver); None: no check."""
     if parallel.gpu_memory_gib is not None:
         return parallel.gpu_memory_gib * GiB if parallel.gpu_memory_gib > 0 else None
+    if count_gpus() == 0:  # no GPU: nothing to read, and no torch to import for it
+        return None
     import torch
 
     if not torch.cuda.is_available():
@@ -322,7 +324,7 @@ def node_host_plan(
     if total is None:
         return None
     lay = layout(cluster, with_engines=with_engines)
-    local = _local_gpus()
+    local = count_gpus()
     trainers = min(lay.num_trainers, local or lay.num_trainers)
     if not with_engines:
         engines = 0
@@ -341,16 +343,6 @@ def node_host_plan(
         trainers=trainers,
         engines=engines,
     )
-
-
-def _local_gpus() -> int:
-    """GPUs this machine shows (without allocating), 0 when none or torch cannot tell."""
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # a broken CUDA install counts as no GPU
-        return 0
 
 
 def _requested(

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -17,12 +20,18 @@ class PreflightError(SystemExit):
 
 
 def count_gpus() -> int:
+    """The CUDA devices this process may use (``CUDA_VISIBLE_DEVICES`` applied), asked of the
+    CUDA driver itself (``cuInit``, ``cuDeviceGetCount``), as ``torch.cuda.is_available()``
+    does but without importing torch (seconds): a launcher refuses a layout for GPUs it does
+    not have before it loads torch. No driver, or one that fails, counts as no GPU."""
     try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # a broken CUDA install counts as no GPU
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
         return 0
+    count = ctypes.c_int(0)
+    if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
 
 
 def check_gpus(needed: int, *, preset: str | None = None, available: int | None = None) -> None:
@@ -35,9 +44,25 @@ def check_gpus(needed: int, *, preset: str | None = None, available: int | None 
     what = "no GPU is visible" if have == 0 else f"only {have} GPU(s) are visible"
     raise PreflightError(
         f"this configuration{f' (preset {preset!r})' if preset else ''} needs {needed} GPU(s), "
-        f"but {what} (torch.cuda.device_count() = {have}). Set GEO3K_NUM_GPUS / --num-gpus to "
-        f"what you have, or try the CPU run: --preset tiny"
+        f"but {what}. Set GEO3K_NUM_GPUS / --num-gpus to what you have, or try the CPU run: "
+        "--preset tiny"
     )
+
+
+def check_output_dir(path: str | Path, setting: str = "--output-dir") -> None:
+    """The run folder must be a folder, or one this process can create: a file there (or where
+    one of its parents should be) or a folder it cannot write stops the run before anything is
+    printed or written (`setting` names the flag in the message)."""
+    folder = Path(path).expanduser()
+    for here in (folder, *folder.parents):
+        if not here.exists():
+            continue
+        if not here.is_dir():
+            what = "a file" if here == folder else f"{here} is a file"
+            raise PreflightError(f"{setting}: {path}: {what}, not a folder")
+        if not os.access(here, os.W_OK | os.X_OK):
+            raise PreflightError(f"{setting}: {path}: {here} is not writable")
+        return
 
 
 def check_backend(backend: str, trainer: Any, *, use_gpu: bool) -> None:

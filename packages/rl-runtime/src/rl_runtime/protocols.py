@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
-
-from torch import Tensor
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from rl_algos.run_context import ModelShape, ParallelLayout, RunContext, StateBytes, TrainLayout
+
+if TYPE_CHECKING:  # torch: the launcher reads these protocols before torch loads
+    from torch import Tensor
 
 
 @runtime_checkable

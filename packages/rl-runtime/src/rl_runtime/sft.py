@@ -11,65 +11,25 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from rl_algos import TrainBatch
-from rl_algos.optimizer import Schedule
 from rl_runtime.checkpoint import CheckpointManager, resume_step
-from rl_runtime.cluster import Cluster, ClusterConfig, layout
+from rl_runtime.cluster import Cluster
+from rl_runtime.cluster_config import ClusterConfig, layout
 from rl_runtime.config import to_dict
-from rl_runtime.config_fields import option
 from rl_runtime.data import PromptSampler
 from rl_runtime.faults import stop_with_checkpoint_note
 from rl_runtime.metrics import RunLogger
 from rl_runtime.progress import step_progress
 from rl_runtime.protocols import PromptSource, TrainerConfig
 from rl_runtime.run import RunConfig
+from rl_runtime.sft_config import SftLoopConfig, WarmupConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SftLoopConfig:
-    sft_num_steps: int = option(500, "SFT optimizer steps", ge=1)
-    sft_batch_size: int = option(64, "conversations per SFT step", ge=1)
-    sft_save_interval: int = option(100, "checkpoint every N SFT steps (0: only at the end)", ge=0)
-    sft_keep_checkpoints: int = option(2, "how many SFT checkpoints to keep (0: all)", ge=0)
-    sft_seed: int = option(1234, "seed of the SFT data order", ge=0)
-
-
-@dataclass
-class WarmupConfig:
-    """A GRPO run's SFT warm-up, without --load: a random model learns the answer format. Its
-    settings are its own: the trainer's optimizer settings (--lr, --lr-schedule, ...) are the
-    GRPO steps'; the warm-up trains at the constant rate --warmup-sft-lr."""
-
-    warmup_sft_steps: int = option(
-        0, "without --load: SFT steps to run first (the tiny preset's format warm-up)", ge=0
-    )
-    warmup_sft_batch_size: int = option(32, "SFT warm-up batch size", ge=1)
-    warmup_sft_lr: float = option(
-        3e-3,
-        "SFT warm-up learning rate, constant (the --lr schedule settings are GRPO's)",
-        gt=0,
-    )
-
-    def schedule(self) -> Schedule:
-        """The warm-up's learning rate: constant, whatever schedule the GRPO steps follow."""
-        return Schedule(lr=self.warmup_sft_lr)
-
-    def loop(self, seed: int) -> SftLoopConfig:
-        """The warm-up's SFT loop: a checkpoint only at the end."""
-        return SftLoopConfig(
-            sft_num_steps=self.warmup_sft_steps,
-            sft_batch_size=self.warmup_sft_batch_size,
-            sft_save_interval=0,
-            sft_seed=seed,
-        )
 
 
 def sft_batch(samples: Sequence[Any]) -> TrainBatch:

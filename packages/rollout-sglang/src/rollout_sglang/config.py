@@ -9,23 +9,21 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+if TYPE_CHECKING:  # the engines import torch: each is imported where it is built
+    import torch
 
-from rollout_sglang.router import EngineRouter, Policy
-from rollout_sglang.sglang_client.client import SGLangClient
-from rollout_sglang.sglang_client.common import INSTALL_HINT, SGLangConfig, sglang_available
-from rollout_sglang.sglang_client.engine import SGLangEngine
-from rollout_sglang.sglang_client.server import SGLangServer
-from rollout_sglang.types import RolloutEngine
-from rollout_sglang.validation import RequestLimits
-from weight_sync.weight_names import WeightNameCheck
+    from rollout_sglang.sglang_client.common import SGLangConfig
+    from rollout_sglang.types import RolloutEngine
+    from rollout_sglang.validation import RequestLimits
+    from weight_sync.weight_names import WeightNameCheck
 
 logger = logging.getLogger(__name__)
 
 Backend = Literal["auto", "sglang", "sglang-server", "hf"]
 TransportKind = Literal["auto", "object-store", "cuda-ipc", "nccl", "disk"]
+Policy = Literal["round_robin", "least_loaded"]  # how `EngineRouter` picks an engine
 
 
 @dataclass
@@ -253,6 +251,8 @@ class RolloutConfig:
         return {**args, **self.extra_sglang_args}
 
     def sglang_config(self, index: int = 0) -> SGLangConfig:
+        from rollout_sglang.sglang_client.common import SGLangConfig
+
         return SGLangConfig(
             model_path=self.model_path,
             tp_size=self.tp_size,
@@ -274,11 +274,15 @@ class RolloutConfig:
     def weight_name_check(self) -> WeightNameCheck | None:
         if not self.check_weight_names or not self.model_path:
             return None
+        from weight_sync.weight_names import WeightNameCheck
+
         return WeightNameCheck.from_checkpoint(self.model_path)
 
 
 def resolve_backend(backend: Backend) -> Backend:
     """The backend that will run: "auto" resolved; an SGLang backend checked to be installed."""
+    from rollout_sglang.sglang_client.common import INSTALL_HINT, sglang_available
+
     if backend == "auto":
         if sglang_available():
             return "sglang"
@@ -310,6 +314,13 @@ def _limits(config: RolloutConfig, model_config: Any | None) -> RequestLimits | 
 def build_engine(config: RolloutConfig, *, model: torch.nn.Module | None = None) -> RolloutEngine:
     """Build the rollout engine ``config`` asks for. ``model``: the HF engine's model (built
     from ``config.model_path`` with ``vlm_models.build_model`` when not given)."""
+    import torch
+
+    from rollout_sglang.router import EngineRouter
+    from rollout_sglang.sglang_client.client import SGLangClient
+    from rollout_sglang.sglang_client.engine import SGLangEngine
+    from rollout_sglang.sglang_client.server import SGLangServer
+
     backend = resolve_backend(config.backend)
     if backend == "hf":
         # imports transformers: only when built

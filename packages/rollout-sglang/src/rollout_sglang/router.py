@@ -16,8 +16,8 @@ import logging
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal
 
+from rollout_sglang.config import Policy
 from rollout_sglang.sglang_client.protocol import with_sample_seeds
 from rollout_sglang.types import (
     Completion,
@@ -28,8 +28,6 @@ from rollout_sglang.types import (
 )
 
 logger = logging.getLogger(__name__)
-
-Policy = Literal["round_robin", "least_loaded"]
 
 
 class EngineRouter:

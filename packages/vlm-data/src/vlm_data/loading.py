@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vlm_data.images import is_relative_file_path
+from vlm_data.paths import JSONL, DatasetLoadError, local_source, split_files
 
 if TYPE_CHECKING:  # datasets is imported where used: the prompt path runs without it
     import datasets
@@ -28,13 +29,6 @@ logger = logging.getLogger(__name__)
 PROMPT_KEY = "problem"
 ANSWER_KEY = "answer"
 IMAGE_KEY = "images"
-
-_PARQUET = (".parquet",)
-_JSONL = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
-
-
-class DatasetLoadError(RuntimeError):
-    """A dataset source that could not be found or read; the message says what to pass instead."""
 
 
 def load_rows(
@@ -56,11 +50,11 @@ def load_rows(
     """
     import datasets
 
-    path = Path(source).expanduser()
-    if path.exists():
-        files = _split_files(path, split)
+    path = local_source(source)  # a path that is not there raises: never tried on the hub
+    if path is not None:
+        files = split_files(path, split)
         base_dir = files[0].parent
-        if files[0].name.endswith(_JSONL):
+        if files[0].name.endswith(JSONL):
             dataset, skipped = _load_jsonl(files)
             if stats is not None and skipped:
                 stats["malformed_line"] += skipped
@@ -153,28 +147,6 @@ def _load_jsonl(files: list[Path]) -> tuple[datasets.Dataset, int]:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _split_files(path: Path, split: str) -> list[Path]:
-    if path.is_file():
-        if not path.name.endswith(_PARQUET + _JSONL):
-            raise DatasetLoadError(f"{path}: expected a .parquet or .jsonl file")
-        return [path]
-    patterns = (
-        f"{split}.parquet",
-        f"{split}-*.parquet",
-        f"data/{split}-*.parquet",
-        f"{split}/*.parquet",
-        f"{split}.jsonl",
-        f"{split}.json",
-    )
-    for pattern in patterns:
-        found = sorted(path.glob(pattern))
-        if found:
-            return found
-    raise DatasetLoadError(
-        f"no file for split {split!r} in {path} (looked for {', '.join(patterns)})"
-    )
-
-
 def _load_hub(name: str, split: str) -> datasets.Dataset:
     import datasets
 
@@ -183,7 +155,7 @@ def _load_hub(name: str, split: str) -> datasets.Dataset:
     except Exception as exc:  # offline, unknown name, missing split: all end the same way
         raise DatasetLoadError(
             f"could not load dataset {name!r} (split {split!r}) from the Hugging Face hub: "
-            f"{exc.__class__.__name__}: {exc}. It is not a local path either; without network, "
+            f"{exc.__class__.__name__}: {exc}. Without network, "
             "pass a local parquet/JSONL file or folder (e.g. ../shared/data/geo3k)."
         ) from exc
 

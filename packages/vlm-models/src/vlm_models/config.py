@@ -21,6 +21,19 @@ SUPPORTED_MODELS = (
 )
 HUB_NAMESPACE = "Qwen"  # a bare name such as Qwen3-VL-8B-Instruct is Qwen/Qwen3-VL-8B-Instruct
 TINY_MODEL = "qwen3-vl-tiny"
+#: Names of the built-in shapes of `vlm_models.presets` (random weights; the Qwen3.5 ones need
+#: a transformers that has Qwen3.5), known here without importing transformers.
+PRESET_NAMES = (
+    "qwen3-vl-2b",
+    "qwen3-vl-4b",
+    "qwen3-vl-8b",
+    "qwen3-vl-30b-a3b",
+    "qwen3.5-35b-a3b",
+    TINY_MODEL,
+    "qwen3-vl-moe-tiny",
+    "qwen3.5-tiny",
+    "qwen3.5-moe-tiny",
+)
 #: Hub names whose architecture a shape preset has: a layout is estimated before downloading.
 SHAPE_OF_NAME = {
     "Qwen3-VL-2B-": "qwen3-vl-2b",

@@ -18,18 +18,16 @@ from vlm_models.config import (
     ModelSourceError,
 )
 from vlm_models.flops import parameter_counts
-from vlm_models.hub import resolve_model_source
+from vlm_models.hub import load_folder, resolve_model_source
 from vlm_models.presets import PRESETS, SHAPE_PRESETS, TINY_PRESETS, preset_config, tiny_config
 
 
 def resolve_load(path: str) -> str:
     """`--load`'s folder: a run folder (SFT or GRPO) stands for its exported `hf/`."""
-    p = Path(path).expanduser()
-    if (p / "hf" / "config.json").is_file():
-        return str(p / "hf")
-    if not (p / "config.json").is_file():
-        raise ModelSourceError(f"--load {path}: no config.json there (nor in {p / 'hf'})")
-    return str(p)
+    try:
+        return str(load_folder(path))
+    except ModelSourceError as err:
+        raise ModelSourceError(f"--load {err}") from None
 
 
 def resolve_model(model: ModelConfig, *, load: str | None = None) -> ModelConfig:

@@ -10,9 +10,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from vlm_models import ModelSourceError
-from vlm_models.hub import resolve_model_source
-from vlm_models.presets import tiny_config
+from vlm_models import ModelConfig, ModelSourceError
+from vlm_models.config import PRESET_NAMES
+from vlm_models.hub import check_model, looks_like_path, resolve_model_source
+from vlm_models.presets import PRESETS, tiny_config
 
 
 @pytest.fixture
@@ -44,7 +45,7 @@ def test_folder_without_weights_is_refused_when_weights_are_required(tmp_path: P
 
 
 def test_missing_folder_and_folder_without_config(tmp_path: Path):
-    with pytest.raises(ModelSourceError, match="no such folder"):
+    with pytest.raises(ModelSourceError, match="nope: no such file or directory"):
         resolve_model_source(str(tmp_path / "nope"))
     with pytest.raises(ModelSourceError, match=r"no config\.json"):
         resolve_model_source(str(tmp_path))
@@ -79,3 +80,40 @@ def test_offline_mode_reads_the_cache(tmp_path: Path, monkeypatch):
     assert Path(found) == snapshot.resolve()
     with pytest.raises(ModelSourceError, match=r"'Qwen/Qwen3-VL-2B-Instruct': HF_HUB_OFFLINE"):
         resolve_model_source("Qwen3-VL-2B-Instruct", hub_namespace="Qwen")
+
+
+@pytest.mark.parametrize(
+    ("name", "path"),
+    [
+        ("/data/x", True),
+        ("./x", True),
+        ("../x", True),
+        ("~/x", True),
+        ("runs/sft/hf", True),
+        ("Qwen/Qwen3-VL-8B-Instruct", False),
+        ("Qwen3-VL-8B-Instruct", False),
+        ("qwen3-vl-tiny", False),
+    ],
+)
+def test_a_name_is_a_path_by_its_look(name: str, path: bool):
+    assert looks_like_path(name) is path
+
+
+def test_check_model_asks_without_downloading(hf_folder: Path, tmp_path: Path, monkeypatch):
+    """The launcher's check before anything is printed or written: presets and folders pass,
+    a path that is not there is named as a path, a hub id offline must be in the cache."""
+    from huggingface_hub import constants
+
+    assert set(PRESETS) <= set(PRESET_NAMES)  # known without importing transformers
+    check_model(ModelConfig(model_name="qwen3-vl-8b", tokenizer="tiny"))
+    check_model(ModelConfig(model_name=str(hf_folder)))
+    check_model(ModelConfig(model_name="/nope"), load=str(hf_folder))  # --load stands for it
+    with pytest.raises(ModelSourceError, match=r"^--model-name: /data/x: no such file or dir"):
+        check_model(ModelConfig(model_name="/data/x"))
+    with pytest.raises(ModelSourceError, match=r"^--load: /data/run: no such file or directory"):
+        check_model(ModelConfig(), load="/data/run")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ModelSourceError, match=r"^--tokenizer: model 'Qwen/Qwen3-VL-4B-Inst"):
+        check_model(ModelConfig(model_name=str(hf_folder), tokenizer="Qwen3-VL-4B-Instruct"))
+    assert not list(tmp_path.glob("models--*"))  # nothing downloaded

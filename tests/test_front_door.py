@@ -1,0 +1,155 @@
+"""The launchers' front door, as a user meets it, in real launcher processes: a flag is taken
+only as written, `--help` gives each default once, and what parsing cannot see (a path that is
+not there, no GPU, a file where the run folder goes) is one line on stderr and exit status 2,
+before anything is printed or written and before torch, Ray or transformers load."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rl_runtime import count_gpus
+
+ROOT = Path(__file__).resolve().parent.parent
+APPS = ("geo3k_grpo", "geo3k_sft")
+HEAVY = ("torch", "ray", "transformers")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GEO3K_", "MILES_", "SLIME_"))}
+    return env | extra
+
+
+# A launcher's __main__ run several times in one process (runpy), then the heavy packages it
+# loaded: each case must end at its check, before the run imports them.
+IMPORTS = """
+import json, runpy, sys
+app, cases = sys.argv[1], json.loads(sys.argv[2])
+codes = []
+for argv in cases:
+    sys.argv = [app, *argv]
+    try:
+        runpy.run_path(app, run_name="__main__")
+        codes.append(None)
+    except SystemExit as stop:
+        codes.append(stop.code)
+loaded = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "ray", "transformers"})
+print(json.dumps({"codes": codes, "loaded": loaded}))
+"""
+
+
+@pytest.mark.parametrize("app", APPS)
+def test_parsing_and_refusing_load_neither_torch_ray_nor_transformers(tmp_path, app):
+    """`--help`, a misspelt flag and each check before the run, in the launcher's process."""
+    (tmp_path / "a-file").write_text("")
+    tiny = ["--preset", "tiny", "--output-dir", str(tmp_path / "run")]
+    cases = [
+        ["--help"],
+        ["--num-roll", "3"],
+        [*tiny, "--dataset", str(tmp_path / "no-such-data")],
+        [*tiny, "--model-name", str(tmp_path / "no-such-model")],
+        [*tiny, "--num-gpus", "1024"],
+        ["--preset", "tiny", "--output-dir", str(tmp_path / "a-file")],
+    ]
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORTS, f"apps/{app}", json.dumps(cases)],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["codes"] == [0, 2, 2, 2, 2, 2], out.stderr
+    assert result["loaded"] == [], result
+    assert not (tmp_path / "run").exists()
+
+
+REFUSALS = {
+    "dataset not there": (
+        ["--dataset", "{tmp}/no-such-data"],
+        {},
+        "--dataset / GEO3K_DATASET_NAME: {tmp}/no-such-data: no such file or directory",
+    ),
+    "dataset folder without data": (
+        ["--dataset", "{tmp}/empty"],
+        {},
+        "--dataset / GEO3K_DATASET_NAME: no file for split 'train' in {tmp}/empty",
+    ),
+    "model not there": (
+        ["--model-name", "{tmp}/no-such-model"],
+        {},
+        "--model-name: {tmp}/no-such-model: no such file or directory",
+    ),
+    "load not there": (
+        ["--load", "{tmp}/no-such-run"],
+        {},
+        "--load: {tmp}/no-such-run: no such file or directory",
+    ),
+    "hub model, offline": (
+        ["--model-name", "glimpse-tests/no-such-model"],
+        {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": "{tmp}/hf-cache"},
+        "--model-name: model 'glimpse-tests/no-such-model': HF_HUB_OFFLINE is set",
+    ),
+    "no GPU for the layout": (["--num-gpus", "1024"], {}, "needs 1024 GPU(s), but "),
+    "output folder is a file": (
+        ["--output-dir", "{tmp}/a-file"],
+        {},
+        "--output-dir / GEO3K_OUTPUT_DIR: {tmp}/a-file: a file, not a folder",
+    ),
+}
+
+
+@pytest.mark.parametrize("app", APPS)
+def test_what_parsing_cannot_see_is_refused_before_anything_is_printed_or_written(tmp_path, app):
+    """Each used to come after the 110-line configuration dump (and megatron-core's warnings),
+    a bad dataset after `config.json` and the warm-up's folder were written, and a file as
+    --output-dir was a FileExistsError traceback, exit 1. Started together: each is quick."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a-file").write_text("kept")
+    procs = {}
+    for name, (argv, env, _) in REFUSALS.items():
+        run = tmp_path / "runs" / re.sub(r"\W+", "-", name)
+        argv = [a.format(tmp=tmp_path) for a in argv]
+        env = {k: v.format(tmp=tmp_path) for k, v in env.items()}
+        procs[name] = subprocess.Popen(
+            [sys.executable, f"apps/{app}", "--preset", "tiny", "--output-dir", str(run), *argv],
+            cwd=ROOT,
+            env=_env(**env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 2, (name, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"{app}: error: "), (name, err)
+        assert REFUSALS[name][2].format(tmp=tmp_path) in lines[0], (name, lines[0])
+        assert out == "" and f"{app} configuration" not in err, name  # no dump
+    assert not (tmp_path / "runs").exists()  # no run folder, no config.json, no warm-up
+    assert (tmp_path / "a-file").read_text() == "kept"
+
+
+@pytest.mark.gpu
+def test_gpus_are_counted_as_torch_counts_them():
+    """`count_gpus` asks the CUDA driver without torch; it must agree with torch, and honour
+    CUDA_VISIBLE_DEVICES."""
+    import torch
+
+    assert count_gpus() == torch.cuda.device_count() > 0
+    out = subprocess.run(
+        [sys.executable, "-c", "from rl_runtime import count_gpus; print(count_gpus())"],
+        env=_env(CUDA_VISIBLE_DEVICES="0"),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == "1"
