@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from rl_runtime import count_gpus
+from geo3k_grpo.main import parse as parse_grpo
+from geo3k_sft.main import parse as parse_sft
+from rl_runtime import ConfigError, count_gpus
 
 ROOT = Path(__file__).resolve().parent.parent
 APPS = ("geo3k_grpo", "geo3k_sft")
@@ -70,6 +72,59 @@ def test_parsing_and_refusing_load_neither_torch_ray_nor_transformers(tmp_path, 
     assert result["codes"] == [0, 2, 2, 2, 2, 2], out.stderr
     assert result["loaded"] == [], result
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("app", "argv", "closest"),
+    [
+        ("geo3k_grpo", ["--num-roll", "3"], "--num-roll: did you mean --num-rollout?"),
+        ("geo3k_grpo", ["--no-colo"], "--no-colo: did you mean --no-colocate"),
+        ("geo3k_sft", ["--sft-num-step", "3"], "--sft-num-step: did you mean --sft-num-steps"),
+        ("geo3k_sft", ["--trainer.l", "1e-5"], "unrecognized arguments: --trainer.l 1e-5"),
+    ],
+)
+def test_a_shortened_or_misspelt_flag_is_refused_naming_the_closest(app, argv, closest):
+    """argparse's abbreviations took `--num-roll 3` as `--num-rollout 3` and started a run."""
+    out = subprocess.run(
+        [sys.executable, f"apps/{app}", *argv],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 2 and out.stdout == ""
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith(f"{app}: error: unrecognized arguments: ") and closest in line, line
+
+
+def test_an_abbreviation_is_no_flag_in_process():
+    with pytest.raises(ConfigError, match=r"--num-roll: did you mean --num-rollout\?"):
+        parse_grpo(["--preset", "tiny", "--num-roll", "3"], env={})
+    with pytest.raises(ConfigError, match=r"--lr-sched: did you mean --lr-schedule\?"):
+        parse_sft(["--preset", "tiny", "--lr-sched", "cosine"], env={})
+
+
+@pytest.mark.parametrize("app", APPS)
+def test_help_gives_each_default_once(app):
+    """Help texts that say what unset means ("(default: half of --num-gpus)") were followed by
+    argparse's "(default: None)" too."""
+    out = subprocess.run(
+        [sys.executable, f"apps/{app}", "--help"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=240,
+    )
+    entries = [" ".join(e.split()) for e in re.split(r"\n  (?=--)", out.stdout)[1:]]
+    settings = [e for e in entries if not e.startswith("--print-config")]
+    assert len(settings) > 50
+    for entry in settings:
+        assert entry.count("default:") == 1, entry
+    rollout = next(e for e in settings if e.startswith("--cluster.rollout-num-gpus"))
+    assert "(default: half of --num-gpus)" in rollout and "None" not in rollout
 
 
 REFUSALS = {

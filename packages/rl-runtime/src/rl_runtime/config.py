@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import difflib
 import json
 import logging
 import math
@@ -151,10 +152,36 @@ class _Tree:
 
 class _Parser(argparse.ArgumentParser):
     """argparse whose mistakes (an unknown flag, a flag without its value) are `ConfigError`s,
-    one line like every other configuration error, instead of a usage block and exit."""
+    one line like every other configuration error, instead of a usage block and exit. A flag is
+    taken only as written: argparse's abbreviations would read a misspelt `--num-roll 3` as
+    `--num-rollout 3`; an unknown flag is refused with the closest flags named."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> typing.NoReturn:
         raise ConfigError(f"{message} (see --help)")
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}{self._suggest(unknown)}")
+        return parsed
+
+    def _suggest(self, unknown: Sequence[str]) -> str:
+        """`; --num-roll: did you mean --num-rollout?` for each unknown flag with close ones
+        (difflib), among the short flags, or the dotted ones for a dotted name."""
+        flags = [f for action in self._actions for f in action.option_strings if f.startswith("--")]
+        hints = []
+        for arg in unknown:
+            if not arg.startswith("--"):
+                continue  # a value of the unknown flag before it
+            name = arg.partition("=")[0]
+            same_kind = [f for f in flags if ("." in f) == ("." in name)]
+            close = difflib.get_close_matches(name, same_kind, n=3, cutoff=0.75)
+            if close:
+                hints.append(f"{name}: did you mean {' or '.join(close)}?")
+        return f"; {'; '.join(hints)}" if hints else ""
 
 
 class _Given(argparse.Action):
@@ -185,6 +212,8 @@ def _help(
     env = [v for key, _ in leaf.names() for v in env_aliases.get(key, ())]
     if env:
         text += f" [env: {', '.join(env)}]"
+    if default in (None, (), []) and "default:" in (leaf.help or ""):
+        return f"{text}{extra}"  # the help says what unset means: "(default: half of --num-gpus)"
     return f"{text}{extra} (default: {default})"
 
 
