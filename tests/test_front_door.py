@@ -193,6 +193,31 @@ def test_what_parsing_cannot_see_is_refused_before_anything_is_printed_or_writte
     assert (tmp_path / "a-file").read_text() == "kept"
 
 
+@pytest.mark.skipif(count_gpus() > 0, reason="this machine has a GPU to read")
+@pytest.mark.parametrize("parse", [parse_grpo, parse_sft])
+def test_print_config_estimates_for_the_gpu_named(capsys, parse):
+    """Without a GPU the layout is estimated for `--gpu-memory-gib`; without either, the
+    field says which flag to pass."""
+    argv = ["--backend", "fsdp", "--num-gpus", "1", "--model-name", "Qwen3-VL-2B-Instruct"]
+    with pytest.raises(SystemExit):
+        parse([*argv, "--print-config"], env={})
+    layout = json.loads(capsys.readouterr().out)["layout"]
+    assert layout["description"] == (
+        "not estimated: no GPU is visible to read its memory from: give it with "
+        "--gpu-memory-gib N (an H200: 140.4)"
+    )
+    with pytest.raises(SystemExit):
+        parse([*argv, "--print-config", "--gpu-memory-gib", "140.4"], env={})
+    layout = json.loads(capsys.readouterr().out)["layout"]
+    assert layout["gpu_gib"] == 140.4 and layout["fits"] and layout["total_gib"] > 10
+    unknown = ["--model-name", "someone/Some-VL-Model", "--gpu-memory-gib", "140.4"]
+    with pytest.raises(SystemExit):
+        parse([*argv, *unknown, "--print-config"], env={})
+    layout = json.loads(capsys.readouterr().out)["layout"]
+    assert "someone/Some-VL-Model is not known without downloading it" in layout["description"]
+    assert "--model-name" in layout["description"]
+
+
 @pytest.mark.gpu
 def test_gpus_are_counted_as_torch_counts_them():
     """`count_gpus` asks the CUDA driver without torch; it must agree with torch, and honour

@@ -473,8 +473,8 @@ def layout_report(
         return {"description": f"CPU run, {backend}, {cluster.cpu_trainers} trainer rank(s)"}
     gpu = gpu_memory_bytes(parallel)
     if shape is None or gpu is None:
-        missing = "the model's config" if shape is None else "the GPU memory (--gpu-memory-gib)"
-        return {"description": f"not estimated: {missing} is not known before the run"}
+        why = _not_estimated(parallel, gpu is not None, model_name, shape is not None)
+        return {"description": f"not estimated: {why}"}
     park = engines_park_weights
     host = host_budget(
         parallel, cluster, ModelShape(**shape), with_engines=with_engines, engines_park_weights=park
@@ -503,6 +503,26 @@ def layout_report(
             f"{settled.offload_fraction:.0%} of it on the host"
         )
     return out
+
+
+def _not_estimated(
+    parallel: ParallelConfig, gpu_known: bool, model_name: str, shape_known: bool
+) -> str:
+    """Why `layout_report` has no estimate, with the flag that gives one."""
+    why = []
+    if not gpu_known:
+        why.append(
+            "--gpu-memory-gib 0 turns the estimate off"
+            if parallel.gpu_memory_gib == 0
+            else "no GPU is visible to read its memory from: give it with --gpu-memory-gib N "
+            "(an H200: 140.4)"
+        )
+    if not shape_known:
+        why.append(
+            f"the config of {model_name} is not known without downloading it: give a local "
+            "model folder with --model-name (or a shape preset)"
+        )
+    return "; ".join(why)
 
 
 def settle(
