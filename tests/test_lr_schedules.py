@@ -120,10 +120,13 @@ def _warmup_trainer(backend: str, monkeypatch) -> tuple[object, object]:
     """The trainer config geo3k_grpo's warm-up hands the SFT run (the run itself not started),
     and the parsed config, under a GRPO schedule of cosine with a warm-up and a floor."""
     import geo3k_grpo.main as app
+    import rl_runtime
 
     cfg = app.parse(["--preset", "tiny", "--backend", backend, *GRPO_SCHEDULE], env={})
     got = {}
-    monkeypatch.setattr(app, "sft_warmup", lambda w, *, trainer, **kw: got.setdefault("t", trainer))
+    # warm_up imports it from rl_runtime when it runs (the launcher parses before torch)
+    fake = lambda w, *, trainer, **kw: got.setdefault("t", trainer)  # noqa: E731
+    monkeypatch.setattr(rl_runtime, "sft_warmup", fake, raising=False)
     app.warm_up(cfg)
     return got["t"], cfg
 
