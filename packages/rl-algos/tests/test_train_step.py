@@ -4,6 +4,7 @@ ranks, one host read), loss objects, loss scaling and the non-finite skip, on a 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -218,6 +219,26 @@ def test_the_step_is_timed_under_a_name_of_its_own():
     out = train_step.train_step(ToyBackend(batch, max_tokens=10), batch, GrpoLoss())
     assert out["perf/train_step_s"] > 0 and out["tokens_per_s"] > 0
     assert not {"step_time_s", "time_step_s"} & out.keys()
+
+
+def test_a_long_step_logs_its_micro_batch_progress(caplog):
+    """``train: micro-batch i/N`` lines from the rank that reports (here every micro-batch: an
+    interval of 0 s); none from a rank that does not, none from a step shorter than the
+    interval (the default 10 s)."""
+    batch = _batch()
+    with caplog.at_level(logging.INFO, logger="glimpse.progress"):
+        train_step.accumulate(ToyBackend(batch, 10), batch, GrpoLoss(), progress_every_s=0)
+    lines = [r.getMessage() for r in caplog.records if r.name == "glimpse.progress"]
+    assert [line.split(" after ")[0] for line in lines] == [
+        f"train: micro-batch {i}/4" for i in range(1, 5)
+    ]
+    caplog.clear()
+    silent = ToyBackend(batch, 10)
+    silent.reports_progress = False  # e.g. a Megatron rank off the last pipeline stage
+    with caplog.at_level(logging.INFO, logger="glimpse.progress"):
+        train_step.accumulate(silent, batch, GrpoLoss(), progress_every_s=0)
+        train_step.train_step(ToyBackend(batch, 10), batch, GrpoLoss())
+    assert not [r for r in caplog.records if r.name == "glimpse.progress"]
 
 
 def test_bad_requests_are_clear():

@@ -39,6 +39,11 @@ from rl_algos.losses import EntropyMode, TrainLoss
 from rl_algos.metrics import Reduce, StepMetrics, all_reduce_, peak_rss_gib
 
 logger = logging.getLogger(__name__)
+#: a step's progress inside a trainer rank: rl-runtime's workers show it at INFO whatever their
+#: level (`rl_runtime.actor_group.PROGRESS_LOGGER`)
+progress_logger = logging.getLogger("glimpse.progress")
+#: seconds between two micro-batch progress lines of one step (the first comes after as long)
+PROGRESS_EVERY_S = 10.0
 
 # What the step itself reports, besides the loss object's metrics.
 STEP_METRICS: dict[str, Reduce] = {
@@ -74,6 +79,35 @@ class TrainBackend(Protocol):
     def finish_grads(self) -> Tensor: ...
 
     def apply_update(self, grad_norm: float | None) -> float: ...
+
+
+class MicroBatchProgress:
+    """``train: micro-batch 3/8 after 21.0 s``, at most every ``every_s`` seconds: a long step
+    shows that it moves and how far it is, a short one stays silent. Called once per
+    micro-batch, after its forward. ``shown``: whether this rank logs (one rank per step)."""
+
+    def __init__(self, total: int, *, shown: bool, every_s: float = PROGRESS_EVERY_S) -> None:
+        self.total, self.shown, self.every_s = total, shown, every_s
+        self.done = 0
+        self.start = self.last = time.perf_counter()
+
+    def __call__(self) -> None:
+        self.done += 1
+        now = time.perf_counter()
+        if self.shown and now - self.last >= self.every_s:
+            self.last = now
+            progress_logger.info(
+                "train: micro-batch %d/%d after %.1f s", self.done, self.total, now - self.start
+            )
+
+
+def reports_progress(backend: Any) -> bool:
+    """Whether ``backend``'s rank logs the step's progress: its own say
+    (``reports_progress``: Megatron's loss is on the last pipeline stage), else rank 0."""
+    own = getattr(backend, "reports_progress", None)
+    if own is not None:
+        return bool(own)
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 class MicroBatches:
@@ -118,10 +152,16 @@ def loss_units(loss_tokens: Sequence[int], mode: str) -> float:
 
 
 def accumulate(
-    backend: TrainBackend, batch: Any, loss: TrainLoss, *, log_entropy: bool = False
+    backend: TrainBackend,
+    batch: Any,
+    loss: TrainLoss,
+    *,
+    log_entropy: bool = False,
+    progress_every_s: float = PROGRESS_EVERY_S,
 ) -> StepMetrics:
     """Forward and backward over ``batch`` (this rank's part of the global batch), adding the
-    global-batch loss's gradient to the backend's; the metrics stay on the device."""
+    global-batch loss's gradient to the backend's; the metrics stay on the device. A step
+    longer than ``progress_every_s`` logs its micro-batch progress (`MicroBatchProgress`)."""
     loss.check(batch)
     device, group = backend.device, backend.group
     counts = [int((m > 0).sum()) for m in batch.loss_mask]
@@ -138,8 +178,12 @@ def accumulate(
 
     metrics = StepMetrics({**loss.metrics, **STEP_METRICS}, device)
     micro_batches = backend.micro_batches(batch, loss.fields)
+    progress = MicroBatchProgress(
+        len(micro_batches), shown=reports_progress(backend), every_s=progress_every_s
+    )
 
     def micro_loss(mb: Any, logprobs: Tensor, entropy: Tensor | None) -> Tensor:
+        progress()
         if not mb.indices:  # a filler micro-batch: forward and backward for the collectives
             return logprobs.sum() * 0.0
         n = mb.num_real_tokens

@@ -478,6 +478,13 @@ class MegatronActor:
         """The step's samples are split over the data-parallel ranks (replica peers share them)."""
         return self.dp_group
 
+    @property
+    def reports_progress(self) -> bool:
+        """The rank that logs a step's micro-batch progress (`rl_algos.train_step`): the first
+        of the last pipeline stage, where the loss is computed."""
+        first = parallel_state.get_tensor_model_parallel_rank() == 0 and self.cp_rank == 0
+        return self.last_stage and first and parallel_state.get_data_parallel_rank() == 0
+
     def run_micro_batches(
         self, micro_batches: MicroBatches, loss_fn: MicroBatchLoss, *, entropy: EntropyMode
     ) -> None:
