@@ -40,6 +40,7 @@ from rl_algos import (
 )
 from rl_algos import train_step as core
 from trainer_core import MicroBatch, PinnedStaging, build_micro_batch
+from trainer_core.compile_log import log_compiles
 from trainer_core.offload import timed_copies, transfer_metrics
 from trainer_core.startup import StartupLog
 from trainers_fsdp.attention import PACKED_ATTENTION, PackedSeqInfo, register_packed_attention
@@ -100,6 +101,7 @@ class FsdpActor:
         self.config = config
         self.device = resolve_device(config.device)
         self._owns_process_group = not dist.is_initialized()
+        log_compiles(triton_autotune=self.device.type == "cuda")  # what the first step compiles
         startup = StartupLog(f"fsdp trainer rank {os.environ.get('RANK', 0)}")
         with startup.phase("process group"):
             self.rank, self.world_size = init_distributed(

@@ -46,6 +46,7 @@ from rl_algos import (
 )
 from rl_algos import train_step as core
 from trainer_core import MicroBatch, PinnedStaging, build_micro_batch
+from trainer_core.compile_log import log_compiles
 from trainer_core.offload import timed_copies, transfer_metrics
 from trainer_core.startup import StartupLog
 from trainers_megatron.checkpoint import export_hf, load_checkpoint, save_checkpoint
@@ -180,6 +181,7 @@ class MegatronActor:
         parallel = Parallelism(
             tp=config.tp, pp=config.pp, ep=config.ep, sp=config.sp, etp=config.etp, cp=config.cp
         )
+        log_compiles(triton_autotune=self.device.type == "cuda")  # what the first step compiles
         startup = StartupLog(f"megatron trainer rank {os.environ.get('RANK', 0)}")
         with startup.phase("process groups"):
             initialize_model_parallel(parallel, seed=config.seed)

@@ -40,6 +40,7 @@ from rollout_sglang.hf.weights import WeightLoader
 from rollout_sglang.types import Completion, GenerateRequest, NamedTensors, SamplingParams
 from rollout_sglang.validation import RequestLimits, request_error
 from trainer_core import HostCopies
+from trainer_core.compile_log import log_compiles
 from vlm_models.packing import sample_position_ids
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,8 @@ class HFEngine:
         self.device = (
             torch.device(device) if device is not None else next(model.parameters()).device
         )
+        # the decode blocks' compiles and the Triton kernels' autotunes name themselves
+        log_compiles(triton_autotune=self.device.type == "cuda")
         self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(model)
         self.max_batch_size = max_batch_size
         self.pad_token_id = pad_token_id
