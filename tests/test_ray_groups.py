@@ -184,6 +184,8 @@ def test_every_transport_gives_the_same_engine(ray_local, tmp_path):
         assert lp_a.shape != lp_d.shape or not torch.allclose(lp_a, lp_d)
         sent = train.push_weights(plain)
         assert sent > 0
+        pushed = train.last_push_bytes  # the loop's perf/sync_gbps counts them
+        assert pushed and pushed > 2 * sent  # no tensor of one byte
         assert train.push_weights(dist_group) == sent
         assert train.push_weights(ipc_group) == sent
         assert train.push_weights(disk_group) == sent

@@ -70,8 +70,9 @@ def _keep_environment(monkeypatch):
 def test_rank_zero_sends_every_bucket_others_only_iterate():
     factory = Factory("ipc")
     rank0, rank1 = _worker(0), _worker(1)
-    assert rank0.push_weights(["e0"], 1 << 20, factory) == 3
-    assert rank1.push_weights(["e0"], 1 << 20, factory) == 0
+    # three tensors of six float32 values: 24 bytes (the loop's perf/sync_gbps counts them)
+    assert rank0.push_weights(["e0"], 1 << 20, factory) == (3, 24)
+    assert rank1.push_weights(["e0"], 1 << 20, factory) == (0, 0)
     assert [t.sent for t in factory.built] == [[["a", "b", "c"]]]  # rank 1 built none
     # buckets stay where the weights live: the transport moves them if it must
     assert rank0.actor.devices == rank1.actor.devices == [None]

@@ -11,7 +11,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from rl_runtime.gc_policy import PeriodicGC
 from rl_runtime.placement import Placement
 from rl_runtime.placement_plan import actor_nodes, bundle_node
 from rl_runtime.placement_plan import nodes as cluster_nodes
+from rl_runtime.progress import heartbeat
 from weight_sync import TransportFactory, WeightTransport
 from weight_sync.object_store import RemoteEngine, object_store
 
@@ -37,13 +38,17 @@ def _free_port() -> int:
 #: the logger a trainer writes its start-up phases to (`trainer_core.startup`): shown at INFO
 #: whatever the workers' level, a few lines per rank that name where a slow start-up is
 STARTUP_LOGGER = "glimpse.startup"
+#: the logger of a step's progress inside a worker (a long train phase's micro-batches,
+#: `rl_algos.train_step`; what a compile cost, `trainer_core.compile_log`): shown at INFO too
+PROGRESS_LOGGER = "glimpse.progress"
 
 
 def _configure_worker_logging(level: str) -> None:
     """Worker logs reach the driver's console through Ray; keep them to what matters."""
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    startup = logging.getLogger(STARTUP_LOGGER)
-    startup.setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
+    for name in (STARTUP_LOGGER, PROGRESS_LOGGER):
+        shown = logging.getLogger(name)
+        shown.setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
 
 
 class TrainWorker:
@@ -116,15 +121,17 @@ class TrainWorker:
         Every rank iterates the buckets (gathering full tensors is collective), on the device
         where the weights live; rank 0 sends them. The transport is built once and kept (a
         broadcast group is set up once), and built again when the engines were replaced.
-        Returns the number of tensors sent.
+        Returns the number of tensors and of bytes sent (none on the other ranks).
         """
         buckets = iter(self.actor.iter_hf_weights(bucket_bytes, device=None))
         if self.rank != 0:
             for _ in buckets:
                 pass  # take part in the gathering, send nothing
-            return 0
+            return 0, 0
+        counted = [0]
         try:
-            return self._transport_for(transport, list(engines)).send(buckets)
+            sent = self._transport_for(transport, list(engines)).send(_count(buckets, counted))
+            return sent, counted[0]
         except Exception:
             # an engine died mid-push: the other ranks still gather the remaining buckets
             # (collectives); finish with them so that the loop can restart it and push again
@@ -145,6 +152,13 @@ class TrainWorker:
         transport = factory([RemoteEngine(e) for e in engines])
         self._transports.append((factory, engines, transport))
         return transport
+
+
+def _count(buckets: Iterator[list[tuple[str, Any]]], total: list[int]) -> Iterator[Any]:
+    """``buckets`` as they come, their bytes added to ``total[0]``."""
+    for bucket in buckets:
+        total[0] += sum(t.numel() * t.element_size() for _, t in bucket)
+        yield bucket
 
 
 class EngineWorker:
@@ -268,6 +282,8 @@ class TrainGroup:
         self.pp_size = pp_size
         self.workers: list[Any] = []
         self.nodes: list[str] = []  # each rank's node id, once ready
+        self.last_push_bytes: int | None = None  # of the last push_weights
+        self._started = time.perf_counter()
         master: tuple[str, int] | None = None
         for rank in range(world_size):
             opts = {
@@ -306,7 +322,8 @@ class TrainGroup:
         names = [f"trainer rank {r}" for r in range(len(futures))]
         gather(futures, names, "start", still_waiting=still_starting, every_s=STARTUP_NOTE_S)
         self.nodes = actor_nodes(self.workers)  # where each rank runs (a lost node is named)
-        log.info("trainer group: %d rank(s) ready", self.world_size)
+        seconds = time.perf_counter() - self._started
+        log.info("trainer group: %d rank(s) ready in %.1f s", self.world_size, seconds)
 
     def _call(self, method: str, *args_per_rank: Sequence[Any], **kwargs: Any) -> list[Any]:
         """`method` on every rank (rank r gets `args[r]` of each list), results in rank order;
@@ -364,10 +381,13 @@ class TrainGroup:
     def push_weights(self, rollout: RolloutGroup, bucket_bytes: int = 256 << 20) -> int:
         """Send the current weights to every engine, through the rollout group's transport
         (`rl_runtime.protocols.TransportFactory`; Ray's object store unless the app chose
-        another: CUDA IPC when colocated on GPUs, NCCL for engines on GPUs of their own)."""
+        another: CUDA IPC when colocated on GPUs, NCCL for engines on GPUs of their own).
+        Returns the number of tensors sent; their bytes are kept as `last_push_bytes` (the
+        loop's ``perf/sync_gbps``)."""
         n = len(self.workers)
         args = [rollout.workers] * n, [bucket_bytes] * n, [rollout.transport] * n
-        return self._call("push_weights", *args)[0]
+        sent, self.last_push_bytes = self._call("push_weights", *args)[0]
+        return sent
 
     def shutdown(self) -> None:
         for w in self.workers:
@@ -418,10 +438,13 @@ class RolloutGroup:
         self._spawn = spawn
         self._placement = placement
         self._node_wait_s = node_wait_s
-        self.workers = [spawn(i) for i in range(num_engines)]
-        self._call("health")
+        start = time.perf_counter()
+        with heartbeat("rollout engines' start"):
+            self.workers = [spawn(i) for i in range(num_engines)]
+            self._call("health")
         self.nodes = actor_nodes(self.workers)  # where each engine runs (a lost node is named)
-        log.info("rollout group: %d engine(s) ready", num_engines)
+        seconds = time.perf_counter() - start
+        log.info("rollout group: %d engine(s) ready in %.1f s", num_engines, seconds)
 
     def _call(self, method: str, *args: Any) -> list[Any]:
         futures = [getattr(w, method).remote(*args) for w in self.workers]

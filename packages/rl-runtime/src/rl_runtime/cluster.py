@@ -4,6 +4,7 @@ actor groups in it, and shuts down what it started."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from rl_runtime.actor_group import RolloutGroup, TrainGroup
 from rl_runtime.cluster_config import ClusterConfig, Layout
 from rl_runtime.placement import Placement, create_placement, init_ray, shutdown_ray
 from rl_runtime.placement_plan import actor_nodes, format_plan, plan_rows
+from rl_runtime.progress import phase
 from rl_runtime.protocols import TrainerConfig
 from weight_sync import TransportFactory
 
@@ -37,7 +39,9 @@ class Cluster:
 
         self.owns_ray = not ray.is_initialized()
         address = self.cfg.ray_address or ("auto" if self.cfg.external_ray else None)
-        init_ray(address, num_cpus=self.cfg.ray_num_cpus)
+        label = "Ray start" if address is None else f"Ray: joining the cluster at {address}"
+        with phase(label) if self.owns_ray else contextlib.nullcontext():
+            init_ray(address, num_cpus=self.cfg.ray_num_cpus)
         lay = self.layout
         self.placement = create_placement(
             num_trainers=lay.num_trainers,

@@ -8,8 +8,9 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import closing, contextmanager
+from contextlib import AbstractContextManager, closing, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,15 @@ from rl_runtime.faults import NonFiniteStop, RestartingRollout, stop_with_checkp
 from rl_runtime.logprob_guard import LogprobGapGuard
 from rl_runtime.loop_config import GrpoLoopConfig
 from rl_runtime.metrics import RunLogger
-from rl_runtime.progress import step_progress
+from rl_runtime.progress import (
+    HEARTBEAT_S,
+    Phase,
+    eval_notes,
+    phase,
+    rollout_figures,
+    step_progress,
+    transfer_notes,
+)
 from rl_runtime.protocols import KV_CACHE, WEIGHTS, Decoder, PromptSource
 from rl_runtime.rollout_batch import ScoredGroups, build_train_batch
 
@@ -59,14 +68,30 @@ class GrpoParts:
 
 
 class Timer:
-    def __init__(self) -> None:
+    """Times a step's phases into its row (``time_<name>_s``) and logs each one's start, its end
+    with its figures (set on the yielded `Phase`) and, while it runs, a line every
+    ``heartbeat_s`` (`rl_runtime.progress.phase`). ``shown=False``: a part of a phase, logged
+    at DEBUG."""
+
+    def __init__(self, step: int = 0, heartbeat_s: float = HEARTBEAT_S) -> None:
         self.times: dict[str, float] = defaultdict(float)
+        self.step = step
+        self.heartbeat_s = heartbeat_s
 
     @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
+    def __call__(self, name: str, *, shown: bool = True, **figures: Any) -> Iterator[Phase]:
         t = time.perf_counter()
-        yield
+        with self.phase(name.replace("_", " "), shown=shown, **figures) as current:
+            yield current
         self.times[f"time_{name}_s"] += time.perf_counter() - t
+
+    def phase(
+        self, label: str, *, shown: bool = True, **figures: Any
+    ) -> AbstractContextManager[Phase]:
+        """A phase logged, not timed into the row."""
+        level = logging.INFO if shown else logging.DEBUG
+        name = f"step {self.step}: {label}"
+        return phase(name, heartbeat_s=self.heartbeat_s, level=level, **figures)
 
 
 def run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
@@ -93,7 +118,8 @@ def _run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
     sampling["max_new_tokens"] = cfg.rollout_max_response_len
     if p.engines_released:  # started before the trainers and released (SGLang, colocated)
         p.rollout.resume_memory(WEIGHTS)
-    p.train.push_weights(p.rollout, cfg.weight_bucket_mb << 20)  # engines start from the trainer
+    with phase("initial weight push", heartbeat_s=cfg.progress_interval_s):
+        p.train.push_weights(p.rollout, cfg.weight_bucket_mb << 20)  # engines start from it
     if p.offload_between_phases:  # colocated: the first rollout needs the GPU memory
         p.train.release_cache()  # what the first push cached, the state kept or not
         _offload(p, cfg)
@@ -102,9 +128,11 @@ def _run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
     engines = RestartingRollout(p.rollout, lambda: _resync(p, cfg), cfg.max_rollout_retries)
     if evals and cfg.eval_interval and cfg.eval_before_train and start == 0:
         # the curve's start, as miles evaluates at step 0: a row of its own, step 0
-        t = time.perf_counter()
-        row = {"step": 0, **_evaluate(p, engines, evals, cfg, 0)}
-        p.logger.log(row | {"time_eval_s": time.perf_counter() - t})
+        timer = Timer(0, cfg.progress_interval_s)
+        with timer("eval") as current:
+            row = {"step": 0, **_evaluate(p, engines, evals, cfg, 0)}
+            current.notes += eval_notes(row)
+        p.logger.log(row | timer.times)
     # the next step's prompts are built while this step computes log-probs, trains and syncs
     prompts_ahead = PromptPrefetch(sampler, cfg.rollout_batch_size)
     nonfinite_in_row = 0
@@ -114,22 +142,25 @@ def _run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
         step_progress(cfg.num_rollout, start, "GRPO") as advance,
     ):
         for step in range(start + 1, cfg.num_rollout + 1):
-            timer, t_step, row = Timer(), time.perf_counter(), {"step": step}
+            timer = Timer(step, cfg.progress_interval_s)
+            t_step, row = time.perf_counter(), {"step": step}
             # 1. Rollout: n responses for each prompt; an engine's groups are scored as soon
             # as they arrive while other engines still generate.
-            with timer("rollout"):
+            with timer("rollout") as current:
                 prompts = prompts_ahead.take()
                 scored = ScoredGroups(prompts, p.decode, p.score, p.forbidden_token_ids)
                 seed = cfg.rollout_seed * 1_000_003 + step
                 groups = engines.generate(
                     prompts, n=cfg.n_samples_per_prompt, seed=seed, on_ready=scored, **sampling
                 )
-            # the engines' split of the rollout time (a group that keeps none gives nothing)
-            row.update(_engine_stats(getattr(p.rollout, "engine_stats", dict)()))
+                # the engines' split of the rollout time (a group that keeps none gives nothing)
+                row.update(_engine_stats(getattr(p.rollout, "engine_stats", dict)()))
+                rollout_figures(current, groups, row)
             # 2. Reward, over every usable completion (engine errors and completions holding
             # an image placeholder are counted and dropped): what is not scored yet.
-            with timer("reward"):
+            with timer("reward") as current:
                 flat, rewards, bad, row["malformed_completions"] = scored.finish(groups)
+                current.samples = len(rewards)
             # 3. Advantages within each prompt's group; optional dynamic-sampling filter.
             gids = torch.tensor([g for g, _, _ in flat])
             r = torch.tensor(rewards, dtype=torch.float64)
@@ -154,19 +185,24 @@ def _run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
                 batch = build_train_batch(
                     [flat[i][1] for i in keep], [flat[i][2] for i in keep], adv[keep].float()
                 )
+                tokens = batch.num_tokens
                 if p.offload_between_phases:
-                    with timer("onload"):  # colocated: the engine gives the GPU to the trainer
+                    with timer("onload") as current:  # colocated: the engine gives the GPU up
                         p.rollout.release_memory()
-                        row.update(_onload(p, cfg))
-                with timer("logprobs"):
+                        row.update(moved := _onload(p, cfg))
+                        current.notes += transfer_notes(moved)
+                with timer("logprobs", shown=False):
                     if cfg.use_rollout_logprobs:
                         batch.old_logprobs = _engine_logprobs(batch)
                     else:
-                        batch.old_logprobs = p.train.compute_logprobs(batch)
+                        with timer.phase("old log-probs", tokens=tokens):
+                            batch.old_logprobs = p.train.compute_logprobs(batch)
                     if cfg.use_ref_logprobs:
-                        batch.ref_logprobs = p.train.compute_logprobs(batch, reference=True)
-                with timer("train"):
+                        with timer.phase("reference log-probs", tokens=tokens):
+                            batch.ref_logprobs = p.train.compute_logprobs(batch, reference=True)
+                with timer("train", tokens=tokens) as current:
                     row.update(_train(p.train, batch, cfg.global_batch_size, rng))
+                    current.notes.append(f"{row['optimizer_steps']} optimizer step(s)")
                 # A non-finite loss or gradient: the trainer skipped that update; count it.
                 nonfinite_in_row = nonfinite_in_row + 1 if row["nonfinite_updates"] else 0
                 row["nonfinite_steps_in_row"] = nonfinite_in_row
@@ -175,8 +211,9 @@ def _run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
                 )
                 # 5. Weight sync: the engines sample from the updated policy next step.
                 # (time_sync_s is the whole phase; its parts are timed too)
-                with timer("sync"):
-                    row.update(_sync(p, cfg, engines, timer))
+                with timer("sync") as current:
+                    row.update(synced := _sync(p, cfg, engines, timer))
+                    current.notes += transfer_notes(synced)
             else:
                 log.warning("step %d: no group with a learning signal; update skipped", step)
             # 6. Evaluation every eval_interval steps and at the end.
@@ -185,8 +222,9 @@ def _run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
                 and cfg.eval_interval
                 and (step % cfg.eval_interval == 0 or step == cfg.num_rollout)
             ):
-                with timer("eval"):
+                with timer("eval") as current:
                     row.update(_evaluate(p, engines, evals, cfg, step))
+                    current.notes += eval_notes(row)
             row["engine_restarts"] = engines.restarts
             row.update(timer.times)
             row["perf/grpo_step_s"] = time.perf_counter() - t_step  # the whole GRPO step
@@ -203,7 +241,8 @@ def _run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
             gap_guard.check(step, row)  # engine and trainer evaluate the same model
             # 7. Checkpoint (after the row is logged, so a resumed run rewrites nothing twice).
             if step == cfg.num_rollout or (cfg.save_interval and step % cfg.save_interval == 0):
-                _save(p, cfg, engines, step, prompts_ahead, rng)
+                with timer.phase("save") as current:
+                    current.notes.append(str(_save(p, cfg, engines, step, prompts_ahead, rng)))
             advance(row)
     p.logger.plot()
     return p.logger.rows()
@@ -315,18 +354,28 @@ def _sync(
     only once the trainer's state has left the GPU, so the state and the engines' whole memory
     never need to fit at once. Parts timed as ``sync_resume``, ``sync_push``,
     ``sync_offload``."""
-    out: dict[str, float] = {}
     if p.offload_between_phases:
-        with timer("sync_resume"):
+        with timer("sync_resume", shown=False):
             p.train.release_cache()
             p.rollout.resume_memory(WEIGHTS)
-    with timer("sync_push"):
+    with timer("sync_push", shown=False) as push:
         engines.sync(lambda: p.train.push_weights(p.rollout, cfg.weight_bucket_mb << 20))
+    out = _push_metrics(getattr(p.train, "last_push_bytes", None), push.seconds)
     if p.offload_between_phases:
-        with timer("sync_offload"):
-            out = _offload(p, cfg)
+        with timer("sync_offload", shown=False):
+            out |= _offload(p, cfg)
             p.rollout.resume_memory(KV_CACHE)
     return out
+
+
+def _push_metrics(pushed_bytes: int | None, seconds: float) -> dict[str, float]:
+    """``perf/sync_gb`` and ``perf/sync_gbps``: the bytes trainer rank 0 pushed (the trainer
+    group counts them) over the push's time, engines' loading included; none where the trainer
+    does not count them."""
+    if pushed_bytes is None:
+        return {}
+    gb = pushed_bytes / 1e9
+    return {"perf/sync_gb": gb, "perf/sync_gbps": gb / seconds if seconds > 0 else 0.0}
 
 
 def _save(
@@ -336,7 +385,8 @@ def _save(
     step: int,
     sampler: PromptPrefetch,
     rng: np.random.Generator,
-) -> None:
+) -> Path:
+    """Checkpoint ``step``; returns its folder."""
     # colocated, the trainer's state comes back for the save: the engine makes room first
     # (its KV cache and the trainer's state need not fit at once) and returns after as at a
     # sync. A release drops the engine's weights (SGLang without a CPU backup, the
@@ -346,6 +396,7 @@ def _save(
         p.rollout.release_memory()
         _onload(p, cfg)
     state = {"sampler": sampler.state_dict(), "rng": rng.bit_generator.state}
-    p.checkpoints.save(step, state | p.extra_loop_state, p.train.save_checkpoint)
+    path = p.checkpoints.save(step, state | p.extra_loop_state, p.train.save_checkpoint)
     if room:
-        _sync(p, cfg, engines, Timer())
+        _sync(p, cfg, engines, Timer(step, 0.0))
+    return path

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rl_runtime.config_fields import ConfigError, option
+from rl_runtime.progress import HEARTBEAT_S
 
 
 @dataclass
@@ -64,6 +65,12 @@ class GrpoLoopConfig:
     logprob_gap_stop: float | None = option(
         None,
         "stop the run when that gap is above this (default: the compute dtype's band; 0: never)",
+        ge=0,
+    )
+    progress_interval_s: float = option(
+        HEARTBEAT_S,
+        "while a phase of a step runs, log a line naming it and its time every this many "
+        "seconds (0: never)",
         ge=0,
     )
     offload_train: bool | None = option(

@@ -1,9 +1,13 @@
-"""Console progress bar over training steps (rich), sharing the console with `logging`."""
+"""What a run shows while it goes: a progress bar over the steps (rich, sharing the console with
+`logging`), and each phase's start, end and figures, with a line every few seconds while one
+runs (`phase`), so that a long rollout, compile or weight push is never a silent console."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -19,6 +23,10 @@ from rich.progress import (
 )
 
 _console = Console(stderr=True)
+log = logging.getLogger(__name__)
+
+#: seconds between the lines that say a phase is still running (`phase`)
+HEARTBEAT_S = 10.0
 
 
 def console() -> Console:
@@ -63,3 +71,106 @@ def step_progress(total: int, start: int, description: str) -> Iterator[Callable
 
     with progress:
         yield advance
+
+
+class Phase:
+    """A phase while it runs: the figures its end line gives, set by the code it times
+    (``tokens``: a rate is given beside them; ``notes``: anything else, as text)."""
+
+    def __init__(self, name: str, tokens: int | None = None, samples: int | None = None) -> None:
+        self.name = name
+        self.tokens = tokens
+        self.samples = samples
+        self.notes: list[str] = []
+        self.seconds = 0.0
+
+    def figures(self) -> str:
+        parts = []
+        if self.tokens is not None:
+            rate = self.tokens / max(self.seconds, 1e-9)
+            parts.append(f"{self.tokens:,} tokens, {rate:,.0f} tokens/s")
+        if self.samples is not None:
+            parts.append(f"{self.samples:,} samples")
+        return ", ".join(parts + self.notes)
+
+
+@contextmanager
+def heartbeat(
+    name: str, every_s: float = HEARTBEAT_S, logger: logging.Logger = log
+) -> Iterator[None]:
+    """Log ``<name> still running after N s`` every ``every_s`` seconds (0: never) from a daemon
+    thread until the block ends."""
+    if every_s <= 0:
+        yield
+        return
+    start, done = time.perf_counter(), threading.Event()
+
+    def beat() -> None:
+        while not done.wait(every_s):
+            logger.info("%s still running after %s", name, seconds(time.perf_counter() - start))
+
+    threading.Thread(target=beat, name=f"heartbeat {name}", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+@contextmanager
+def phase(
+    name: str,
+    *,
+    heartbeat_s: float = HEARTBEAT_S,
+    level: int = logging.INFO,
+    logger: logging.Logger = log,
+    tokens: int | None = None,
+    samples: int | None = None,
+) -> Iterator[Phase]:
+    """``<name> ...`` when the block starts, ``<name> done in S s: <figures>`` when it ends (or
+    ``failed after S s``), and a heartbeat while it runs (at INFO; none below it)."""
+    current = Phase(name, tokens, samples)
+    logger.log(level, "%s ...", name)
+    start = time.perf_counter()
+    try:
+        with heartbeat(name, heartbeat_s if level >= logging.INFO else 0.0, logger):
+            yield current
+    except BaseException:
+        logger.log(level, "%s failed after %s", name, seconds(time.perf_counter() - start))
+        raise
+    current.seconds = time.perf_counter() - start
+    figures = current.figures()
+    logger.log(level, "%s done in %s%s", name, seconds(current.seconds), figures and f": {figures}")
+
+
+def seconds(s: float) -> str:
+    """``0.042 s``, ``3.14 s``, ``312.4 s``: three figures where a phase is short."""
+    return f"{s:.3f} s" if s < 1 else f"{s:.2f} s" if s < 10 else f"{s:.1f} s"
+
+
+def rollout_figures(current: Phase, groups: Sequence[Sequence[Any]], row: dict) -> None:
+    """The rollout line's figures: the tokens generated, the samples, and the CUDA graphs the
+    engines captured meanwhile (a first step's cost: it names itself)."""
+    current.tokens = sum(len(c.token_ids or ()) for group in groups for c in group)
+    current.samples = sum(len(group) for group in groups)
+    if row.get("rollout_graph_captures"):
+        captured = row["rollout_graph_captures"]
+        seconds = row.get("time_rollout_engine_capture_s", 0.0)
+        current.notes.append(f"{captured:.0f} CUDA graph(s) captured in {seconds:.1f} s")
+
+
+def transfer_notes(metrics: dict[str, float]) -> list[str]:
+    """``pushed 1.23 GB at 4.5 GB/s``... for each copy ``metrics`` holds (``perf/<what>_gb``
+    and ``_gbps``: the weight push, the trainer state's onload and offload)."""
+    words = {"sync": "pushed", "onload": "onloaded", "offload": "offloaded"}
+    return [
+        f"{word} {metrics[f'perf/{what}_gb']:.2f} GB at {metrics[f'perf/{what}_gbps']:.2f} GB/s"
+        for what, word in words.items()
+        if f"perf/{what}_gb" in metrics and f"perf/{what}_gbps" in metrics
+    ]
+
+
+def eval_notes(row: dict[str, Any]) -> list[str]:
+    """The eval line's figures: how many prompts, the accuracy."""
+    if "eval_accuracy" not in row:
+        return []
+    return [f"{row['eval_num_prompts']} prompts, accuracy {row['eval_accuracy']:.3f}"]
