@@ -51,10 +51,13 @@ PHASES = ("rollout", "reward", "onload", "logprobs", "train", "sync")
 SYNC_PARTS = ("sync_resume", "sync_push", "sync_offload")
 # the engines' split of the rollout (rl_runtime.loop._engine_stats): seconds and counts
 ENGINE_KEYS = ("time_rollout_engine", "rollout_prefills", "rollout_decode_steps", "rollout_graph")
-# the trainer's state over the host link (trainer_core.offload.transfer_metrics): GB, s, GB/s
 #: the whole GRPO step's seconds in metrics.jsonl (the report's ``grpo_step_s``)
 GRPO_STEP = "perf/grpo_step_s"
-TRANSFER_KEYS = tuple(f"perf/{d}_{u}" for d in ("onload", "offload") for u in ("gb", "s", "gbps"))
+# the trainer's state over the host link (trainer_core.offload.transfer_metrics): GB, s, GB/s;
+# the weight push's GB and GB/s (rl_runtime.loop; its seconds are time_sync_push_s)
+TRANSFER_KEYS = tuple(
+    f"perf/{d}_{u}" for d in ("onload", "offload", "sync") for u in ("gb", "s", "gbps")
+)
 
 
 def shared_dir() -> Path:
