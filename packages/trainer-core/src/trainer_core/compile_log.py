@@ -79,8 +79,9 @@ def _region_being_compiled() -> str:
     qualified name; with its file and line."""
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
-        local = frame.f_locals
-        if frame.f_code.co_name == "_compile" and isinstance(local.get("code"), CodeType):
+        # only the matching frame's locals are read (reading one materialises its dict)
+        local = frame.f_locals if frame.f_code.co_name == "_compile" else {}
+        if isinstance(local.get("code"), CodeType):
             code: CodeType = local["code"]
             owner = (local.get("locals") or {}).get("self")
             if owner is not None and code.co_name == "_call_impl":
