@@ -1,7 +1,7 @@
 """Ray actor groups with the real trainer and engine: weight sync through the transport
 protocol, by each transport.
 
-Trainer rank 0 builds the transport the rollout group names (`rl_runtime.TransportFactory`)
+Trainer rank 0 builds the transport the rollout group names (`weight_sync.TransportFactory`)
 and feeds it the actor's buckets. Ray's object store is rl-runtime's default. The CUDA IPC
 transport runs here on CPU buffers (they travel by value; only the handle exchange needs a
 GPU). The disk transport writes safetensors files the engine reads back. The NCCL transport is

@@ -107,8 +107,9 @@ def make_trainer(backend: str, folder: str, device: str) -> Any:
 
 
 def run_backend(args: argparse.Namespace, backend: str, folder: Path, truth: dict) -> dict:
-    from rl_runtime import RolloutGroup, TrainGroup, create_placement, object_store
+    from rl_runtime import RolloutGroup, TrainGroup, create_placement
     from weight_sync.cuda_ipc import CudaIpc
+    from weight_sync.object_store import object_store
 
     use_gpu = args.device == "cuda"
     placement = create_placement(

@@ -11,7 +11,8 @@ from typing import ClassVar
 import pytest
 import torch
 
-from rl_runtime import TrainWorker, WeightTransport
+from rl_runtime import TrainWorker
+from weight_sync import WeightTransport
 
 
 class Actor:

@@ -5,47 +5,34 @@
 1.0
 
 The settings (`RewardConfig`) import here; every other name is imported from its module on
-first use (PEP 562 `__getattr__`).
+first use (`lazy_loader.attach`, PEP 562).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+import lazy_loader
 
 from rewards_math.config import RewardConfig
 
-#: Each public name not imported above, by the module that defines it.
-_LAZY: dict[str, tuple[str, ...]] = {
-    "rewards_math.batch": ("BatchScorer", "score_batch"),
-    "rewards_math.equivalence": ("is_equivalent",),
-    "rewards_math.extract": ("extract_boxed", "has_boxed"),
-    "rewards_math.normalize": ("canonical",),
-    "rewards_math.rewards": (
-        "REWARDS",
-        "RewardFn",
-        "build",
-        "compute_score",
-        "deepscaler_reward",
-        "format_score",
-        "geo3k_reward",
-        "math_format_reward",
-        "math_reward",
-    ),
-}
-_MODULE_OF = {name: module for module, names in _LAZY.items() for name in names}
-
-__all__ = ["RewardConfig"]
-__all__ += sorted(_MODULE_OF)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _MODULE_OF:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_MODULE_OF[name]), name)
-    globals()[name] = value  # looked up once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+# every public name not imported above is imported from its module on first use
+__getattr__, __dir__, __all__ = lazy_loader.attach(
+    __name__,
+    submod_attrs={
+        "batch": ["BatchScorer", "score_batch"],
+        "equivalence": ["is_equivalent"],
+        "extract": ["extract_boxed", "has_boxed"],
+        "normalize": ["canonical"],
+        "rewards": [
+            "REWARDS",
+            "RewardFn",
+            "build",
+            "compute_score",
+            "deepscaler_reward",
+            "format_score",
+            "geo3k_reward",
+            "math_format_reward",
+            "math_reward",
+        ],
+    },
+)
+__all__ += ["RewardConfig"]

@@ -6,33 +6,20 @@ SGLang's loader (:mod:`~weight_sync.weight_names`), and one module per transport
 its sender and its engine-side half: :mod:`~weight_sync.object_store` (Ray),
 :mod:`~weight_sync.cuda_ipc`, :mod:`~weight_sync.nccl`, :mod:`~weight_sync.engine` (in-process)
 and :mod:`~weight_sync.disk` (safetensors files). The protocol and the bucketer are the
-package's names, imported on first use (PEP 562 `__getattr__`: they import torch); a transport
+package's names, imported on first use (`lazy_loader.attach`, PEP 562: they import torch); a transport
 is imported from its module (``from weight_sync.disk import Disk``), so only the one a run uses
 is loaded (the object store imports Ray).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+import lazy_loader
 
-#: Each public name, by the module that defines it.
-_LAZY: dict[str, tuple[str, ...]] = {
-    "weight_sync.buckets": ("iter_weight_buckets",),
-    "weight_sync.protocol": ("EngineLink", "NamedTensors", "TransportFactory", "WeightTransport"),
-}
-_MODULE_OF = {name: module for module, names in _LAZY.items() for name in names}
-
-__all__ = sorted(_MODULE_OF)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _MODULE_OF:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_MODULE_OF[name]), name)
-    globals()[name] = value  # looked up once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+# every public name not imported above is imported from its module on first use
+__getattr__, __dir__, __all__ = lazy_loader.attach(
+    __name__,
+    submod_attrs={
+        "buckets": ["iter_weight_buckets"],
+        "protocol": ["EngineLink", "NamedTensors", "TransportFactory", "WeightTransport"],
+    },
+)
