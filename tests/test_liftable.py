@@ -110,6 +110,7 @@ def test_rl_algos_and_rewards_math_install_beside_an_older_torch(tmp_path: Path)
         # What the two packages need besides torch, and their build backend, from pip's usual
         # sources (this machine: local indexes and PyPI); then the packages themselves offline.
         needs = [str(r) for r in _requirements("rewards-math")]
+        needs += [str(r) for r in _requirements("rl-algos") if r.name != "torch"]
         needs += _pyproject("rl-algos")["build-system"]["requires"]
         out = _run([*pip, "install", "--no-compile", "--timeout", "30", wheel, *needs], env=env)
         if out.returncode:
