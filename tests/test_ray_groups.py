@@ -261,6 +261,52 @@ def test_groups_of_engines_that_finish_first_are_handed_over_while_others_genera
         placement.remove()
 
 
+def _engine_starting_slowly(trigger: str) -> SlowEngine:
+    """A `SlowEngine` whose start takes 20 s while the `trigger` file exists."""
+    import os
+    import time
+
+    if os.path.exists(trigger):
+        time.sleep(20.0)
+    return SlowEngine(0.0)
+
+
+def test_an_engine_no_node_holds_is_killed_when_the_run_stops(ray_local, monkeypatch, tmp_path):
+    """A replacement engine whose bundle no live node holds for `node_wait_s` stops the run
+    and is killed then: left pending, the group's shutdown would wait 30 s for its answer
+    before the stop line is printed. A lost node's bundle (tests/test_ray_cluster.py) is
+    stood for here by Ray's answer "no node"; the replacement takes long to start."""
+    from rl_runtime import actor_group
+    from rl_runtime.faults import RunStopped
+
+    monkeypatch.setattr(actor_group, "POLL_S", 0.2)
+    trigger = tmp_path / "slow"
+    placement = create_placement(
+        num_trainers=0, num_engines=1, colocate=False, use_gpu=False, cpus_per_bundle=0.25
+    )
+    group = None
+    try:
+        group = RolloutGroup(
+            functools.partial(_engine_starting_slowly, str(trigger)),
+            num_engines=1,
+            placement=placement,
+            request_fn=lambda prompt: prompt,
+            params_fn=dict,
+            num_cpus=0.25,
+            node_wait_s=0.0,
+        )
+        trigger.touch()
+        monkeypatch.setattr(actor_group, "bundle_node", lambda pg, bundle: "")
+        with pytest.raises(RunStopped, match="rollout engine 0 could not be restarted"):
+            group.restart([0])
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(group.workers[0].health.remote(), timeout=60)
+    finally:
+        if group is not None:
+            group.shutdown()
+        placement.remove()
+
+
 def _broken_trainer():
     raise RuntimeError("no such model: tiny-broken")
 

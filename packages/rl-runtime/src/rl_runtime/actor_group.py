@@ -438,6 +438,7 @@ class RolloutGroup:
         self._spawn = spawn
         self._placement = placement
         self._node_wait_s = node_wait_s
+        self._unplaced_engines: set[int] = set()  # killed: no node could hold them
         start = time.perf_counter()
         with heartbeat("rollout engines' start"):
             self.workers = [spawn(i) for i in range(num_engines)]
@@ -479,7 +480,14 @@ class RolloutGroup:
                 ray.kill(self.workers[i], no_restart=True)
                 self.workers[i] = self._spawn(i)
             refs = [self.workers[i].health.remote() for i in indices]
-            self._wait_placed(indices, refs, self._node_wait_s)
+            try:
+                self._wait_placed(indices, refs, self._node_wait_s)
+            except RunStopped:
+                # never placed: killed here, or shutdown() would wait for them to answer
+                for i in indices:
+                    ray.kill(self.workers[i], no_restart=True)
+                self._unplaced_engines.update(indices)
+                raise
             try:
                 gather(refs, [self._names()[i] for i in indices], "restart")
                 break
@@ -582,7 +590,9 @@ class RolloutGroup:
         self._call("resume_memory", tags)
 
     def shutdown(self) -> None:
-        for w in self.workers:
+        for i, w in enumerate(self.workers):
+            if i in self._unplaced_engines:
+                continue
             try:
                 ray.get(w.shutdown.remote(), timeout=30)
             except Exception:  # an engine that is already gone needs no shutdown
