@@ -9,7 +9,14 @@ token in the head user's ``~/.ray/auth_token``, here a temporary HOME).
   any model loads;
 - the tiny SFT run with its trainer on the second node, and the tiny GRPO run with the trainer
   on the head and the engine on the second node (not colocated; the weights cross between the
-  nodes through Ray's object store), each actor's node read back from the actors themselves.
+  nodes through Ray's object store), each actor's node read back from the actors themselves;
+- a lost node (its raylet killed) ends the run in one line naming the engine, then the trainer
+  rank, it held; `--resume` continues. One GRPO run serves both: it starts from the SFT folder
+  with its engine on a third node; resumed with its trainer on another third node; resumed
+  again on the head and the second node, where it is the two-node GRPO run above.
+
+The head's GCS declares a node dead after 3 failed health checks 1 s apart (Ray's defaults: 5,
+3 s apart), so that a killed raylet is seen in seconds.
 """
 
 from __future__ import annotations
@@ -77,6 +84,7 @@ def cluster(tmp_path_factory):
     env |= {"HOME": str(home), "RAY_AUTH_MODE": "token"}  # for `ray start` only (see below)
     port = _free_port()
     logs = tmp_path_factory.mktemp("nodes")
+    fast = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
     head = _start(
         [
             "--head",
@@ -85,7 +93,7 @@ def cluster(tmp_path_factory):
             '--resources={"node_a": 1}',
             "--include-dashboard=false",
         ],
-        env,
+        env | fast,  # the GCS runs the health checks
         logs / "head.log",
     )
     worker = None
@@ -181,76 +189,117 @@ def _placed(run_dir: Path) -> dict:
     return {kind: [labels[n] for n in ids] for kind, ids in placed["actors"].items()}
 
 
-@pytest.mark.timeout(900)
-def test_sft_and_grpo_run_across_two_nodes(cluster, tmp_path):
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _last_checkpoint(run_dir: Path) -> int:
+    """The step of the newest complete checkpoint (0: none)."""
+    done = [p.name for p in (run_dir / "checkpoints").glob("step_*") if "." not in p.name]
+    return max((int(name.split("_")[1]) for name in done), default=0)
+
+
+@pytest.fixture(scope="module")
+def sft(cluster, tmp_path_factory) -> Path:
+    """The tiny SFT run with its trainer on node_b; two steps make the folder GRPO loads."""
     address, env, _ = cluster
-    sft = tmp_path / "sft"
+    sft = tmp_path_factory.mktemp("sft")
     argv = ["--preset", "tiny", "--ray-address", address, "--output-dir", str(sft)]
-    argv += ["--trainer-resource", "node_b"]
+    argv += ["--trainer-resource", "node_b", "--sft-num-steps", "2"]
     proc, _ = _launch("geo3k_sft", argv, env)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return sft
+
+
+def _lose_node(address, env, argv, lost, log: Path) -> tuple[int, str]:
+    """GRPO (`argv`) with the actor that `lost` places (`--rollout-resource` or
+    `--trainer-resource`) on a fresh third node; its raylet is killed once the run saved a
+    checkpoint newer than the folder held. Returns the exit status and stderr."""
+    import psutil
+
+    run = Path(argv[argv.index("--output-dir") + 1])
+    before = _last_checkpoint(run)
+    third = _start(
+        [f"--address={address}", "--num-cpus=1", '--resources={"node_lost": 1}'],
+        env | {"RAY_AUTH_MODE": "token"},
+        log.with_suffix(".node.log"),
+    )
+    try:
+        with log.open("w") as err:  # a file: a pipe nobody reads could fill and block the run
+            proc = subprocess.Popen(
+                [sys.executable, "apps/geo3k_grpo", *argv, lost, "node_lost"],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                text=True,
+            )
+            deadline = time.monotonic() + 300
+            while _last_checkpoint(run) <= before:
+                alive = proc.poll() is None and time.monotonic() < deadline
+                assert alive, log.read_text()[-3000:]
+                time.sleep(0.2)
+            children = psutil.Process(third.pid).children(True)
+            (raylet,) = [p for p in children if p.name() == "raylet"]
+            raylet.kill()
+            proc.wait(timeout=300)  # never hangs: detection, then --node-wait-s
+    finally:
+        _stop(third)
+    return proc.returncode, log.read_text()
+
+
+@pytest.fixture(scope="module")
+def lost_nodes(cluster, sft, tmp_path_factory) -> dict:
+    """One GRPO run from the SFT folder (trainer and engine on different nodes throughout):
+    its engine's node is lost; resumed, its trainer's node is lost; resumed on node_a (trainer)
+    and node_b (engine), it finishes one step later."""
+    address, env, _ = cluster
+    tmp = tmp_path_factory.mktemp("lost")
+    run = tmp / "run"
+    argv = ["--preset", "tiny", "--ray-address", address, "--output-dir", str(run)]
+    argv += ["--load", str(sft / "hf"), "--no-colocate", "--eval-interval", "0"]
+    argv += ["--num-rollout", "40", "--save-interval", "1", "--node-wait-s", "2"]
+    argv += ["--rollout-batch-size", "4", "--global-batch-size", "32"]  # one small update
+    out: dict = {"run": run}
+    engine_lost = [*argv, "--trainer-resource", "node_a"]
+    out["engine"] = _lose_node(address, env, engine_lost, "--rollout-resource", tmp / "e.log")
+    trainer_lost = [*argv, "--resume", "--rollout-resource", "node_b"]
+    out["trainer"] = _lose_node(address, env, trainer_lost, "--trainer-resource", tmp / "t.log")
+    out["done"] = done = _rows(run)[-1]["step"]
+    argv[argv.index("40")] = str(done + 1)
+    argv += ["--resume", "--trainer-resource", "node_a", "--rollout-resource", "node_b"]
+    out["resumed"], _ = _launch("geo3k_grpo", argv, env)
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_sft_and_grpo_run_across_two_nodes(sft, lost_nodes):
     assert _placed(sft) == {"trainer": [["node_b"]]}  # the node the driver is not on
-    grpo = tmp_path / "grpo"
-    argv = ["--preset", "tiny", "--ray-address", address, "--output-dir", str(grpo)]
-    argv += ["--load", str(sft / "hf"), "--no-colocate", "--num-rollout", "2"]
-    argv += ["--trainer-resource", "node_a", "--rollout-resource", "node_b"]
-    argv += ["--eval-interval", "0"]
-    proc, _ = _launch("geo3k_grpo", argv, env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    resumed, grpo = lost_nodes["resumed"], lost_nodes["run"]
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    # the last run of the GRPO that started from the SFT folder
     assert _placed(grpo) == {"trainer": [["node_a"]], "engine": [["node_b"]]}
-    rows = [json.loads(line) for line in (grpo / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
-    # the engine on node_b generated step 2 with the weights the trainer on node_a sent
+    rows = _rows(grpo)
+    assert rows[-1]["step"] == lost_nodes["done"] + 1
+    # the engine on node_b generated the last step with the weights the trainer on node_a
+    # sent; each step's update crossed to another node (the engine never on the trainer's)
     assert all(r["time_sync_push_s"] > 0 for r in rows), rows
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("role", ["engine", "trainer"])
-def test_a_lost_node_ends_the_run_in_one_line_and_it_resumes(cluster, tmp_path, role):
-    """A third node holds the engine (or the trainer); its raylet is killed once the first
+def test_a_lost_node_ends_the_run_in_one_line_and_it_resumes(lost_nodes):
+    """A third node holds the engine (then, resumed, the trainer); its raylet is killed once a
     checkpoint is saved. The run ends (an engine cannot be placed again: no other node has
     `node_lost`; a trainer rank is not restarted) with one line naming the actor, the lost
     node and the intact checkpoint; `--resume` with that actor on another node continues from
     that checkpoint."""
-    import psutil
-
-    address, env, _ = cluster
-    third = _start(
-        [f"--address={address}", "--num-cpus=1", '--resources={"node_lost": 1}'],
-        env | {"RAY_AUTH_MODE": "token"},
-        tmp_path / "third.log",
-    )
-    run = tmp_path / "run"
-    argv = ["--preset", "tiny", "--ray-address", address, "--output-dir", str(run)]
-    argv += ["--warmup-sft-steps", "0", "--no-colocate", "--eval-interval", "0"]
-    argv += ["--num-rollout", "40", "--save-interval", "1", "--node-wait-s", "10"]
-    lost, kept = ("--rollout-resource", "--trainer-resource")[:: 1 if role == "engine" else -1]
-    argv += [kept, "node_a"]
-    try:
-        proc = subprocess.Popen(
-            [sys.executable, "apps/geo3k_grpo", *argv, lost, "node_lost"],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        deadline = time.monotonic() + 300
-        while not (run / "checkpoints" / "step_000001").is_dir():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
-            time.sleep(0.2)
-        (raylet,) = [p for p in psutil.Process(third.pid).children(True) if p.name() == "raylet"]
-        raylet.kill()
-        _, err = proc.communicate(timeout=300)  # never hangs: detection, then --node-wait-s
-    finally:
-        _stop(third)
-    text = " ".join(err.split())  # the stop line, as the log wraps it
-    assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
-    actor = "rollout engine 0" if role == "engine" else "trainer rank 0"
-    assert actor in text and "was lost" in text and "is intact" in text, text[-2000:]
-    done = int(json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"])
-    argv[argv.index("40")] = str(done + 1)
-    resumed, _ = _launch("geo3k_grpo", [*argv, lost, "node_b", "--resume"], env)
+    for role, actor in (("engine", "rollout engine 0"), ("trainer", "trainer rank 0")):
+        code, err = lost_nodes[role]
+        text = " ".join(err.split())  # the stop line, as the log wraps it
+        assert code == 1 and "Traceback" not in err, err[-3000:]
+        assert actor in text and "was lost" in text and "is intact" in text, text[-2000:]
+    assert "resumed from" in " ".join(lost_nodes["trainer"][1].split())
+    resumed = lost_nodes["resumed"]
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, done + 2)), steps
+    steps = [r["step"] for r in _rows(lost_nodes["run"])]
+    assert steps == list(range(1, lost_nodes["done"] + 2)), steps
