@@ -258,11 +258,12 @@ def run(
     )
     groups = []
     try:
-        train = TrainGroup(
+        train = TrainGroup(  # the ranks start while the engine starts, as in the launcher
             functools.partial(make_trainer, cfg, **(trainer or {})),
             world_size=world_size,
             placement=placement,
             num_cpus=0.2,
+            wait=False,
         )
         groups.append(train)
         rollout = RolloutGroup(
@@ -274,6 +275,7 @@ def run(
             num_cpus=0.2,
         )
         groups.append(rollout)
+        train.ready()
         checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=5)
         latest = checkpoints.latest() if resume else None
         parts = GrpoParts(
