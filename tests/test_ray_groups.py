@@ -121,8 +121,12 @@ def test_every_transport_gives_the_same_engine(ray_local, tmp_path):
     )
     groups = []
     try:
-        train = TrainGroup(
-            functools.partial(make_trainer, cfg), world_size=1, placement=placement, num_cpus=0.25
+        train = TrainGroup(  # it starts while the engines start (ready() below)
+            functools.partial(make_trainer, cfg),
+            world_size=1,
+            placement=placement,
+            num_cpus=0.25,
+            wait=False,
         )
         groups.append(train)
         kw = dict(
@@ -161,6 +165,7 @@ def test_every_transport_gives_the_same_engine(ray_local, tmp_path):
             **kw,
         )
         groups.append(disk_group)
+        train.ready()
         assert not dist_group.engines_restartable and ipc_group.engines_restartable
         builder = PromptBuilder(proc)
         prompts = [builder.build(r, i) for i, r in enumerate(make_synthetic_rows(3, task="color"))]
