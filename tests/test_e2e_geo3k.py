@@ -1,11 +1,12 @@
 """End to end on CPU, as a user runs it: the launchers in real processes, real Ray, real gloo.
 
-1. SFT on the synthetic task until the answer format is learned; GRPO from that checkpoint: the
-   reward of the last steps beats the first steps by a clear margin (seeded).
+1. SFT on the synthetic task until the answer format is learned; GRPO from that checkpoint, its
+   weights sent to the engine through files (the disk transport): the reward of the last steps
+   beats the first steps by a clear margin (seeded); Megatron and FSDP from it with a KL term.
 2. A GRPO run killed with SIGKILL after a checkpoint and resumed ends in the same state as an
    uninterrupted run (same per-step metrics, same final weights). Ctrl-C stops either launcher
    with exit 130 and one line naming the checkpoint to `--resume` from.
-3. The README's quick start, as written (with fewer steps); a run with the disk weight transport.
+3. The README's quick start, as written (with fewer steps); the disk transport's files in 1.
 4. Qwen3.5 (gated delta net + full attention): the same SFT warm-up, then a few GRPO steps on
    each backend raise the reward, and the two backends see the same rewards.
 5. The tiny MoE presets (Qwen3-VL-MoE, Qwen3.5-MoE) saved as HF folders, as every real run
@@ -15,6 +16,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -47,17 +49,39 @@ def _cmd(app: str) -> list[str]:
 
 
 def _run(app: str, *args: str, log: Path, timeout: float = 900) -> None:
+    _finish([_start(app, *args, log=log)], timeout)
+
+
+def _start(app: str, *args: str, log: Path) -> tuple[subprocess.Popen, str, Path]:
     with open(log, "w") as out:
-        proc = subprocess.run(
-            [*_cmd(app), *args],
-            cwd=ROOT,
-            env=_env(),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            timeout=timeout,
-        )
-    if proc.returncode != 0:
-        pytest.fail(f"{app} {' '.join(args)} exited {proc.returncode}:\n{log.read_text()[-4000:]}")
+        cmd = [*_cmd(app), *args]
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT)
+    return proc, f"{app} {' '.join(args)}", log
+
+
+def _finish(started: list[tuple[subprocess.Popen, str, Path]], timeout: float = 900) -> None:
+    """Wait for launches started side by side: one launch keeps about one of the two cores
+    busy (imports, Ray's start), so two take about 60 % of their time one after the other
+    (measured on an idle 2-core machine: 20 s alone, 25 s for two). Each must succeed."""
+    deadline = time.monotonic() + timeout
+    try:
+        for proc, _, _ in started:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for proc, _, _ in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for proc, what, log in started:
+        if proc.returncode != 0:
+            pytest.fail(f"{what} exited {proc.returncode}:\n{log.read_text()[-4000:]}")
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -70,20 +94,35 @@ def _mean(xs) -> float:
 
 
 @pytest.fixture(scope="module")
-def sft_run(tmp_path_factory) -> Path:
-    """The SFT app on the synthetic task (the tiny preset's data and model)."""
+def sft_runs(tmp_path_factory) -> dict[str, Path]:
+    """The SFT app on the synthetic task, side by side: the tiny preset's Qwen3-VL and, where
+    this transformers has it, the tiny Qwen3.5 (hybrid linear attention)."""
+    from vlm_models.presets import PRESETS
+
     out = tmp_path_factory.mktemp("sft")
-    _run(
-        "geo3k_sft",
-        "--preset",
-        "tiny",
-        "--ray-num-cpus",
-        "2",
-        "--output-dir",
-        str(out / "run"),
-        log=out / "log.txt",
+    models = ["qwen3-vl-tiny"] + ["qwen3.5-tiny"] * ("qwen3.5-tiny" in PRESETS)
+    argv = ["--preset", "tiny", "--ray-num-cpus", "2"]
+    _finish(
+        [
+            _start(
+                "geo3k_sft",
+                *argv,
+                "--model-name",
+                model,
+                "--output-dir",
+                str(out / model),
+                log=out / f"{model}.txt",
+            )
+            for model in models
+        ]
     )
-    return out / "run"
+    return {model: out / model for model in models}
+
+
+@pytest.fixture(scope="module")
+def sft_run(sft_runs: dict[str, Path]) -> Path:
+    """The SFT app on the synthetic task (the tiny preset's data and model)."""
+    return sft_runs["qwen3-vl-tiny"]
 
 
 def test_sft_learns_the_answer_format(sft_run: Path) -> None:
@@ -99,19 +138,55 @@ def _checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted((int(p.name.split("_")[1]), p) for p in ck.glob("step_*") if "." not in p.name)
 
 
-def test_grpo_from_sft_raises_the_reward(sft_run: Path, tmp_path: Path) -> None:
-    run = tmp_path / "grpo"
-    _run(
-        "geo3k_grpo",
-        *GRPO_ARGS,
-        "--load",
-        str(sft_run),
-        "--output-dir",
-        str(run),
-        "--num-rollout",
-        "20",  # 2026-12-01, CPU: reward 0.23 over steps 1-6, 0.45 over 15-20, 0.68 over 25-30
-        log=tmp_path / "log.txt",
-    )
+@pytest.fixture(scope="module")
+def from_sft(sft_run: Path, tmp_path_factory) -> Path:
+    """GRPO runs from the SFT run, side by side: `grpo`, its weights sent to the engine through
+    files (`--weight-transport disk`: the same bits as Ray's object store sends, so the same
+    run), read by the learning and the disk-transport tests; where megatron-core is installed,
+    `megatron` and `fsdp`: issue #36's command (KL to the reference, cosine schedule)."""
+    out = tmp_path_factory.mktemp("from_sft")
+    started = [
+        _start(
+            "geo3k_grpo",
+            *GRPO_ARGS,
+            "--load",
+            str(sft_run),
+            "--weight-transport",
+            "disk",
+            "--output-dir",
+            str(out / "grpo"),
+            "--num-rollout",
+            "20",  # 2026-12-01, CPU: reward 0.23 over steps 1-6, 0.45 over 15-20, 0.68 over 25-30
+            log=out / "grpo.txt",
+        )
+    ]
+    if _installed("megatron.core"):
+        args = ["--load", str(sft_run), "--kl-coef", "0.01", "--lr-schedule", "cosine"]
+        args += ["--lr-warmup-steps", "2", "--num-rollout", "3", "--eval-interval", "0"]
+        for backend in ("megatron", "fsdp"):
+            started.append(
+                _start(
+                    "geo3k_grpo",
+                    *GRPO_ARGS,
+                    *args,
+                    "--backend",
+                    backend,
+                    "--output-dir",
+                    str(out / backend),
+                    log=out / f"{backend}.txt",
+                )
+            )
+    _finish(started)
+    return out
+
+
+@pytest.fixture(scope="module")
+def grpo_run(from_sft: Path) -> Path:
+    return from_sft / "grpo"
+
+
+def test_grpo_from_sft_raises_the_reward(grpo_run: Path) -> None:
+    run = grpo_run
     rows = _rows(run)
     evals = [r for r in rows if "eval_accuracy" in r]
     assert [r["step"] for r in evals] == [0, 10, 20]  # step 0: before the first update
@@ -151,7 +226,7 @@ def test_killed_run_resumes_to_the_same_state(sft_run: Path, tmp_path: Path) -> 
         "--load",
         str(sft_run),
         "--num-rollout",
-        "6",
+        "4",
         "--save-interval",
         "2",
         "--rollout-batch-size",
@@ -159,15 +234,15 @@ def test_killed_run_resumes_to_the_same_state(sft_run: Path, tmp_path: Path) -> 
         "--global-batch-size",  # one optimizer step over the rollout's 4 x 8 samples
         "32",
         "--eval-interval",
-        "3",
+        "2",
         "--eval-max-prompts",
         "8",
     ]
     whole, broken = tmp_path / "whole", tmp_path / "broken"
-    _run("geo3k_grpo", *args, "--output-dir", str(whole), log=tmp_path / "whole.txt")
+    uninterrupted = _start("geo3k_grpo", *args, "--output-dir", str(whole), log=tmp_path / "w.txt")
 
     # Start the same run, SIGKILL it (its whole process group: driver, Ray, actors) as soon as
-    # the step-4 checkpoint is complete, then resume.
+    # the step-2 checkpoint is complete, then resume.
     with open(tmp_path / "broken.txt", "w") as log:
         proc = subprocess.Popen(
             [*_cmd("geo3k_grpo"), *args, "--output-dir", str(broken)],
@@ -179,19 +254,20 @@ def test_killed_run_resumes_to_the_same_state(sft_run: Path, tmp_path: Path) -> 
         )
         deadline = time.monotonic() + 600
         try:
-            while not any(step >= 4 for step, _ in _checkpoints(broken)):
+            while not any(step >= 2 for step, _ in _checkpoints(broken)):
                 assert proc.poll() is None, (tmp_path / "broken.txt").read_text()[-3000:]
-                assert time.monotonic() < deadline, "no step-4 checkpoint within 10 minutes"
+                assert time.monotonic() < deadline, "no step-2 checkpoint within 10 minutes"
                 time.sleep(0.2)
         finally:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert max(r["step"] for r in _rows(broken)) < 6  # it really stopped mid-way
+    assert max(r["step"] for r in _rows(broken)) < 4  # it really stopped mid-way
     _run("geo3k_grpo", *args, "--output-dir", str(broken), "--resume", log=tmp_path / "resumed.txt")
     assert "resumed from" in (tmp_path / "resumed.txt").read_text()
+    _finish([uninterrupted])
 
     a, b = _rows(whole), _rows(broken)
-    assert [r["step"] for r in b] == [0, 1, 2, 3, 4, 5, 6]  # step 0: the eval before training
+    assert [r["step"] for r in b] == [0, 1, 2, 3, 4]  # step 0: the eval before training
     assert [_stable(r) for r in a] == [_stable(r) for r in b]
     # the engine's own split of each rollout reaches the row (its counts replay exactly too)
     assert all(r["rollout_decode_steps"] >= 1 and r["time_rollout_engine_s"] > 0 for r in a[1:])
@@ -266,53 +342,27 @@ def test_ctrl_c_stops_naming_the_checkpoint_to_resume_from(app: str, tmp_path: P
     ).stdout
 
 
-def test_grpo_on_the_megatron_backend(sft_run: Path, tmp_path: Path) -> None:
-    """The same run on the Megatron-Core actor (gloo on CPU) starts where FSDP starts."""
+@pytest.fixture(scope="module")
+def kl_runs(from_sft: Path) -> dict[str, list[dict]]:
+    """The KL runs' rows, by backend."""
     pytest.importorskip("megatron.core", reason="the Megatron backend needs megatron-core")
-    run = tmp_path / "megatron"
-    _run(
-        "geo3k_grpo",
-        *GRPO_ARGS,
-        "--backend",
-        "megatron",
-        "--load",
-        str(sft_run),
-        "--num-rollout",
-        "2",
-        "--eval-interval",
-        "0",
-        "--output-dir",
-        str(run),
-        log=tmp_path / "log.txt",
-    )
-    rows = _rows(run)
-    assert [r["step"] for r in rows] == [1, 2]
+    return {backend: _rows(from_sft / backend) for backend in ("megatron", "fsdp")}
+
+
+def test_grpo_on_the_megatron_backend(kl_runs: dict[str, list[dict]]) -> None:
+    """The run from the SFT folder on the Megatron-Core actor (gloo on CPU) starts where FSDP
+    starts: the KL test's Megatron run."""
+    rows = kl_runs["megatron"]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[0]["reward_mean"] > 0.05 and rows[0]["grad_norm"] > 0
 
 
-def test_kl_to_the_reference_is_the_same_on_both_backends(sft_run: Path, tmp_path: Path) -> None:
+def test_kl_to_the_reference_is_the_same_on_both_backends(kl_runs: dict[str, list[dict]]) -> None:
     """Issue #36's command with a learning signal (from the SFT run, rewards above 0): the KL
     penalty reaches the loss on Megatron as on FSDP. The two runs sample the same responses as
     long as their weights agree to the last bits a draw can see; the steps up to the first whose
     rollout differs are compared (measured: all three, kl_loss within 2e-8)."""
-    pytest.importorskip("megatron.core", reason="the Megatron backend needs megatron-core")
-    args = ["--load", str(sft_run), "--kl-coef", "0.01", "--lr-schedule", "cosine"]
-    args += ["--lr-warmup-steps", "2", "--num-rollout", "3", "--eval-interval", "0"]
-    rows = {}
-    for backend in ("megatron", "fsdp"):
-        run = tmp_path / backend
-        _run(
-            "geo3k_grpo",
-            *GRPO_ARGS,
-            *args,
-            "--backend",
-            backend,
-            "--output-dir",
-            str(run),
-            log=tmp_path / f"{backend}.txt",
-        )
-        rows[backend] = _rows(run)
-    megatron, fsdp = rows["megatron"], rows["fsdp"]
+    megatron, fsdp = kl_runs["megatron"], kl_runs["fsdp"]
     assert [r["step"] for r in megatron] == [1, 2, 3]
     assert all(r["kl_loss"] > 1e-4 for r in megatron[1:]), megatron  # the policy left the reference
     same = ("reward_mean", "response_length_mean")
@@ -334,6 +384,8 @@ def test_readme_quick_start(tmp_path: Path) -> None:
         "tiny",
         "--num-rollout",
         "2",
+        "--warmup-sft-steps",  # the warm-up runs and saves; its learning: test_sft_learns_...
+        "4",
         "--output-dir",
         str(run),
         log=tmp_path / "log.txt",
@@ -351,14 +403,13 @@ def test_readme_quick_start(tmp_path: Path) -> None:
     assert rows[-1]["eval_accuracy"] is not None and (run / "reward.png").is_file()
 
 
-def test_grpo_with_the_disk_weight_transport(tmp_path: Path) -> None:
+def test_grpo_with_the_disk_weight_transport(grpo_run: Path) -> None:
     """`--weight-transport disk`: the engines load every weight from the files the trainer
-    wrote into the run folder, where the last sync stays: the model's full checkpoint names."""
+    wrote into the run folder, where the last sync stays: the model's full checkpoint names.
+    The learning run above is this run (the reward rises only where the engine gets them)."""
     from safetensors.torch import load_file
 
-    run = tmp_path / "disk"
-    argv = [*GRPO_ARGS, "--weight-transport", "disk", "--num-rollout", "1"]
-    _run("geo3k_grpo", *argv, "--output-dir", str(run), log=tmp_path / "log.txt")
+    run = grpo_run
     assert [r["step"] for r in _rows(run)][-1] >= 1
     folder = run / "weight-sync"
     manifest = json.loads((folder / "manifest.json").read_text())
@@ -373,18 +424,14 @@ def test_grpo_with_the_disk_weight_transport(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def qwen35_sft_run(tmp_path_factory) -> Path:
+def qwen35_sft_run(sft_runs: dict[str, Path]) -> Path:
     """The SFT app on the synthetic task with the tiny Qwen3.5 (hybrid linear attention)."""
-    from vlm_models.presets import PRESETS
-
-    if "qwen3.5-tiny" not in PRESETS:
+    if "qwen3.5-tiny" not in sft_runs:
         pytest.skip("Qwen3.5 needs a newer transformers")
-    out = tmp_path_factory.mktemp("sft_qwen35")
-    argv = ["--preset", "tiny", "--model-name", "qwen3.5-tiny", "--ray-num-cpus", "2"]
-    _run("geo3k_sft", *argv, "--output-dir", str(out / "run"), log=out / "log.txt")
-    rows = _rows(out / "run")  # 2026-12-02: loss 6.2 -> 0.10 over the 36 steps
+    run = sft_runs["qwen3.5-tiny"]
+    rows = _rows(run)  # 2026-12-02: loss 6.2 -> 0.10 over the 36 steps
     assert rows[-1]["loss"] < rows[0]["loss"] / 4, (rows[0]["loss"], rows[-1]["loss"])
-    return out / "run"
+    return run
 
 
 def test_qwen35_grpo_learns_on_both_backends(qwen35_sft_run: Path, tmp_path: Path) -> None:
@@ -393,24 +440,29 @@ def test_qwen35_grpo_learns_on_both_backends(qwen35_sft_run: Path, tmp_path: Pat
     backends: rewards 0.633 0.672 0.693 0.688 0.758 (0.742 0.789 0.742 0.773 0.797 after).
     About 6 minutes on two busy cores (three launcher runs, the SFT warm-up shared)."""
     rewards, grad_norms = {}, {}
-    for backend in ("fsdp", "megatron"):
-        run = tmp_path / backend
-        _run(
-            "geo3k_grpo",
-            *GRPO_ARGS,
-            "--backend",
-            backend,
-            "--load",
-            str(qwen35_sft_run),
-            "--num-rollout",
-            "5",
-            "--eval-interval",
-            "0",
-            "--output-dir",
-            str(run),
-            log=tmp_path / f"{backend}.txt",
-        )
-        rows = _rows(run)
+    backends = ("fsdp", "megatron")
+    _finish(
+        [
+            _start(
+                "geo3k_grpo",
+                *GRPO_ARGS,
+                "--backend",
+                backend,
+                "--load",
+                str(qwen35_sft_run),
+                "--num-rollout",
+                "5",
+                "--eval-interval",
+                "0",
+                "--output-dir",
+                str(tmp_path / backend),
+                log=tmp_path / f"{backend}.txt",
+            )
+            for backend in backends
+        ]
+    )
+    for backend in backends:
+        rows = _rows(tmp_path / backend)
         assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
         assert all(r["grad_norm"] > 0 for r in rows)
         rewards[backend] = [r["reward_mean"] for r in rows]
@@ -446,30 +498,46 @@ def saved_moe(request, tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def moe_runs(saved_moe: Path, tmp_path_factory) -> dict[str, Path]:
+    """Two GRPO steps from the saved folder on each backend (side by side): each run folder."""
+    out = tmp_path_factory.mktemp(f"{saved_moe.parent.name}_runs")
+    backends = ("fsdp", "megatron")
+    _finish(
+        [
+            _start(
+                "geo3k_grpo",
+                *GRPO_ARGS,
+                "--model-name",
+                str(saved_moe),
+                "--backend",
+                backend,
+                "--num-rollout",
+                "2",
+                "--rollout-batch-size",  # 4 x 8 samples: a step's decode and sync are read
+                "4",
+                "--global-batch-size",
+                "32",
+                "--warmup-sft-steps",
+                "0",
+                "--eval-interval",
+                "0",
+                "--output-dir",
+                str(out / backend),
+                log=out / f"{backend}.txt",
+            )
+            for backend in backends
+        ]
+    )
+    return {backend: out / backend for backend in backends}
+
+
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
-def test_tiny_moe_grpo_from_a_saved_folder(saved_moe: Path, backend: str, tmp_path: Path) -> None:
+def test_tiny_moe_grpo_from_a_saved_folder(moe_runs: dict[str, Path], backend: str) -> None:
     """Two GRPO steps from the folder (issue #35): both trainers load it, their weights reach
     the transformers engine (its decode step, not the legacy loop) in the checkpoint's layout.
     2026-12-04, CPU: 27-45 s a run."""
-    run = tmp_path / "run"
-    _run(
-        "geo3k_grpo",
-        *GRPO_ARGS,
-        "--model-name",
-        str(saved_moe),
-        "--backend",
-        backend,
-        "--num-rollout",
-        "2",
-        "--warmup-sft-steps",
-        "0",
-        "--eval-interval",
-        "0",
-        "--output-dir",
-        str(run),
-        log=tmp_path / "log.txt",
-    )
-    rows = _rows(run)
+    rows = _rows(moe_runs[backend])
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["rollout_decode_steps"] > 0 for r in rows)
     assert all(r["time_sync_push_s"] > 0 for r in rows)
