@@ -97,7 +97,7 @@ def test_names_resolve_to_presets_folders_and_run_folders(tmp_path, qwen3vl_dir)
     with pytest.raises(ModelSourceError, match=r"no weights.*preset"):
         resolve_model(no_weights.model)
     missing = parse_grpo(["--model-name", str(tmp_path / "nope")], env={})
-    with pytest.raises(ModelSourceError, match=r"--model-name: .*no such folder"):
+    with pytest.raises(ModelSourceError, match=r"--model-name: .*no such file or directory"):
         resolve_model(missing.model)
 
 
@@ -179,15 +179,31 @@ def test_layout_that_cannot_fit_is_refused_before_gpu_memory(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+#: The SFT launcher on a machine that shows 8 GPUs: the count the launcher asks the CUDA driver
+#: for (``rl_runtime.preflight.count_gpus``, also bound in ``rl_runtime.parallel``) stands in
+#: for them, so the layout check after the GPU check is reached on a CPU.
+EIGHT_GPUS = """
+import runpy, sys
+import rl_runtime.parallel, rl_runtime.preflight
+rl_runtime.preflight.count_gpus = rl_runtime.parallel.count_gpus = lambda: 8
+sys.argv = ["apps/geo3k_sft", *sys.argv[1:]]
+runpy.run_path("apps/geo3k_sft", run_name="__main__")
+"""
+
+
 @pytest.mark.slow
 def test_layout_refusal_as_a_process(tmp_path, qwen3vl_dir):
-    proc = _launch(
-        "geo3k_sft",
-        [
-            *("--model-name", "qwen3-vl-8b", "--tokenizer", str(qwen3vl_dir)),
-            *("--backend", "megatron", "--tensor-parallel", "1", "--num-gpus", "8"),
-            *("--gpu-memory-gib", "141", "--output-dir", str(tmp_path / "run")),
-        ],
+    argv = [
+        *("--model-name", "qwen3-vl-8b", "--tokenizer", str(qwen3vl_dir)),
+        *("--backend", "megatron", "--tensor-parallel", "1", "--num-gpus", "8"),
+        *("--gpu-memory-gib", "141", "--output-dir", str(tmp_path / "run")),
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", EIGHT_GPUS, *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]

@@ -52,6 +52,7 @@ def measure() -> dict[str, float]:
     from vlm_models.megatron import _cpu_compat
 
     _cpu_compat.apply()
+    from rl_algos.optimizer import OptimConfig
     from trainer_core.startup import resident_gib, trim_host_heap
     from trainers_fsdp.synthetic import synthetic_batch
     from trainers_megatron import MegatronConfig
@@ -75,7 +76,7 @@ def measure() -> dict[str, float]:
             param_dtype="bfloat16",
             max_tokens_per_gpu=TOKENS,
             optimizer_offload=FRACTION,
-            lr=1e-4,
+            optim=OptimConfig(lr=1e-4),
             seed=0,
         )
     )

@@ -21,7 +21,7 @@ from vlm_models.presets import tiny_config
 @pytest.mark.parametrize(
     ("source", "message"),
     [
-        ("missing", r"no such folder"),
+        ("missing", r"no such file or directory"),
         ("config_only", r"no weights.*preset"),
         ("glimpse-tests/no-such-model-xyz", r"'glimpse-tests/no-such-model-xyz'.*local folder"),
     ],

@@ -101,7 +101,7 @@ def test_config_object_source_is_not_mutated():
 
 
 def test_missing_folder_is_an_error_before_any_download(tmp_path):
-    with pytest.raises(ModelSourceError, match="no such folder"):
+    with pytest.raises(ModelSourceError, match="no such file or directory"):
         build_model(str(tmp_path / "missing" / "model"))
 
 
