@@ -90,10 +90,6 @@ def _older_torch_wheel(pip: list, tmp: Path) -> str | None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not os.environ.get("GLIMPSE_TEST_OLDER_TORCH"),
-    reason="opt-in, GLIMPSE_TEST_OLDER_TORCH=1: a venv and a torch install, 30 s to 3 min",
-)
 def test_rl_algos_and_rewards_math_install_beside_an_older_torch(tmp_path: Path) -> None:
     """A fresh venv holding torch 2.13.0 takes rl-algos and rewards-math without touching its
     torch, and a reward, GRPO advantages and a GRPO loss's backward run there."""
