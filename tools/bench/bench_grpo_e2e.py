@@ -236,16 +236,32 @@ def _rows_logged(metrics: Path) -> int:
         return 0
 
 
-def wait_for_run(proc: subprocess.Popen, metrics: Path, args: argparse.Namespace) -> str | None:
+def _node_memory_gib() -> float | None:
+    """The node's memory (the peak's denominator: the launcher's plan caps it at 85 %)."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return round(psutil.virtual_memory().total / 2**30, 1)
+
+
+def wait_for_run(
+    proc: subprocess.Popen, metrics: Path, args: argparse.Namespace, seen: dict[str, float]
+) -> str | None:
     """Wait for the launcher; None if it ended by itself. ``"timeout"`` past ``--timeout``;
     ``"after_last_step"`` when ``--after-last-step S`` is set and the run is still busy (its
-    final checkpoint and export) S seconds after the last step's row was written."""
-    deadline = time.monotonic() + args.timeout
+    final checkpoint and export) S seconds after the last step's row was written. Sets
+    ``seen["first_row"]``: seconds from the call to the first step's row (a user's wait from
+    launch to the first step logged)."""
+    start = time.monotonic()
+    deadline = start + args.timeout
     last_row_at = None
     while proc.poll() is None:
         now = time.monotonic()
         if now > deadline:
             return "timeout"
+        if "first_row" not in seen and _rows_logged(metrics) >= 1:
+            seen["first_row"] = now - start
         if args.after_last_step is not None:
             if last_row_at is None and _rows_logged(metrics) >= args.steps:
                 last_row_at = now
@@ -266,7 +282,8 @@ def run_backend(args: argparse.Namespace, backend: str, model: Path) -> dict[str
     with GpuMemorySampler() as mem, HostMemorySampler() as host, open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         host.pid = proc.pid
-        stopped = wait_for_run(proc, run_dir / "metrics.jsonl", args)
+        seen: dict[str, float] = {}
+        stopped = wait_for_run(proc, run_dir / "metrics.jsonl", args, seen)
         timed_out = stopped == "timeout"
         if stopped:  # keep what the finished steps logged
             os.killpg(proc.pid, signal.SIGKILL)
@@ -286,6 +303,7 @@ def run_backend(args: argparse.Namespace, backend: str, model: Path) -> dict[str
         "peak_gpu_mib": mem.peak_mib if mem.available else None,
         "peak_gpu_mib_by_pid": mem.peak_by_pid,
         "peak_host_gib": round(host.peak_bytes / 2**30, 1) if host.available else None,
+        "node_host_gib": _node_memory_gib(),
         "log": str(log_path),
     }
     if proc.returncode != 0 and not stopped:
@@ -316,6 +334,8 @@ def run_backend(args: argparse.Namespace, backend: str, model: Path) -> dict[str
             6 * params * result["train_tokens_per_s"] / gpus / PEAK_FLOPS, 4
         )
     result["first_step_s"] = round(rows[0][GRPO_STEP], 2) if rows else None
+    first_row = seen.get("first_row")
+    result["launch_to_first_step_s"] = round(first_row, 1) if first_row is not None else None
     # each step's phases too: a recompile or an allocator stall in one step moves the median of
     # the step but of no phase, so the medians alone need not add up
     step_keys = [f"time_{p}_s" for p in PHASES] + [GRPO_STEP]

@@ -206,6 +206,33 @@ def test_export_reads_the_float32_masters(make_config, batch):
     assert not torch.equal(exported[name], masters[name].bfloat16().float())  # not the bf16 copy
 
 
+@pytest.mark.parametrize("offload", [0.0, 0.5])
+def test_export_in_the_compute_dtype_reads_the_compute_weights(make_config, batch, offload):
+    """A bf16 push reads the bf16 compute weights where they live (the GPU), not the float32
+    masters (partly on the host with the optimizer there): the same values, since the compute
+    weights are the masters' round-to-nearest cast after every step."""
+    actor = FsdpActor(
+        make_config(
+            export_dtype="bfloat16",
+            optimizer_offload=offload,
+            max_tokens_per_gpu=64,
+            param_dtype="bfloat16",
+        )
+    )
+    actor.train_step(batch, loss="sft")
+    compute = actor._masters.compute
+    lo = compute.untyped_storage().data_ptr()
+    hi = lo + compute.untyped_storage().nbytes()
+    masters = actor.full_parameters()
+    exported = [(n, t) for bucket in actor.iter_hf_weights(1 << 20, device=None) for n, t in bucket]
+    params = [(n, t) for n, t in exported if n in masters]
+    assert len(params) > 10
+    for name, tensor in params:
+        assert lo <= tensor.data_ptr() < hi, f"{name} was copied, not read in place"
+        assert tensor.dtype == torch.bfloat16
+        assert torch.equal(tensor, masters[name].bfloat16()), name
+
+
 def test_frozen_vision_keeps_its_weights_and_gets_no_gradient(make_config, batch):
     actor = FsdpActor(make_config(freeze_vision=True, **BF16))
     before = actor.full_parameters()

@@ -492,22 +492,27 @@ class FsdpActor:
         self._require_onloaded()
         dtype = _dtype(self.config.export_dtype)
         yield from iter_hf_weight_buckets(
-            self.model, bucket_bytes, dtype, device=device, state=self._master_state()
+            self.model, bucket_bytes, dtype, device=device, state=self._export_state(dtype)
         )
 
     def export_hf(self, path: str | os.PathLike, *, dtype: str | None = None) -> None:
         """Write an HF folder that ``Qwen3VLForConditionalGeneration.from_pretrained`` loads."""
         self._require_onloaded()
-        export_hf_folder(
-            self.model,
-            path,
-            dtype=_dtype(dtype or self.config.export_dtype),
-            state=self._master_state(),
-        )
+        wanted = _dtype(dtype or self.config.export_dtype)
+        export_hf_folder(self.model, path, dtype=wanted, state=self._export_state(wanted))
 
-    def _master_state(self) -> dict[str, Tensor] | None:
-        """What weight export reads instead of the model's state dict: the float32 masters."""
-        return None if self._masters is None else self._masters.state_dict()
+    def _export_state(self, dtype: torch.dtype) -> dict[str, Tensor] | None:
+        """What weight export reads instead of the model's state dict (None: the state dict).
+
+        The float32 masters, unless ``dtype`` is the compute dtype: the compute weights are
+        then already the masters cast to it (every optimizer step, load and onload ends with
+        that cast, round-to-nearest on either device), and they are on the GPU, where the
+        masters may be on the host. For the 8B with 90 % of the optimizer on the host, reading
+        the masters cast 29 GB of float32 on the CPU and crossed PCIe from pageable memory at
+        every push (13.7 s of a 31.5 s step on the H200, 2026-12-04)."""
+        if self._masters is None or self._masters.compute.dtype == dtype:
+            return None
+        return self._masters.state_dict()
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Model, optimizer, scheduler, RNG and step with torch.distributed.checkpoint."""
