@@ -368,3 +368,60 @@ def test_a_trainer_group_that_is_slow_to_start_says_so_naming_the_rank(
         assert "the last start-up phase each rank logged" in notes[0]
     finally:
         placement.remove()
+
+
+_HELD: list = []  # sockets a rank keeps open for its process's life
+
+
+class _Joined:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+
+def _rank_whose_port_is_taken_once(trigger: str) -> _Joined:
+    """A trainer rank that joins a gloo group. At the first start, rank 0 finds the rendezvous
+    port taken: a socket listens on it (its own, as another process's would), so torch's
+    TCPStore fails to bind it with EADDRINUSE, the error seen in the suite."""
+    import os
+    import socket
+    from datetime import timedelta
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    if os.environ["RANK"] == "0" and Path(trigger).exists():
+        Path(trigger).unlink()
+        held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        held.bind(("", int(os.environ["MASTER_PORT"])))
+        held.listen()
+        _HELD.append(held)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    return _Joined(dist.get_rank())
+
+
+def test_a_trainer_group_whose_rendezvous_port_was_taken_starts_again_on_another(
+    ray_local, tmp_path, caplog
+):
+    """The port is chosen free and released until rank 0 binds it: a process that takes it in
+    between failed the whole run at start. The group starts its ranks again on a new port."""
+    import logging
+
+    trigger = tmp_path / "take-the-port"
+    trigger.touch()
+    placement = create_placement(
+        num_trainers=2, num_engines=0, colocate=False, use_gpu=False, cpus_per_bundle=0.25
+    )
+    group = None
+    try:
+        factory = functools.partial(_rank_whose_port_is_taken_once, str(trigger))
+        with caplog.at_level(logging.WARNING, logger="rl_runtime.actor_group"):
+            group = TrainGroup(factory, world_size=2, placement=placement, num_cpus=0.25)
+        assert not trigger.exists()  # the first start did meet the taken port
+        notes = [r.getMessage() for r in caplog.records if "rendezvous port" in r.getMessage()]
+        assert len(notes) == 1 and "starting the ranks again on another port (1/3)" in notes[0]
+        ranks = ray.get([w.__ray_call__.remote(lambda w: w.actor.rank) for w in group.workers])
+        assert ranks == [0, 1]
+    finally:
+        if group is not None:
+            group.shutdown()
+        placement.remove()

@@ -35,6 +35,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+#: Times a trainer group starts its ranks again when rank 0 could not bind the rendezvous
+#: port: it is chosen free (:func:`_free_port`) but released until rank 0's TCPStore binds it,
+#: and another process may take it in between (seen once in the suite, with several groups
+#: starting side by side).
+PORT_RETRIES = 3
+
+
+def _port_taken(err: BaseException) -> bool:
+    """Whether a rank's start failed because its rendezvous port was in use."""
+    text = str(err)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
 #: the logger a trainer writes its start-up phases to (`trainer_core.startup`): shown at INFO
 #: whatever the workers' level, a few lines per rank that name where a slow start-up is
 STARTUP_LOGGER = "glimpse.startup"
@@ -276,7 +289,6 @@ class TrainGroup:
             raise ValueError(
                 f"world size {world_size} is not a multiple of TP x PP = {tp_size * pp_size}"
             )
-        remote_cls = ray.remote(TrainWorker)
         self.world_size = world_size
         self.tp_size = tp_size
         self.pp_size = pp_size
@@ -284,26 +296,35 @@ class TrainGroup:
         self.nodes: list[str] = []  # each rank's node id, once ready
         self.last_push_bytes: int | None = None  # of the last push_weights
         self._started = time.perf_counter()
+        self._spawn_args = (factory, placement, num_cpus, log_level, gc_every)
+        self._starting: list[Any] | None = self._spawn()
+        if wait:
+            self.ready()
+
+    def _spawn(self) -> list[Any]:
+        """Start every rank (rank 0 on a freshly chosen rendezvous port); returns the calls
+        that answer once each rank has built its trainer."""
+        factory, placement, num_cpus, log_level, gc_every = self._spawn_args
+        remote_cls = ray.remote(TrainWorker)
         master: tuple[str, int] | None = None
-        for rank in range(world_size):
+        self.workers = []
+        for rank in range(self.world_size):
             opts = {
                 "num_cpus": num_cpus,
                 "num_gpus": placement.trainer_gpus,
                 "scheduling_strategy": placement.strategy(placement.trainer_bundles[rank]),
             }
-            if rank == 0 and world_size > 1:
+            if rank == 0 and self.world_size > 1:
                 # Rank 0 picks the rendezvous address on its own node; the others join it.
                 probe = ray.remote(_probe_address).options(**opts)
                 master = ray.get(probe.remote())
             addr, port = master if master else (None, None)
             self.workers.append(
                 remote_cls.options(**opts).remote(
-                    rank, world_size, addr, port, factory, log_level, gc_every
+                    rank, self.world_size, addr, port, factory, log_level, gc_every
                 )
             )
-        self._starting: list[Any] | None = [w.address.remote() for w in self.workers]
-        if wait:
-            self.ready()
+        return [w.address.remote() for w in self.workers]
 
     def ready(self) -> None:
         """Wait until every rank has built its trainer; a construction error surfaces here."""
@@ -320,7 +341,24 @@ class TrainGroup:
             )
 
         names = [f"trainer rank {r}" for r in range(len(futures))]
-        gather(futures, names, "start", still_waiting=still_starting, every_s=STARTUP_NOTE_S)
+        for attempt in range(PORT_RETRIES + 1):
+            try:
+                gather(
+                    futures, names, "start", still_waiting=still_starting, every_s=STARTUP_NOTE_S
+                )
+                break
+            except Exception as err:
+                if attempt == PORT_RETRIES or not _port_taken(err):
+                    raise
+                log.warning(
+                    "trainer group: the rendezvous port was taken before rank 0 bound it "
+                    "(another process chose it meanwhile); starting the ranks again on another "
+                    "port (%d/%d)",
+                    attempt + 1,
+                    PORT_RETRIES,
+                )
+                self.shutdown()
+                futures = self._spawn()
         self.nodes = actor_nodes(self.workers)  # where each rank runs (a lost node is named)
         seconds = time.perf_counter() - self._started
         log.info("trainer group: %d rank(s) ready in %.1f s", self.world_size, seconds)
