@@ -374,6 +374,12 @@ def main(argv: list[str] | None = None) -> None:
         "wholly on the host; without it the launcher still picks it where the GPU cannot hold "
         "the state)",
     )
+    p.add_argument(
+        "--prune-models",
+        action="store_true",
+        help="delete the work dir's other shapes' model folders first (the GPU machine's 64 GiB "
+        "disk held the 8B and 4B folders and a run's checkpoints, and the next shape's failed)",
+    )
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("extra", nargs="*", help="more launcher flags, after --")
     args = p.parse_args(argv)
@@ -382,6 +388,10 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = shared_dir() / "models" / "Qwen3-VL-4B-Instruct"
     t0 = time.perf_counter()
     name = f"model_{args.shape}" + (f"_{args.layers}l" if args.layers else "")
+    if args.prune_models:
+        for old in work.glob("model_*"):
+            if old.name != name and old.is_dir():
+                shutil.rmtree(old)
     model = build_hf_folder(args.shape, tokenizer, work / name, args.seed, args.layers)
     print(f"model folder {model} ready in {time.perf_counter() - t0:.1f} s", flush=True)
     results = []

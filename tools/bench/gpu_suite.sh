@@ -120,7 +120,7 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
         transport=(); [ "$ipc_ok" = 1 ] || transport=(--weight-transport object-store)
         run e2e "${E2E_TIMEOUT:-540}" python3 tools/bench/bench_grpo_e2e.py --steps "${E2E_STEPS:-5}" \
           --backends "${E2E_BACKENDS:-fsdp,megatron}" --timeout "${E2E_BACKEND_TIMEOUT:-240}" \
-          --after-last-step 20 --work-dir /tmp/e2e --out "$OUT/e2e.json" ${E2E_BENCH_ARGS:-} \
+          --after-last-step 20 --work-dir /tmp/e2e --prune-models --out "$OUT/e2e.json" ${E2E_BENCH_ARGS:-} \
           -- ${E2E_ARGS:-} "${transport[@]}"
         for f in /tmp/e2e/*.log; do [ -f "$f" ] && tail -c 400000 "$f" >"$OUT/e2e_$(basename "$f")"; done ;;
       model_load)  # the FSDP one-rank model phase: a bf16 checkpoint widened first against
