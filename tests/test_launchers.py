@@ -446,7 +446,7 @@ def test_preflight_stops_without_gpus(tmp_path, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("this machine has GPUs")
     cfg = parse_grpo(["--output-dir", str(tmp_path)], env={})
-    with pytest.raises(PreflightError, match=r"needs 8 GPU.*no GPU.*--preset tiny"):
+    with pytest.raises(PreflightError, match=r"needs 8 GPU.*no GPU.*--preset tiny --num-gpus 0"):
         run_grpo(cfg)
     assert not (tmp_path / "metrics.jsonl").exists()
 

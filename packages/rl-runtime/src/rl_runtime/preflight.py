@@ -45,7 +45,7 @@ def check_gpus(needed: int, *, preset: str | None = None, available: int | None 
     raise PreflightError(
         f"this configuration{f' (preset {preset!r})' if preset else ''} needs {needed} GPU(s), "
         f"but {what}. Set GEO3K_NUM_GPUS / --num-gpus to what you have, or try the CPU run: "
-        "--preset tiny"
+        "--preset tiny --num-gpus 0"
     )
 
 
