@@ -22,8 +22,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 # (kv heads, query heads per KV head, head_dim): MHA, Qwen3-VL-2B's group 2, a group of 4 at
-# head_dim 128, Qwen3.5-35B-A3B's 2 KV heads of 8 query heads at head_dim 256
-SHAPES = [(2, 1, 32), (2, 2, 64), (2, 4, 128), (2, 8, 256)]
+# head_dim 128, Qwen3.5-35B-A3B's 2 KV heads of 8 query heads at head_dim 256, Qwen3-VL-4B's and
+# 8B's 8 KV heads of 4
+SHAPES = [(2, 1, 32), (2, 2, 64), (2, 4, 128), (2, 8, 256), (8, 4, 128)]
 
 
 def _inputs(kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, seed: int):
