@@ -154,8 +154,8 @@ def rollout_figures(current: Phase, groups: Sequence[Sequence[Any]], row: dict) 
     current.samples = sum(len(group) for group in groups)
     if row.get("rollout_graph_captures"):
         captured = row["rollout_graph_captures"]
-        seconds = row.get("time_rollout_engine_capture_s", 0.0)
-        current.notes.append(f"{captured:.0f} CUDA graph(s) captured in {seconds:.1f} s")
+        spent = row.get("time_rollout_engine_capture_s", 0.0)
+        current.notes.append(f"{captured:.0f} CUDA graph(s) captured in {spent:.1f} s")
 
 
 def transfer_notes(metrics: dict[str, float]) -> list[str]:
