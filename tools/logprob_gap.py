@@ -53,7 +53,14 @@ def main() -> None:
         engine = HFEngine(model, device="cpu", eos_token_ids=eos)
         params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)
         completions = engine.generate([GenerateRequest.from_prompt(p) for p in samples], params)
-        pairs = [(p, c) for p, c in zip(samples, completions, strict=True) if c.token_ids]
+        # as the GRPO loop does: a response that writes an image placeholder has no pixels
+        # behind it, and the trainer refuses it (the loop drops it: rl_runtime.loop)
+        placeholders = {model.config.image_token_id, getattr(model.config, "video_token_id", None)}
+        pairs = [
+            (p, c)
+            for p, c in zip(samples, completions, strict=True)
+            if c.token_ids and not placeholders & set(c.token_ids)
+        ]
         batch = build_train_batch(
             [p for p, _ in pairs], [c for _, c in pairs], torch.zeros(len(pairs))
         )

@@ -65,14 +65,22 @@ def shared_dir() -> Path:
 
 
 def build_hf_folder(
-    shape: str, tokenizer: Path, out: Path, seed: int, layers: int | None = None
+    shape: str,
+    tokenizer: Path,
+    out: Path,
+    seed: int,
+    layers: int | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> Path:
     """A loadable HF folder: the preset's config with random weights, and the real processor.
     Built in a child process, so this one holds no GPU memory while the runs go (it held
-    5 GiB through every run: the engine's KV cache is sized from what is free)."""
+    5 GiB through every run: the engine's KV cache is sized from what is free).
+    ``overrides``: config keys to set (``vlm_models.presets.apply_overrides``), e.g. a shape
+    shrunk for a CPU."""
     if not (out / "config.json").is_file():
         ctx = multiprocessing.get_context("spawn")
-        child = ctx.Process(target=_build_hf_folder, args=(shape, tokenizer, out, seed, layers))
+        args = (shape, tokenizer, out, seed, layers, overrides or {})
+        child = ctx.Process(target=_build_hf_folder, args=args)
         child.start()
         child.join()
         if child.exitcode != 0:
@@ -80,7 +88,14 @@ def build_hf_folder(
     return out
 
 
-def _build_hf_folder(shape: str, tokenizer: Path, out: Path, seed: int, layers: int | None) -> None:
+def _build_hf_folder(
+    shape: str,
+    tokenizer: Path,
+    out: Path,
+    seed: int,
+    layers: int | None,
+    overrides: dict[str, Any],
+) -> None:
     import torch
 
     from vlm_data.processor import build_processor
@@ -96,7 +111,7 @@ def _build_hf_folder(shape: str, tokenizer: Path, out: Path, seed: int, layers: 
     # otherwise; the shape's vocabulary, which holds them, stays)
     ids = model_token_ids(processor)
     vision = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-    config = apply_overrides(config, {k: ids[k] for k in vision})
+    config = apply_overrides(config, {**overrides, **{k: ids[k] for k in vision}})
     device = "cuda" if torch.cuda.is_available() else None  # random init on the GPU: seconds
     model = build_model(config, dtype=torch.bfloat16, device=device)
     model.save_pretrained(out)

@@ -4,7 +4,7 @@
 # (fill it with ../shared/tools/device-wheels). Each benchmark's JSON and one log go to $OUT.
 #
 #   bash tools/bench/gpu_suite.sh [logprobs] [patch_embed] [hf_engine] [fsdp_train] [fsdp_accum] [megatron_parity] [weight_sync] [qwen35]
-#     [hf_dense] [hf_families] [megatron_train] [megatron_compiled] [megatron_profile] [megatron_accum] [megatron_flat] [hf_geo3k] [ipc_probe] [e2e] [model_load] ...
+#     [hf_dense] [hf_families] [microscope] [megatron_train] [megatron_compiled] [megatron_profile] [megatron_accum] [megatron_flat] [hf_geo3k] [ipc_probe] [e2e] [model_load] ...
 #
 # Wheels past the carry limit together (Ray in .whl/ and fla + tilelang in .wq35/, 91 MB) go in
 # two calls on one warm machine (it is kept 30 s after a call; /tmp/site stays): first
@@ -132,6 +132,16 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
         # gated delta net, packed vs one sample per micro-batch (needs fla-core in .whl/, and
         # on Hopper with Triton < 3.7.1 tilelang for fla's backward)
         run qwen35 480 python3 tools/bench/bench_qwen35_megatron.py --device cuda --out "$OUT/qwen35.json" ;;
+      microscope)  # where the engine's and the trainers' log-probs part (tools/logprob_microscope.py),
+        # per MICRO_SHAPES entry "shape:layers" (layers empty: the whole model); needs fla-core and
+        # megatron-core in WHEEL_DIR for Qwen3.5 and the Megatron trainer
+        for s in ${MICRO_SHAPES:-qwen3.5-35b-a3b:8}; do
+          shape=${s%%:*}; layers=${s#*:}
+          run "microscope_$shape" "${MICRO_TIMEOUT:-300}" python3 tools/logprob_microscope.py --device cuda \
+            --shape "$shape" ${layers:+--layers "$layers"} --work-dir /tmp/e2e --trainers "${MICRO_TRAINERS:-fsdp,megatron}" \
+            --prompts "${MICRO_PROMPTS:-4}" --samples 2 --max-new-tokens "${MICRO_TOKENS:-128}" \
+            --out "$OUT/microscope_${shape}${layers:+_${layers}l}.json"
+        done ;;
       gpu_tests) run gpu_tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider -o log_level=WARNING packages ;;
       setup) ;;  # only install WHEEL_DIR into /tmp/site (see the header)
       *) echo "unknown benchmark $w" >>"$log" ;;

@@ -188,6 +188,11 @@ class TextDecoder:
         self.attention = attention
         # steps that must leave the slots' recurrent states as they found them (warm-ups)
         self.dry_run = False
+        # eager steps only (the log-prob microscope, ``rollout_sglang.hf.microscope``): when a
+        # dict, each step records every layer's output hidden states (``"hidden"``) and each
+        # gated-delta-net layer's intermediates (``"gdn"``: layer -> name -> tensor) and each
+        # MoE layer's chosen experts (``"moe"``: layer -> {"experts": ids})
+        self.trace: dict[str, Any] | None = None
         self._triton_attend: Callable[..., Tensor] | None = None
         if attention == "triton":
             from rollout_sglang.hf.decode_attention import decode_attention
@@ -301,10 +306,13 @@ class TextDecoder:
             out = self._attend(q, keys[:batch, :, :kv_len], values[:batch, :, :kv_len], mask)
         return out.reshape(batch, self.num_heads * self.head_dim)
 
-    def _mlp(self, mlp: nn.Module, x: Tensor) -> Tensor:
+    def _mlp(self, mlp: nn.Module, x: Tensor, layer: int) -> Tensor:
         """A layer's MLP on the normed ``x``: sparse MoE block or SwiGLU."""
         if is_moe(mlp):
-            return moe_forward(mlp, x, grouped=self.moe_grouped, renormalise=self.moe_renormalise)
+            trace = None if self.trace is None else self.trace["moe"].setdefault(layer, {})
+            return moe_forward(
+                mlp, x, grouped=self.moe_grouped, renormalise=self.moe_renormalise, trace=trace
+            )
         return F.linear(
             F.silu(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight),
             mlp.down_proj.weight,
@@ -353,7 +361,8 @@ class TextDecoder:
         out = self._cache_attend(cache, i, q, k, v, lengths, kv_len, mask)
         if is_moe(mlp):
             h = h + F.linear(out, attn.o_proj.weight)
-            return h + self._mlp(mlp, _rms_norm(h, layer.post_attention_layernorm.weight, self.eps))
+            x = _rms_norm(h, layer.post_attention_layernorm.weight, self.eps)
+            return h + self._mlp(mlp, x, i)
         return self._post(
             h,
             out,
@@ -387,14 +396,15 @@ class TextDecoder:
             conv, recurrent = states.conv[j, :batch], states.recurrent[j, :batch]
             if self.dry_run:  # a copy takes the update: the slots' states stay as they are
                 conv, recurrent = conv.clone(), recurrent.clone()
-            h = h + gated_delta_net_step(layer.linear_attn, x, conv, recurrent)
+            parts = None if self.trace is None else self.trace["gdn"].setdefault(i, {})
+            h = h + gated_delta_net_step(layer.linear_attn, x, conv, recurrent, trace=parts)
         else:
             attn = layer.self_attn
             q, k, v, gate = gated_attention_pre(attn, x, *rope, _rotate, self.eps, self.head_dim)
             out = self._cache_attend(cache, i, q, k, v, lengths, kv_len, mask)
             h = h + F.linear(out * torch.sigmoid(gate), attn.o_proj.weight)
         x = rms_norm_zero_centred(h, layer.post_attention_layernorm.weight, self.eps)
-        return h + self._mlp(layer.mlp, x)
+        return h + self._mlp(layer.mlp, x, i)
 
     def step(
         self,
@@ -416,6 +426,19 @@ class TextDecoder:
         bounds the keys read (a bucket >= every ``length + 1``). Returns (next tokens,
         their log-probs), [B] each. No host sync: capturable as a CUDA graph.
         """
+        logits = self.logits(
+            cache, tokens=tokens, positions=positions, lengths=lengths, kv_len=kv_len
+        )
+        return sample_logits(logits, seeds, counters, sampling)
+
+    def logits(
+        self, cache: KVCache, *, tokens: Tensor, positions: Tensor, lengths: Tensor, kv_len: int
+    ) -> Tensor:
+        """The step's float32 logits ``[B, vocab]`` (its arguments as :meth:`step`'s)."""
+        if self.trace is not None:
+            self.trace.setdefault("hidden", [])
+            self.trace.setdefault("gdn", {})
+            self.trace.setdefault("moe", {})
         h = F.embedding(tokens, self.text.embed_tokens.weight)
         rope = self._rope(positions, h.dtype)
         # the Triton kernel reads ``lengths`` itself; the others take one mask for all layers
@@ -423,12 +446,13 @@ class TextDecoder:
         run_layer = self._qwen3_5_layer if self.hybrid else self._qwen3_layer
         for i, layer in enumerate(self.text.layers):
             h = run_layer(i, layer, h, cache, rope, lengths, kv_len, mask)
+            if self.trace is not None:
+                self.trace["hidden"].append(h)
         if self.hybrid:
             h = rms_norm_zero_centred(h, self.text.norm.weight, self.eps)
         else:
             h = _rms_norm(h, self.text.norm.weight, self.eps)
-        logits = F.linear(h, self.head.weight).float()
-        return sample_logits(logits, seeds, counters, sampling)
+        return F.linear(h, self.head.weight).float()
 
 
 def _length_mask(lengths: Tensor, kv_len: int) -> Tensor:

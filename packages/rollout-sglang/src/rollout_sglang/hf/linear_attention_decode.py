@@ -126,11 +126,18 @@ recurrent_step: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], Tenso
 
 
 def gated_delta_net_step(
-    attn: nn.Module, x: Tensor, conv_state: Tensor, recurrent_state: Tensor
+    attn: nn.Module,
+    x: Tensor,
+    conv_state: Tensor,
+    recurrent_state: Tensor,
+    *,
+    trace: dict[str, Tensor] | None = None,
 ) -> Tensor:
     """The layer's output for one token per row. ``x`` [B, hidden] (input-normed);
     ``conv_state`` [B, conv_dim, kernel] and ``recurrent_state`` [B, v_heads, k_dim, v_dim] are
-    the batch's slot views, updated in place."""
+    the batch's slot views, updated in place. ``trace`` (eager steps): receives the conv output
+    (after SiLU), the recurrence's output, the gate ``z`` and the gated norm's output, under the
+    names the microscope compares with transformers' forward."""
     batch = x.shape[0]
     k_heads, v_heads = attn.num_k_heads, attn.num_v_heads
     k_dim, v_dim = attn.head_k_dim, attn.head_v_dim
@@ -142,7 +149,9 @@ def gated_delta_net_step(
     window = torch.cat((conv_state[:, :, 1:], qkv[:, :, None].to(conv_state.dtype)), dim=-1)
     conv_state.copy_(window)
     weight = attn.conv1d.weight.squeeze(1)  # [conv_dim, kernel]
-    mixed = (window.to(weight.dtype) * weight).sum(-1)
+    # products summed in float32 and rounded once, as F.conv1d (the prefill's and the
+    # trainers' conv) does: bf16 products rounded one by one drift ~1.5x further from it
+    mixed = (window.float() * weight.float()).sum(-1).to(weight.dtype)
     if attn.conv1d.bias is not None:
         mixed = mixed + attn.conv1d.bias
     mixed = F.silu(mixed).to(x.dtype)
@@ -163,6 +172,8 @@ def gated_delta_net_step(
         out.float(), (v_dim,), eps=attn.norm.variance_epsilon
     ).to(x.dtype)
     gated = (normed * F.silu(z.reshape(batch, v_heads, v_dim).float())).to(x.dtype)
+    if trace is not None:
+        trace.update(conv=mixed, recurrent=out.reshape(batch, -1), gate=z, gated=gated)
     return F.linear(gated.reshape(batch, v_heads * v_dim), attn.out_proj.weight)
 
 

@@ -86,9 +86,19 @@ def experts_grouped(
     return (unsorted.view(batch, top_k, -1) * weights[:, :, None].to(out.dtype)).sum(1)
 
 
-def moe_forward(mlp: nn.Module, x: Tensor, *, grouped: bool, renormalise: bool = True) -> Tensor:
-    """The block's output for ``x`` [B, H] (the post-attention-normed hidden states)."""
+def moe_forward(
+    mlp: nn.Module,
+    x: Tensor,
+    *,
+    grouped: bool,
+    renormalise: bool = True,
+    trace: dict[str, Tensor] | None = None,
+) -> Tensor:
+    """The block's output for ``x`` [B, H] (the post-attention-normed hidden states).
+    ``trace`` (eager steps, the log-prob microscope): receives the chosen expert ids."""
     weights, ids = route(x, mlp.gate.weight, int(mlp.gate.top_k), renormalise)
+    if trace is not None:
+        trace["experts"] = ids
     experts = mlp.experts
     run = experts_grouped if grouped else experts_dense
     out = run(x, weights, ids, experts.gate_up_proj, experts.down_proj)
