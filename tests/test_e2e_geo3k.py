@@ -12,6 +12,7 @@
 5. The tiny MoE presets (Qwen3-VL-MoE, Qwen3.5-MoE) saved as HF folders, as every real run
    starts: GRPO steps on both backends, weights synced into the engine's decode step; a folder
    whose placeholder ids are not its processor's stops before anything starts.
+6. An engine KV cache too small for the prompts: exit 1 with one line, before any update.
 """
 
 from __future__ import annotations
@@ -558,3 +559,41 @@ def test_a_folder_with_other_placeholder_ids_stops_at_once(tmp_path: Path) -> No
     proc = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "image_token_id 151655 (processor: " in proc.stderr
+
+
+def test_a_cache_too_small_for_the_prompts_exits_1_before_any_update(tmp_path: Path) -> None:
+    """The tiny preset as a user runs it (no warm-up), with an engine KV cache of 8 tokens:
+    every request fits the model but not the cache. The evaluation before the first step
+    (the preset's) finds it; the launcher exits 1 with one line naming the tokens needed and
+    held, how the cache was sized, the settings to change and that no checkpoint exists yet;
+    no step ran (no update, no row, no checkpoint, no final weights). Before, each request was
+    skipped with a warning, eval scored 0, every step "updated" nothing and the run exited 0."""
+    run = tmp_path / "run"
+    argv = [*_cmd("geo3k_grpo"), *GRPO_ARGS, "--warmup-sft-steps", "0"]
+    argv += ["--rollout-cache-tokens", "8", "--output-dir", str(run)]
+    proc = subprocess.run(
+        argv,
+        cwd=ROOT,
+        env=_env() | {"COLUMNS": "5000"},  # one log record on one line
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
+    text = proc.stdout
+    assert proc.returncode == 1, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    errors = [line.strip() for line in text.splitlines() if " ERROR " in line]
+    assert len(errors) == 1, errors
+    line = errors[0].split(" ERROR ", 1)[1].strip()
+    assert line.startswith(
+        "step 0: evaluation: the rollout engine's KV cache cannot hold 16 of 16 requests that "
+        "fit the model; the largest: request 0 (0): needs 40 KV-cache tokens, the cache holds 8 "
+        "(cache_tokens=8, 2048 bytes a token): give the KV cache more memory "
+        "(--kv-cache-fraction or --rollout-cache-tokens"
+    ), line
+    assert "--rollout-max-response-len 16" in line and "--optimizer-offload-fraction" in line
+    assert line.endswith("; stopping before the first update; no checkpoint was saved yet"), line
+    assert "step 1:" not in text  # no rollout, no update
+    assert not (run / "metrics.jsonl").exists() or not _rows(run)
+    assert not _checkpoints(run) and not (run / "hf").exists()

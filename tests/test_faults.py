@@ -9,7 +9,9 @@ transformers engine and real processes that really die (`os._exit` inside the ac
 - a non-finite loss: the update is skipped and counted; N steps in a row stop the run;
 - the disk fills during a save: the partial save is removed, the previous checkpoint is used;
 - the engine's weights go stale (pushes stop landing): the log-prob gap between engine and
-  trainer leaves the float32 band and the run stops with one line.
+  trainer leaves the float32 band and the run stops with one line;
+- the engine's KV cache shrinks below what the requests need: the run stops before the update
+  with one line naming the figures, the settings and the checkpoint.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from __future__ import annotations
 import dataclasses
 import errno
 import functools
+import logging
 import math
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -42,6 +46,7 @@ from rl_runtime.faults import (
     CheckpointFailed,
     LogprobMismatch,
     NonFiniteStop,
+    RolloutFailed,
     RunStopped,
     WorkerDied,
 )
@@ -184,12 +189,40 @@ class DyingEngine:
         return self.engine.update_weights(buckets)
 
 
+class ShrinkingCache:
+    """The real transformers engine whose KV cache is taken again with `tokens` tokens from
+    the rollout asked for `seed` on, as a colocated engine's is when the trainer's state
+    keeps the GPU memory the first rollout had (the cache is sized at each rollout from what
+    is free then)."""
+
+    def __init__(self, engine, seed: int, tokens: int) -> None:
+        self.engine, self.seed, self.tokens = engine, seed, tokens
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate(self, requests, params):
+        if params.seed == self.seed:
+            self.engine.release_memory()
+            self.engine.resume_memory()
+            self.engine._cache_tokens = self.tokens  # taken anew at this generate
+            self.engine.cache = self.engine.runner = None
+        return self.engine.generate(requests, params)
+
+
 def make_trainer(cfg, fault=None, rank=0, at=0, trigger="/nonexistent", export_dtype="bfloat16"):
     return FaultyTrainer(cfg, fault, rank, at, trigger, export_dtype)
 
 
 def make_engine(
-    cfg, eos, die_seed=None, trigger="/nonexistent", once=True, die_in_sync=False, pushes=None
+    cfg,
+    eos,
+    die_seed=None,
+    trigger="/nonexistent",
+    once=True,
+    die_in_sync=False,
+    pushes=None,
+    shrink=None,
 ):
     import torch
 
@@ -198,6 +231,8 @@ def make_engine(
 
     torch.manual_seed(0)
     engine = HFEngine(build_model(cfg), device="cpu", eos_token_ids=eos, max_batch_size=8)
+    if shrink is not None:  # (seed, tokens): `ShrinkingCache`
+        engine = ShrinkingCache(engine, *shrink)
     return DyingEngine(engine, die_seed, trigger, once, die_in_sync, pushes)
 
 
@@ -455,3 +490,36 @@ def test_stale_engine_weights_stop_the_run_and_are_judged_after_resume(tiny, tmp
     with pytest.raises(LogprobMismatch) as err:
         run(tiny, out, engine=dict(pushes=0), score=_alternating_reward, resume=True, **float32)
     assert str(err.value).startswith("step 2: ") and "step_000001 is intact" in str(err.value)
+
+
+def test_a_cache_too_small_for_the_prompts_stops_before_the_update(tiny, tmp_path, caplog):
+    """Step 1 rolls out, trains and saves; at step 2 the engine's KV cache is taken again with
+    8 tokens, fewer than any request needs (prompt + 4 response tokens), though each fits the
+    model. The run stops before step 2's update with one line: the tokens needed and held, how
+    the cache was sized, the settings to change and step 1's checkpoint. Before, every request
+    was skipped, the step logged "no group with a learning signal; update skipped", and the
+    run went on to exit 0."""
+    out = tmp_path / "run"
+    with caplog.at_level(logging.INFO), pytest.raises(RolloutFailed) as err:
+        run(tiny, out, engine=dict(shrink=(_step_seed(2), 8)))
+    message = str(err.value)
+    assert "\n" not in message
+    assert re.match(
+        r"step 2: rollout: the rollout engine's KV cache cannot hold 8 of 8 requests that fit "
+        r"the model; the largest: request \d+ \(\d+\): needs (\d+) KV-cache tokens, the cache "
+        r"holds 8 \(cache_tokens=8, \d+ bytes a token\): give the KV cache more memory "
+        r"\(--kv-cache-fraction or --rollout-cache-tokens",
+        message,
+    ), message
+    assert "--rollout-max-response-len 4" in message and "--offload-train" in message
+    checkpoint = out / "checkpoints" / "step_000001"
+    assert message.endswith(
+        f"; stopping before its update; the last checkpoint {checkpoint} is intact (--resume "
+        "continues from it)"
+    )
+    # no update at step 2: no log-probs, no train step, no row, no checkpoint
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("step 1: train done") for m in said), said
+    assert not any(m.startswith(("step 2: old log-probs", "step 2: train")) for m in said)
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1]
+    assert _steps(out) == [1]

@@ -85,6 +85,11 @@ class LogprobMismatch(RunStopped):
     (rl_runtime.logprob_guard)."""
 
 
+class RolloutFailed(RunStopped):
+    """A rollout that cannot run: the engine's KV cache cannot hold requests that fit the
+    model, or no request returned a token (rl_runtime.rollout_guard)."""
+
+
 class Interrupted(RunStopped):
     """Ctrl-C (SIGINT): the step under way was abandoned; the launchers exit with status 130."""
 

@@ -36,6 +36,7 @@ from rl_runtime.progress import (
 )
 from rl_runtime.protocols import KV_CACHE, WEIGHTS, Decoder, PromptSource
 from rl_runtime.rollout_batch import ScoredGroups, build_train_batch
+from rl_runtime.rollout_guard import check_rollout
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,13 @@ def _run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
                 # the engines' split of the rollout time (a group that keeps none gives nothing)
                 row.update(_engine_stats(getattr(p.rollout, "engine_stats", dict)()))
                 rollout_figures(current, groups, row)
+            # a rollout the engine could not run stops the run here, before any update
+            check_rollout(
+                groups,
+                where=f"step {step}: rollout",
+                ending="stopping before its update",
+                max_response_len=cfg.rollout_max_response_len,
+            )
             # 2. Reward, over every usable completion (engine errors and completions holding
             # an image placeholder are counted and dropped): what is not scored yet.
             with timer("reward") as current:
@@ -327,9 +335,30 @@ def _metric_name(key: str) -> str:
     return f"trainer_{key}" if key == "step" else key
 
 
+class _Checked:
+    """The engines as an evaluation sees them: its rollouts are judged as the training ones
+    (rl_runtime.rollout_guard), so a cache too small for the eval prompts stops the run rather
+    than scoring every prompt 0."""
+
+    def __init__(self, engines: RestartingRollout, step: int, max_response_len: int) -> None:
+        self.engines, self.step, self.max_response_len = engines, step, max_response_len
+
+    def generate(self, prompts: Sequence[Any], **kwargs: Any) -> list[list[Any]]:
+        groups = self.engines.generate(prompts, **kwargs)
+        check_rollout(
+            groups,
+            where=f"step {self.step}: evaluation",
+            ending="stopping before the first update"
+            if self.step == 0
+            else "stopping before saving it",
+            max_response_len=self.max_response_len,
+        )
+        return groups
+
+
 def _evaluate(p: GrpoParts, engines, evals, cfg: GrpoLoopConfig, step: int) -> dict[str, float]:
     return evaluate(
-        engines,
+        _Checked(engines, step, cfg.rollout_max_response_len),
         evals,
         decode=p.decode,
         score=p.score,

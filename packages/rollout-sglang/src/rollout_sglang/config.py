@@ -161,7 +161,24 @@ class RolloutConfig:
         },
     )
     attn_implementation: str = "sdpa"
-    kv_cache_fraction: float = 0.5
+    kv_cache_fraction: float = field(
+        default=0.5,
+        metadata={
+            "help": "transformers engine: the KV cache's share of the GPU memory free when it "
+            "is taken (at each rollout, colocated)",
+            "gt": 0,
+            "lt": 1,
+        },
+    )
+    cache_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "transformers engine: the KV cache's size in tokens (default: "
+            "--kv-cache-fraction of the free GPU memory; 65536 on a CPU)",
+            "flag": "rollout_cache_tokens",
+            "ge": 1,
+        },
+    )
     cuda_graphs: bool = True
     compile_decode: bool = False
     decode_attention: Literal["auto", "triton", "sdpa", "matmul"] = field(
@@ -199,6 +216,7 @@ class RolloutConfig:
         return {
             "max_batch_size": self.max_batch_size,
             "kv_cache_fraction": self.kv_cache_fraction,
+            "cache_tokens": self.cache_tokens,
             "cuda_graphs": self.cuda_graphs,
             "compile": self.compile_decode,
             "decode_attention": self.decode_attention,

@@ -53,6 +53,10 @@ _SEED_MASK = (1 << 63) - 1
 ENGINE_MODEL_OPTIONS = {"fused_vision_attention": True, "fused_rms_norm": True}
 
 
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
 def _layer_kv(cache: Any, layer: int) -> tuple[Tensor, Tensor]:
     """Keys/values ``[B, kv_heads, W, head_dim]`` of one layer of a transformers cache."""
     layers = getattr(cache, "layers", None)
@@ -253,23 +257,41 @@ class HFEngine:
         base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()))
         results: list[Completion | None] = [None] * len(requests)
         seqs: list[SeqState] = []
+        too_big: list[int] = []  # cache tokens of the requests the cache cannot hold
+        note = ""
         for i, request in enumerate(requests):
             error = request_error(request, self.limits, i)
             limit = min(params.max_new_tokens, self.context_length - request.prompt_length)
             seed = request.seed if request.seed is not None else base + i
             seq = SeqState(index=i, request=request, seed=seed & _SEED_MASK, limit=limit)
             if error is None and seq.cache_tokens > cache.budget_tokens:
+                # It fits the model (``limit`` keeps prompt + response within its context), so
+                # the cache is too small: a capacity error, which stops a GRPO run
+                # (rl_runtime.rollout_guard reads these words), not bad input.
+                note = note or self._cache_note(cache)
                 error = (
                     f"{seq.name}: needs {seq.cache_tokens} KV-cache tokens, the cache holds "
-                    f"{cache.budget_tokens}"
+                    f"{cache.budget_tokens} ({note})"
                 )
+                too_big.append(seq.cache_tokens)
+            elif error is not None:  # bad input: it fails alone
+                logger.warning("skipping %s", error)
             if error is None:
                 seqs.append(seq)
             else:
-                logger.warning("skipping %s", error)
                 results[i] = Completion.failed(
                     error, prompt_length=request.prompt_length, request_id=request.request_id
                 )
+        if too_big:  # one line, not one per request
+            logger.warning(
+                "skipping %d of %d requests: they need up to %d KV-cache tokens, the cache "
+                "holds %d (%s)",
+                len(too_big),
+                len(requests),
+                max(too_big),
+                cache.budget_tokens,
+                note,
+            )
         if seqs:
             need = round_up(max(s.cache_tokens for s in seqs), self.kv_block)
             need = min(need, cache.budget_tokens)  # every request fits (checked above)
@@ -327,6 +349,30 @@ class HFEngine:
                     request_id=request.request_id,
                 )
         return results  # type: ignore[return-value]
+
+    def _cache_note(self, cache: KVCache) -> str:
+        """How the cache was sized and who holds the device's memory, as far as this process
+        can tell: the figures a capacity error needs to be acted on."""
+        if self._cache_tokens:
+            sized = f"cache_tokens={self._cache_tokens}"
+        elif self.device.type != "cuda":
+            sized = f"the fixed size of a cache on {self.device.type}; cache_tokens sets it"
+        else:
+            sized = f"kv_cache_fraction {self._kv_cache_fraction:g} of the memory free when taken"
+            if cache.states is not None:
+                sized += f", less {self.max_batch_size} slots' recurrent states"
+        per_token = f"{self._bytes_per_token} bytes a token"
+        if self.device.type != "cuda":
+            return f"{sized}, {per_token}"
+        free, total = torch.cuda.mem_get_info(self.device)
+        mine = torch.cuda.memory_reserved(self.device)
+        held = cache.budget_tokens * self._bytes_per_token
+        others = max(total - free - mine, 0)
+        return (
+            f"{sized}, {per_token}; {self.device}: {_gib(total)}, {_gib(free)} free; this "
+            f"engine holds {_gib(mine)} (its cache {_gib(held)}), other processes (a colocated "
+            f"trainer) and CUDA contexts {_gib(others)}"
+        )
 
     def _move(self, src: list[int], dst: list[int]) -> None:
         assert self.cache is not None
