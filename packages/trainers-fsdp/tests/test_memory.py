@@ -79,3 +79,25 @@ def test_the_optimizer_on_the_host_needs_whole_parameters_on_each_rank():
     assert refusal is not None and "--fsdp-replicate" in refusal
     assert REPLICATED.supports(offloaded, 2) is None
     assert SHARDED.supports(ParallelLayout(), 2) is None
+
+
+def test_between_steps_the_actor_keeps_weights_and_optimizer_state_only():
+    """What a colocated engine's KV cache is sized beside (``resident_bytes``): one GPU, the
+    bf16 weights and the optimizer's device part (its gradients freed by ``release_cache``):
+    for the Qwen3.5-35B-A3B 8-layer cut with 40 % of the optimizer on the host, 70.2 GiB of the
+    116.0 its step's weights, gradients and optimizer state take; sharded, the float32 shards
+    and moments, 12 bytes a parameter over the ranks."""
+    from vlm_models.presets import preset_config
+    from vlm_models.sources import model_shape
+
+    shape = ModelShape(**model_shape(preset_config("qwen3.5-35b-a3b", num_hidden_layers=8)))
+    params = shape.language_params + shape.vision_params
+    one = TrainLayout(1, 16384, ParallelLayout(optimizer_offload=0.4))
+    held = SHARDED.state_bytes(shape, one)
+    assert round((held.weights + held.gradients + held.optimizer) / GiB, 1) == 116.0
+    assert round(SHARDED.resident_bytes(shape, one) / GiB, 1) == 70.2
+    assert REPLICATED.resident_bytes(shape, layout(4, 16384)) == 14 * params
+    assert SHARDED.resident_bytes(shape, layout(4, 16384)) == 12 * params / 4
+    assert FsdpConfig(shard_single_rank=True).resident_bytes(shape, layout(1, 16384)) == (
+        12 * params
+    )

@@ -22,7 +22,12 @@ what keeps the node's peak under :data:`HOST_CAP` of its memory once Ray, the la
 every process's runtime have theirs; ``rl_runtime.parallel.host_budget``). Such layouts are
 tried only after every layout that keeps the state on the GPU, the smallest fraction first.
 Colocated, where the trainer's state sits while the engine generates is planned against both
-memories too (:func:`plan_colocation`)."""
+memories too (:func:`plan_colocation`): what the trainer keeps then is the backend's
+``resident_bytes`` where it has one (FSDP frees its gradients before the engine resumes:
+weights and optimizer state stay), else its weights, gradients and optimizer state
+(:attr:`MemoryEstimate.resident`); the plan gives the engine's KV cache a size in tokens
+(:attr:`ColocationPlan.kv_cache_tokens`), which the transformers engine takes as
+``cache_tokens`` and checks against the memory free when it allocates."""
 
 from __future__ import annotations
 
@@ -49,6 +54,7 @@ __all__ = [
     "check_layout",
     "choose_layout",
     "describe",
+    "engine_cache",
     "estimate_memory",
     "flags",
     "keep_train_state_on_gpu",
@@ -111,6 +117,17 @@ class MemoryEstimate:
     logits: float
     reserve: float = RESERVE_BYTES
     host: float = 0.0  # host memory per trainer rank (the offloaded optimizer state), not in total
+    # what the trainer keeps on the GPU while a colocated engine generates (the backend's
+    # ``resident_bytes``); None: weights, gradients and optimizer state (see ``resident``)
+    kept: float | None = None
+
+    @property
+    def resident(self) -> float:
+        """Bytes the trainer keeps on the GPU between steps, while a colocated engine
+        generates: the backend's answer, else weights, gradients and optimizer state."""
+        if self.kept is not None:
+            return self.kept
+        return self.weights + self.gradients + self.optimizer
 
     @property
     def total(self) -> float:
@@ -160,7 +177,10 @@ def estimate_memory(
     held: StateBytes = trainer.state_bytes(
         shape, layout, vision_patches_per_token=vision_patches_per_token
     )
-    return MemoryEstimate(describe(trainer, layout), **dataclasses.asdict(held))
+    # optional on a backend (TrainerConfig): what it keeps while a colocated engine generates
+    resident = getattr(trainer, "resident_bytes", None)
+    kept = None if resident is None else resident(shape, layout)
+    return MemoryEstimate(describe(trainer, layout), **dataclasses.asdict(held), kept=kept)
 
 
 Candidate = tuple[TrainerConfig, TrainLayout]
@@ -307,6 +327,30 @@ def check_layout(
     raise PreflightError(message)
 
 
+def engine_cache(
+    shape: ModelShape,
+    estimate: MemoryEstimate,
+    *,
+    gpu_bytes: float,
+    engine_sequences: int,
+    engine_share: float,
+    state_bytes_per_sequence: int = 0,
+) -> tuple[float, int]:
+    """Colocated beside the trainer's resident state (:attr:`MemoryEstimate.resident`): the
+    bytes of the engine's cache, ``engine_share`` of what is left once both processes have
+    their reserve and the engine its bf16 weights (the HF engine's ``kv_cache_fraction`` of
+    free memory), and the KV tokens that holds beside ``engine_sequences`` sequences'
+    recurrent states (``state_bytes_per_sequence``: Qwen3.5's gated-delta-net layers keep a
+    state per sequence and no keys)."""
+    engine_weights = 2 * (shape.language_params + shape.vision_params)
+    left = gpu_bytes - estimate.resident - engine_weights - 2 * RESERVE_BYTES
+    got = max(0.0, engine_share * left)
+    if shape.kv_bytes_per_token <= 0:
+        return got, 0
+    kv = got - engine_sequences * state_bytes_per_sequence
+    return got, max(0, int(kv // shape.kv_bytes_per_token))
+
+
 def keep_train_state_on_gpu(
     shape: ModelShape,
     estimate: MemoryEstimate,
@@ -315,22 +359,34 @@ def keep_train_state_on_gpu(
     engine_sequences: int,
     tokens_per_sequence: int,
     engine_share: float,
+    state_bytes_per_sequence: int = 0,
 ) -> tuple[bool, str]:
-    """Colocated: may the trainer's weights, gradients and optimizer state stay on the GPU while
-    the engine generates? Yes when the engine, sizing its KV cache as ``engine_share`` of the
-    memory left beside them (the HF engine's ``kv_cache_fraction`` of free memory), still holds
+    """Colocated: may the trainer's resident state (its weights and optimizer state, and its
+    gradients where the backend keeps them between steps) stay on the GPU while the engine
+    generates? Yes when the engine's cache beside it (:func:`engine_cache`) still holds
     ``engine_sequences`` sequences of ``tokens_per_sequence`` tokens: then the onload and
-    offload copies of every step are waste. Returns the answer and its numbers (for the log)."""
-    resident = estimate.weights + estimate.gradients + estimate.optimizer
+    offload copies of every step are waste. Returns the answer and its numbers, the cache in
+    GiB and in tokens (for the log and ``--print-config``)."""
+    got, tokens = engine_cache(
+        shape,
+        estimate,
+        gpu_bytes=gpu_bytes,
+        engine_sequences=engine_sequences,
+        engine_share=engine_share,
+        state_bytes_per_sequence=state_bytes_per_sequence,
+    )
     engine_weights = 2 * (shape.language_params + shape.vision_params)
-    kv_need = engine_sequences * tokens_per_sequence * shape.kv_bytes_per_token
-    left = gpu_bytes - resident - engine_weights - 2 * RESERVE_BYTES  # both processes' contexts
-    kv_got = max(0.0, engine_share * left)
-    keep = shape.kv_bytes_per_token > 0 and kv_got >= kv_need
+    need_tokens = engine_sequences * tokens_per_sequence
+    states = engine_sequences * state_bytes_per_sequence
+    kv_need = need_tokens * shape.kv_bytes_per_token + states
+    keep = shape.kv_bytes_per_token > 0 and tokens >= need_tokens
+    with_states = f", {states / GiB:.1f} GiB of it recurrent states" if states else ""
     why = (
-        f"trainer state {resident / GiB:.1f} GiB, engine weights {engine_weights / GiB:.1f}, "
-        f"its KV cache {kv_got / GiB:.1f} GiB beside them for {kv_need / GiB:.1f} needed "
-        f"({engine_sequences} x {tokens_per_sequence} tokens), of {gpu_bytes / GiB:.1f} GiB"
+        f"trainer state {estimate.resident / GiB:.1f} GiB, engine weights "
+        f"{engine_weights / GiB:.1f}, its KV cache {got / GiB:.1f} GiB ({tokens:,} tokens) "
+        f"beside them for {kv_need / GiB:.1f} needed ({engine_sequences} x "
+        f"{tokens_per_sequence} = {need_tokens:,} tokens{with_states}), of "
+        f"{gpu_bytes / GiB:.1f} GiB"
     )
     return keep, why
 
@@ -339,11 +395,14 @@ def keep_train_state_on_gpu(
 class ColocationPlan:
     """Where a colocated trainer's state sits while the engine generates: ``optimizer_offload``,
     the part of the optimizer state stepped on the host (the layout's, or more), and
-    ``offload_train``, whether the rest leaves the GPU for each rollout; ``why`` for the log."""
+    ``offload_train``, whether the rest leaves the GPU for each rollout; ``why`` for the log.
+    ``kv_cache_tokens``: the tokens the plan gives the engine's KV cache beside what the
+    trainer keeps (the transformers engine's ``cache_tokens``; None: no plan for it)."""
 
     optimizer_offload: float
     offload_train: bool
     why: str
+    kv_cache_tokens: int | None = None
 
 
 def plan_colocation(
@@ -357,19 +416,22 @@ def plan_colocation(
     engine_sequences: int,
     tokens_per_sequence: int,
     engine_share: float,
+    state_bytes_per_sequence: int = 0,
 ) -> ColocationPlan:
     """The trainer's state during rollout, colocated with the transformers engine.
 
     It stays on the GPU where the engine's KV cache holds a rollout beside it
     (:func:`keep_train_state_on_gpu`). Otherwise it is offloaded, when its pinned host copies
-    (the trainer's weights, gradients and on-GPU optimizer state) fit the host beside the
-    optimizer state already there (``host_bytes`` per rank). When they do not (a model whose
-    optimizer the layout already put partly on the host: the 8B on one H200 with 128 GiB of
-    host memory would need about 160 GiB), the state stays on the GPU and more of the optimizer
-    moves to the host, the first of ``fractions`` above ``current`` that lets the cache hold a
-    rollout, else the largest that fits the host: a smaller cache runs the rollout's sequences
-    in turns, slower but within memory. ``estimate_at(f)``: the layout's estimate with ``f`` of
-    the optimizer on the host; ``fractions``: the ones the user left free (none when given)."""
+    (what the trainer keeps between steps, :attr:`MemoryEstimate.resident`) fit the host
+    beside the optimizer state already there (``host_bytes`` per rank). When they do not (a
+    model whose optimizer the layout already put partly on the host: the 8B on one H200 with
+    128 GiB of host memory), the state stays on the GPU and more of the optimizer moves to the
+    host, the first of ``fractions`` above ``current`` that lets the cache hold a rollout, else
+    the largest that fits the host: a smaller cache runs the rollout's sequences in turns,
+    slower but within memory. ``estimate_at(f)``: the layout's estimate with ``f`` of the
+    optimizer on the host; ``fractions``: the ones the user left free (none when given). The
+    plan's ``kv_cache_tokens`` are the cache's tokens beside the state where it stays, beside
+    nothing of the trainer's where it is offloaded."""
 
     def beside(estimate: MemoryEstimate) -> tuple[bool, str]:
         return keep_train_state_on_gpu(
@@ -379,15 +441,28 @@ def plan_colocation(
             engine_sequences=engine_sequences,
             tokens_per_sequence=tokens_per_sequence,
             engine_share=engine_share,
+            state_bytes_per_sequence=state_bytes_per_sequence,
         )
+
+    def tokens(estimate: MemoryEstimate) -> int | None:
+        _, kv = engine_cache(
+            shape,
+            estimate,
+            gpu_bytes=gpu_bytes,
+            engine_sequences=engine_sequences,
+            engine_share=engine_share,
+            state_bytes_per_sequence=state_bytes_per_sequence,
+        )
+        return kv or None
 
     estimate = estimate_at(current)
     keep, why = beside(estimate)
     if keep:
-        return ColocationPlan(current, False, why)
-    copies = estimate.host + estimate.weights + estimate.gradients + estimate.optimizer
+        return ColocationPlan(current, False, why, tokens(estimate))
+    copies = estimate.host + estimate.resident
     if host_bytes is None or copies <= host_bytes:
-        return ColocationPlan(current, True, why)
+        offloaded = dataclasses.replace(estimate, kept=0.0)
+        return ColocationPlan(current, True, why, tokens(offloaded))
     short = (
         f"offloading it would take {copies / GiB:.1f} GiB of host memory per rank of "
         f"{host_bytes / GiB:.1f} (--host-memory-gib)"
@@ -402,11 +477,15 @@ def plan_colocation(
         best = f
         keep, why = beside(option)
         if keep:
-            return ColocationPlan(f, False, f"{short}; optimizer {f:.0%} on the host: {why}")
-    _, why = beside(estimate_at(best))
+            return ColocationPlan(
+                f, False, f"{short}; optimizer {f:.0%} on the host: {why}", tokens(option)
+            )
+    chosen = estimate_at(best)
+    _, why = beside(chosen)
     return ColocationPlan(
         best,
         False,
         f"{short}; kept on the GPU with the optimizer {best:.0%} on the host, the engine's KV "
         f"cache runs the rollout's sequences in turns: {why}",
+        tokens(chosen),
     )

@@ -533,11 +533,12 @@ class FsdpActor:
 
     # ----------------------------------------------------------------------------- offload
     def offload(self) -> dict[str, float]:
-        """Move parameters, gradients and optimizer state to CPU (frees the GPU for rollout).
-        Returns the copy's metrics (:func:`trainer_core.offload.transfer_metrics`; none on a
-        CPU)."""
+        """Move parameters, gradients and optimizer state to CPU (frees the GPU for rollout);
+        gradients that hold nothing are freed instead (:meth:`release_grads`). Returns the
+        copy's metrics (:func:`trainer_core.offload.transfer_metrics`; none on a CPU)."""
         if self.device.type == "cpu":
             return {}
+        self.release_grads()
         with timed_copies(self.device) as seconds:
             moved = self._move(torch.device("cpu"), offload=True)
         torch.cuda.empty_cache()
@@ -554,11 +555,58 @@ class FsdpActor:
         return transfer_metrics("onload", moved, seconds[0])
 
     def release_cache(self) -> None:
-        """Give the allocator's cached, unused blocks back to the device (a colocated engine
-        resumes next); the model and optimizer state stay where they are."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+        """Before a colocated engine resumes: free what only a step needs, so that the engine's
+        KV cache gets it, and say what stays. The gradients when nothing is accumulated
+        (:meth:`release_grads`), then, on CUDA, blocks a CUDA-IPC push shared with the engine
+        that it has let go (``torch.cuda.ipc_collect``) and the allocator's cache (the step's
+        activations and logits, the push's buffers). The weights and the optimizer state stay:
+        what the colocation plan counts (``FsdpConfig.resident_bytes``), logged beside what
+        is still allocated."""
+        freed = self.release_grads()
+        if self.device.type != "cuda":
+            return
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved(self.device)
+        torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved(self.device)
+        logger.info(
+            "release_cache: %.1f GiB of cached GPU memory given back%s; %.1f GiB allocated "
+            "(%.1f reserved) stays, the plan counts %.1f",
+            (before - reserved) / 2**30,
+            f" (gradients {freed / 2**30:.1f} GiB among it)" if freed else "",
+            torch.cuda.memory_allocated(self.device) / 2**30,
+            reserved / 2**30,
+            self.planned_resident_bytes() / 2**30,
+        )
+
+    def release_grads(self) -> int:
+        """Free the gradient buffers while they hold nothing (after an optimizer step, or
+        before the first); returns the bytes freed. The one-rank masters' flat bf16 and float32
+        buffers (6 bytes a trainable parameter) and the optimizer's views of them; FSDP's and
+        float32 training's ``.grad`` are already None after a step (``zero_grad``). An
+        accumulated gradient (``forward_backward`` without its step) is kept. The next backward
+        makes them again."""
+        if self._masters is None:
+            return 0
+        grads = (self._masters.compute_grad, self._masters.grad)
+        held = sum(_nbytes(g) for g in grads if g is not None)
+        if not self._masters.release_grads():
+            return 0
+        if isinstance(self.optimizer, FlatAdamW):
+            self.optimizer.forget_grads()
+        return held
+
+    def planned_resident_bytes(self) -> float:
+        """What the colocation plan counts for this rank while the engine generates
+        (``FsdpConfig.resident_bytes`` of this model and layout)."""
+        from rl_algos.run_context import ModelShape, ParallelLayout, TrainLayout
+        from vlm_models.sources import model_shape
+
+        cfg = self.config
+        shape = ModelShape(**model_shape(self.model_config))
+        parallel = ParallelLayout(optimizer_offload=cfg.optimizer_offload)
+        return cfg.resident_bytes(shape, TrainLayout(self.world_size, 1, parallel))
 
     def _move(self, device: torch.device, *, offload: bool) -> int:
         """Everything to ``device`` (the copies queued, not waited for); bytes copied.

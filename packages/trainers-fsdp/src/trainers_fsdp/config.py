@@ -9,6 +9,7 @@ from typing import Any
 from rl_algos import GrpoLossConfig
 from rl_algos.optimizer import OptimConfig
 from rl_algos.run_context import ModelShape, ParallelLayout, RunContext, StateBytes, TrainLayout
+from trainers_fsdp.memory import resident_bytes as memory_resident_bytes
 from trainers_fsdp.memory import state_bytes as memory_state_bytes
 
 
@@ -193,6 +194,17 @@ class FsdpConfig:
             layout,
             replicate=self.replicate,
             vision_patches_per_token=vision_patches_per_token,
+        )
+
+    def resident_bytes(self, shape: ModelShape, layout: TrainLayout) -> float:
+        """Per-GPU memory the actor keeps while a colocated engine generates, after its
+        ``release_cache`` (trainers_fsdp.memory.resident_bytes): what the colocation plan sizes
+        the engine's KV cache beside."""
+        return memory_resident_bytes(
+            shape,
+            layout,
+            replicate=self.replicate,
+            fsdp_one_rank=self.shard_single_rank and not self.replicate,
         )
 
     def describe_layout(self, layout: TrainLayout) -> list[str]:

@@ -133,8 +133,14 @@ class FlatAdamW(torch.optim.AdamW):
                 state["step"] = torch.as_tensor(step, dtype=torch.float32).to(device).clone()
                 state["exp_avg"], state["exp_avg_sq"] = m, v
 
+    def forget_grads(self) -> None:
+        """Drop the cached per-parameter views of the gradient buffer (:meth:`grad_norm`'s):
+        they would keep a buffer the masters released or moved alive on the device."""
+        self._grad_views = (None, [])
+
     def to(self, device: torch.device) -> None:
         """Move the state (offload, onload) and re-point the per-parameter views."""
+        self.forget_grads()
         if self._runs is None:
             _move_state_tensors(self, device)
             return

@@ -21,6 +21,11 @@ first trainable parameters, that fraction of the trainable elements, live in pin
 memory instead (:attr:`MasterWeights.host_master`, offsets ``[0, host_end)``); their AdamW step
 runs there too (:mod:`trainers_fsdp.host_adamw`). The bf16 weights and gradients stay on the
 device.
+
+Between steps the gradient buffers hold nothing (an optimizer step leaves them zero), yet they
+are a third of the state: 6 of the 20 bytes per parameter. :meth:`MasterWeights.release_grads`
+frees both while a colocated engine generates (the actor's ``release_cache``), and the next
+backward makes the bf16 one again (zeroed) and the next accumulation the float32 one.
 """
 
 from __future__ import annotations
@@ -99,7 +104,10 @@ class MasterWeights:
         for p, (start, end) in zip(self._params, itertools.pairwise(self._offsets), strict=True):
             self.master_slice(start, end).copy_(p.detach().reshape(-1))
         self.compute = torch.empty(total, dtype=dtype, device=device)
-        self.compute_grad = torch.zeros(self.num_trainable, dtype=dtype, device=device)
+        # the bf16 gradient autograd accumulates into; None once released (release_grads)
+        self.compute_grad: Tensor | None = torch.zeros(
+            self.num_trainable, dtype=dtype, device=device
+        )
         # float32 accumulator, allocated by the first move into it: a step of one micro-batch
         # (FlatAdamW) never needs it
         self.grad: Tensor | None = None
@@ -139,13 +147,15 @@ class MasterWeights:
         return self.master[start - self.host_end : end - self.host_end]
 
     def _bind(self) -> None:
-        """Point the model's and the masters' ``.data`` and ``.grad`` at the flat buffers."""
+        """Point the model's and the masters' ``.data`` and ``.grad`` at the flat buffers
+        (no ``.grad`` while the gradient buffers are released)."""
         for i, (p, m) in enumerate(zip(self._params, self._masters, strict=True)):
             start, end = self._offsets[i], self._offsets[i + 1]
             p.data = self.compute[start:end].view(self._shapes[i])
             m.data = self.master_slice(start, end).view(self._shapes[i])
             if p.requires_grad:  # trainable parameters come first: the same offsets
-                p.grad = self.compute_grad[start:end].view(self._shapes[i])
+                grad = self.compute_grad
+                p.grad = None if grad is None else grad[start:end].view(self._shapes[i])
         self._bind_master_grads()
 
     def _bind_master_grads(self) -> None:
@@ -164,9 +174,30 @@ class MasterWeights:
     @torch.no_grad()
     def before_backward(self) -> None:
         """A backward is about to add into the bf16 gradients: move what they hold first, so
-        micro-batches sum in float32."""
+        micro-batches sum in float32 (after :meth:`release_grads`, make the buffer again)."""
         self._flush()
+        if self.compute_grad is None:
+            self.compute_grad = torch.zeros(
+                self.num_trainable, dtype=self.compute.dtype, device=self.device
+            )
+            self._bind()
         self._pending = True
+
+    @property
+    def grads_held(self) -> bool:
+        """Whether a gradient is accumulated (a backward since the last step or zero_grad)."""
+        return self._pending or not self._grad_empty
+
+    @torch.no_grad()
+    def release_grads(self) -> bool:
+        """Free the bf16 and float32 gradient buffers when they hold nothing (between steps:
+        what a colocated engine may use while it generates); the next backward makes them
+        again. An accumulated gradient is kept (returns False)."""
+        if self.grads_held:
+            return False
+        self.compute_grad = self.grad = None
+        self._bind()
+        return True
 
     @torch.no_grad()
     def _flush(self) -> None:
@@ -174,6 +205,7 @@ class MasterWeights:
         if not self._pending:
             return
         grad = self._float32_grad()
+        assert self.compute_grad is not None  # a backward wrote it (before_backward made it)
         compiled_on(self.device, _move_grads)(grad, self.compute_grad, self._grad_empty)
         self._pending, self._grad_empty = False, False
 
@@ -202,7 +234,7 @@ class MasterWeights:
         dtype, else the float32 accumulator (everything moved into it first). Every rank must
         take the same branch: the actor runs as many backwards on each (``plan_micro_batches``
         gives every rank the same count)."""
-        grad = self.single_grad() if reduce_dtype == self.compute_grad.dtype else None
+        grad = self.single_grad() if reduce_dtype == self.compute.dtype else None
         all_reduce_mean_(self.ready_grads() if grad is None else grad)
 
     def _float32_grad(self) -> Tensor:
@@ -216,7 +248,7 @@ class MasterWeights:
     def zero_grad(self, *, compute_grad_zeroed: bool = False) -> None:
         """Forget the accumulated gradients (the float32 ones lazily: the next move overwrites
         them). ``compute_grad_zeroed``: the caller already zeroed the bf16 buffer."""
-        if self._pending and not compute_grad_zeroed:
+        if self._pending and not compute_grad_zeroed and self.compute_grad is not None:
             self.compute_grad.zero_()
         self._pending, self._grad_empty = False, True
 
@@ -258,8 +290,9 @@ class MasterWeights:
             else:
                 self.grad = self._host.move("grad", self.grad, device)
         self.compute = torch.empty_like(self.compute, device=device)
-        new_grad = torch.zeros_like if fill else torch.empty_like
-        self.compute_grad = new_grad(self.compute_grad, device=device)
+        if self.compute_grad is not None:  # (released: made again by the next backward)
+            new_grad = torch.zeros_like if fill else torch.empty_like
+            self.compute_grad = new_grad(self.compute_grad, device=device)
         if fill:
             self.copy_to_model()
         self._bind()

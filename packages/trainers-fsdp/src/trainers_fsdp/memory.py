@@ -19,7 +19,14 @@ torch's caching host allocator, which rounds each up to a power of two); sharded
 offload, and is counted as without it. :func:`host_bytes` is that host part, or with
 ``on_cpu`` everything a rank holds between steps when the CPU plays the device, as the tests
 run it (tests/test_host_memory.py measures it: the estimate is within 10 % of the resident
-memory the actor adds)."""
+memory the actor adds).
+
+Colocated, between steps, the trainer keeps less than at the step's peak: an optimizer step
+leaves the gradients zero, and ``FsdpActor.release_cache`` (before the engine resumes) frees
+them, the allocator's cache and whatever a push left there. :func:`resident_bytes` is what
+stays, the part of the plan that the engine's KV cache is sized beside
+(``rl_runtime.plan_colocation``); tests/test_resident.py counts every tensor a released actor
+still holds against it."""
 
 from __future__ import annotations
 
@@ -95,3 +102,20 @@ def host_bytes(
         return 0.0
     piece = 1 << (int(min(offloaded, CHUNK)) - 1).bit_length()  # the allocator's rounding
     return 12 * offloaded + 2 * piece * (4 + 2)
+
+
+def resident_bytes(
+    shape: ModelShape, layout: TrainLayout, *, replicate: bool, fsdp_one_rank: bool = False
+) -> float:
+    """What one rank keeps on the GPU while a colocated engine generates, once the actor's
+    ``release_cache`` has run: the weights and the optimizer state on the GPU, no gradients
+    and no activations. Whole ranks (one, or ``replicate``): bf16 weights (2 bytes a
+    parameter) over float32 masters and AdamW moments (12), less the optimizer's part on the
+    host. Sharded FSDP2 (or ``fsdp_one_rank``, ``FsdpConfig.shard_single_rank``): the float32
+    shard is the master (4 / N) beside the moments (8 / N); its bf16 copies live only inside a
+    step."""
+    params = shape.language_params + shape.vision_params
+    shards = 1 if replicate else max(1, layout.world_size)
+    if shards == 1 and not fsdp_one_rank:
+        return 2 * params + 12 * params * (1 - _offloaded(layout, shards))
+    return 12 * params / shards

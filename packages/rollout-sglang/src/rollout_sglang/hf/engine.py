@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from rollout_sglang.hf.decode import DecodeRunner, SamplingKey, TextDecoder, sample_logits, supports
-from rollout_sglang.hf.kv_cache import KVCache, cache_budget_tokens
+from rollout_sglang.hf.kv_cache import CacheSize, KVCache, cache_size
 from rollout_sglang.hf.legacy import LegacyHFEngine, _eos_ids
 from rollout_sglang.hf.scheduler import Scheduler, SeqState, round_up
 from rollout_sglang.hf.weights import WeightLoader
@@ -207,19 +207,20 @@ class HFEngine:
 
     # ---------------------------------------------------------------- generation
 
-    def _cache_budget(self, states: Any) -> int:
-        """Tokens of KV cache: ``kv_cache_fraction`` of the free memory, less the slots'
-        recurrent states (Qwen3.5), which come out of the same share."""
-        budget = cache_budget_tokens(
+    def _cache_budget(self, states: Any) -> CacheSize:
+        """The KV cache's size at an allocation (:func:`~rollout_sglang.hf.kv_cache.cache_size`):
+        ``cache_tokens`` where given (the colocation plan's), checked against the free memory
+        with the slots' recurrent states (Qwen3.5); else ``kv_cache_fraction`` of the free
+        memory, the states out of the same share."""
+        return cache_size(
             device=self.device,
             bytes_per_token=self._bytes_per_token,
             mem_fraction=self._kv_cache_fraction,
             cpu_tokens=65536,
+            planned_tokens=self._cache_tokens,
+            slot_bytes=0 if states is None else states.bytes_per_slot(),
+            max_slots=self.max_batch_size,
         )
-        if states is not None and self.device.type == "cuda":
-            reserve = self.max_batch_size * states.bytes_per_slot()
-            budget = max(budget - -(-reserve // self._bytes_per_token), 1)
-        return budget
 
     def _ensure_cache(self) -> tuple[KVCache, DecodeRunner]:
         if self.cache is None:
@@ -232,9 +233,9 @@ class HFEngine:
                 dtype=self.decoder.dtype,
                 device=self.device,
                 # colocated, the cache is released while the trainer runs and taken again at
-                # the next rollout: sized anew from what is free then (the trainer's optimizer
-                # state, allocated at its first step, may have taken what the first rollout had)
-                budget_tokens=self._cache_tokens or (lambda: self._cache_budget(states)),
+                # the next rollout: sized (or its planned size checked) against what is free
+                # then, and logged, at each allocation
+                budget_tokens=lambda: self._cache_budget(states),
             )
             self.runner = DecodeRunner(
                 self.decoder, self.cache, self.device, use_graphs=self.cuda_graphs
