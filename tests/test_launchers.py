@@ -206,6 +206,7 @@ ISSUE_STEP += ["--global-batch-size", "128", "--rollout-max-response-len", "384"
     ("argv", "offloads"),
     [
         # 39.6 GiB of trainer state leave the engine 45.7 GiB of KV cache for 19.2 needed
+        # (FSDP, its gradients freed before the engine resumes: 27.7 GiB leave 51.6)
         ([*ISSUE_STEP, "--rollout-engine", "hf"], False),
         ([*ISSUE_STEP, "--rollout-engine", "hf", "--backend", "fsdp"], False),
         # the recipe's 64 x 8 responses of up to 4,096 tokens need 140 GiB of cache
@@ -225,7 +226,8 @@ def test_offload_train_follows_the_memory_estimate(argv, offloads):
     offload, why = plan.offload_train, plan.why
     assert offload is offloads and plan.optimizer_offload == 0, why
     if "GiB" in why:
-        assert "trainer state 39.6 GiB" in why, why
+        kept = "27.7" if "fsdp" in argv else "39.6"
+        assert f"trainer state {kept} GiB" in why, why
 
 
 def test_no_offload_train_is_kept():
@@ -275,16 +277,16 @@ def test_8b_on_one_gpu_keeps_part_of_the_optimizer_on_the_host(capsys, backend, 
 
 
 # FSDP's layout puts 50 % of its optimizer on the host, Megatron's 60 % (above); the host's
-# 83.8 GiB for the trainer's state hold FSDP's 80 % (79.2 GiB), not Megatron's 70 % (91.4)
-@pytest.mark.parametrize(("backend", "fraction"), [("fsdp", 0.8), ("megatron", 0.6)])
+# 83.8 GiB for the trainer's state cannot hold Megatron's 70 % (91.4)
+@pytest.mark.parametrize(("backend", "fraction"), [("fsdp", 0.5), ("megatron", 0.6)])
 def test_8b_colocated_keeps_its_state_on_the_gpu_with_more_optimizer_on_the_host(
     capsys, backend, fraction
 ):
-    """Offloading the 8B trainer's state for each rollout would need more host memory than
-    128 GiB leave (its optimizer is already partly there), so it stays on the GPU and more of
-    the optimizer moves to the host, as much as the host holds under its 85 % cap, for the
-    engine's KV cache (none more for Megatron: the cache runs the rollout in turns);
-    --print-config says so, and a fraction the user gives is kept."""
+    """Colocated, the 8B trainer's state stays on the GPU: FSDP's (its gradients freed before
+    the engine resumes: 65.3 GiB) leaves the engine's KV cache a whole rollout at its layout's
+    50 %; offloading Megatron's would need more host memory than 128 GiB leave (its optimizer
+    is already partly there) and no more of it fits the host under its 85 % cap, so the cache
+    runs the rollout in turns; --print-config says so, and a fraction the user gives is kept."""
     from rl_runtime import plan_layout
     from vlm_models.sources import shape_of
 
@@ -293,14 +295,15 @@ def test_8b_colocated_keeps_its_state_on_the_gpu_with_more_optimizer_on_the_host
         parse_grpo([*argv, "--print-config"], env={})
     printed = json.loads(capsys.readouterr().out)
     shown, layout = printed["offload_train"], printed["layout"]
-    assert not shown["on"] and "offloading it would take" in shown["why"], shown
-    # the layout printed is the one the run holds: the raised fraction and its host memory
+    assert not shown["on"], shown
+    # the layout printed is the one the run holds: the fraction and its host memory
     assert f"optimizer {fraction:.0%} on the host" in layout["description"], layout
+    assert "optimizer_offload_fraction" not in shown, shown
     if backend == "fsdp":
-        assert shown["optimizer_offload_fraction"] == fraction, shown
-        assert f"raised to {fraction:.0%} colocated" in layout["optimizer_cpu_offload"], layout
+        assert shown["why"].startswith("trainer state 65.3 GiB"), shown
+        assert "(192,056 tokens) beside them" in shown["why"], shown
     else:
-        assert "optimizer_offload_fraction" not in shown and "in turns" in shown["why"], shown
+        assert "offloading it would take" in shown["why"] and "in turns" in shown["why"], shown
     assert layout["fits"] and layout["host_gib"] <= layout["host_budget_gib"] == 83.8, layout
     cfg = parse_grpo(argv, env={})
     park = cfg.rollout.weights_cpu_backup
