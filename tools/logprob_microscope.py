@@ -188,6 +188,10 @@ def engine_paths(
     paths["forward"] = [
         ms.forward_trace(engine, r, t) for r, t in zip(requests, responses, strict=True)
     ]
+    if paths["forward"][0].experts:  # MoE: the decode with the forward's routing, no flips
+        paths["decode-replay"] = ms.decode_trace(
+            engine, requests, responses, replay=paths["forward"]
+        )
     layers = [getattr(layer, "linear_attn", None) for layer in model.model.language_model.layers]
     gdn = [a for a in layers if a is not None]
     if gdn:
@@ -246,6 +250,10 @@ def trainer_paths(
         except ImportError as exc:
             logger.warning("%s trainer skipped: %s", name, exc)
             continue
+        except torch.OutOfMemoryError as exc:  # a trainer's state beside the weights
+            logger.warning("%s trainer skipped: %s", name, str(exc).splitlines()[0])
+            _free()
+            continue
         old = actor.compute_logprobs(batch)
         paths[name] = [
             Trace(logprobs=lp[m.bool()].float().cpu())
@@ -291,9 +299,11 @@ def print_report(dtype: str, result: dict[str, Any]) -> None:
             f"  {'':>18}  by position: "
             + ", ".join(f"{k}: {v:.2g}" for k, v in r["gap_by_position"].items())
         )
-    decode = result["against_forward"].get("decode", {})
-    if decode.get("layers"):
-        print("  decode vs forward, relative rms difference after each layer:")
+    for path in ("decode", "decode-replay"):
+        decode = result["against_forward"].get(path, {})
+        if not decode.get("layers"):
+            continue
+        print(f"  {path} vs forward, relative rms difference after each layer:")
         for row in decode["layers"]:
             print(
                 f"    layer {row['layer']:2d}: "
@@ -349,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if cuda else "cpu")
     dtypes = args.dtypes or ("bfloat16" if cuda else "float32,bfloat16")
     folder = model_folder(args)
-    trainers = [t for t in args.trainers.split(",") if t]
+    trainers = [t.strip() for t in args.trainers.split(",") if t.strip() not in ("", "none")]
     results: dict[str, Any] = {"model": str(folder), "device": str(device), "args": vars(args)}
     if cuda:
         results["gpu"] = torch.cuda.get_device_name()
@@ -358,15 +368,19 @@ def main(argv: list[str] | None = None) -> None:
         part_at = args.part_at or (1e-5 if dtype == torch.float32 else 5e-2)
         torch.manual_seed(args.seed)
         requests, completions, paths, kernels = engine_paths(folder, dtype, device, args)
-        paths.update(trainer_paths(folder, name, device, requests, completions, trainers))
-        result = report(paths, part_at)
-        result["tokens"] = sum(len(c.token_ids) for c in completions)
-        result["samples"] = len(completions)
-        result["kernels"] = kernels
-        results[name] = result
-        print_report(name, result)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        for stage in ("engine", "trainers"):  # the engine's report stands if a trainer fails
+            if stage == "trainers" and trainers:
+                paths.update(trainer_paths(folder, name, device, requests, completions, trainers))
+            elif stage == "trainers":
+                break
+            result = report(paths, part_at)
+            result["tokens"] = sum(len(c.token_ids) for c in completions)
+            result["samples"] = len(completions)
+            result["kernels"] = kernels
+            results[name] = result
+            print_report(f"{name} ({stage})", result)
+            if args.out:
+                Path(args.out).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

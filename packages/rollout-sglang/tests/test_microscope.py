@@ -92,3 +92,28 @@ def test_a_fault_in_the_attention_layer_is_named_there(sampled, monkeypatch):
         "relative": result["layers"][first_attention]["hidden"],
     }
     assert all(result["layers"][i]["hidden"] < PART_AT for i in range(first_attention))
+
+
+def test_replaying_the_forwards_routing_takes_the_flips_out(sampled, monkeypatch):
+    """A router that picks other experts than the model's (a planted flip in every token):
+    the microscope counts every token of every MoE layer rerouted; with the forward's routing
+    replayed the decode takes the same experts and agrees with the forward again."""
+    from rollout_sglang.hf import moe
+
+    real = moe.route
+
+    def flipped(x, weight, top_k, renormalise, ids=None):
+        if ids is None:  # the lowest-scored experts instead of the top ones
+            ids = torch.topk(-torch.nn.functional.linear(x, weight), top_k, dim=-1).indices
+        return real(x, weight, top_k, renormalise, ids=ids)
+
+    monkeypatch.setattr(moe, "route", flipped)
+    engine, requests, responses, forward = sampled
+    result = compare(decode_trace(engine, requests, responses), forward, part_at=PART_AT)
+    moe_layers = [row for row in result["layers"] if "rerouted" in row]
+    assert moe_layers and all(row["rerouted"] == 1.0 for row in moe_layers)
+    assert result["mean_gap"] > 1e-3
+    replayed = decode_trace(engine, requests, responses, replay=forward)
+    result = compare(replayed, forward, part_at=PART_AT)
+    assert all(row["rerouted"] == 0.0 for row in result["layers"] if "rerouted" in row)
+    assert result["mean_gap"] < 1e-5 and result["parts_at"] is None

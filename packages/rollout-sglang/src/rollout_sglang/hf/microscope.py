@@ -171,11 +171,16 @@ def forward_trace(engine: Any, request: GenerateRequest, response: Sequence[int]
 
 
 def decode_trace(
-    engine: Any, requests: Sequence[GenerateRequest], responses: Sequence[Sequence[int]]
+    engine: Any,
+    requests: Sequence[GenerateRequest],
+    responses: Sequence[Sequence[int]],
+    *,
+    replay: Sequence[Trace] | None = None,
 ) -> list[Trace]:
     """The engine's prefill of ``requests`` and its decode step teacher-forced through
     ``responses`` (eager, whatever attention / MoE path the engine's decoder is set to), all
-    samples in one batch of slots."""
+    samples in one batch of slots. ``replay``: traces (of the forward) whose MoE routing the
+    decode steps take instead of their own: what the gap is without routing flips."""
     if engine._legacy is not None:
         raise ValueError("the microscope needs the engine's decode step (not the legacy loop)")
     decoder = engine.decoder
@@ -217,7 +222,7 @@ def decode_trace(
     try:
         with torch.inference_mode():
             for j in range(longest - 1):
-                decoder.trace = {}
+                decoder.trace = {"moe": _replayed(replay, j, device)} if replay else {}
                 cache_index = prompt + j
                 logits = decoder.logits(
                     cache,
@@ -252,6 +257,17 @@ def decode_trace(
                 [steps[j]["moe"][i]["experts"][b] for j in range(n)]
             ).cpu()
     return traces
+
+
+def _replayed(replay: Sequence[Trace], step: int, device: torch.device) -> dict[int, Any]:
+    """Step ``step``'s expert ids of every sample per MoE layer, ``{layer: {"replay": ids}}``
+    (a sample already past its response repeats its last step's)."""
+    layers = replay[0].experts
+    out: dict[int, Any] = {}
+    for i in layers:
+        rows = [t.experts[i][min(step, len(t.experts[i]) - 1)] for t in replay]
+        out[i] = {"replay": torch.stack(rows).to(device)}
+    return out
 
 
 def relative(a: Tensor, b: Tensor) -> float:

@@ -44,11 +44,17 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
 
-def route(x: Tensor, router_weight: Tensor, top_k: int, renormalise: bool) -> tuple[Tensor, Tensor]:
-    """(weights ``[B, k]`` in ``x``'s dtype, expert ids ``[B, k]``), as the model's router."""
+def route(
+    x: Tensor, router_weight: Tensor, top_k: int, renormalise: bool, ids: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """(weights ``[B, k]`` in ``x``'s dtype, expert ids ``[B, k]``), as the model's router;
+    ``ids`` given: those experts, weighted by their probabilities (routing replay)."""
     logits = F.linear(x, router_weight)
     probs = logits.softmax(-1, dtype=torch.float32)
-    top, ids = torch.topk(probs, top_k, dim=-1)
+    if ids is None:
+        top, ids = torch.topk(probs, top_k, dim=-1)
+    else:
+        top = probs.gather(-1, ids)
     if renormalise:
         top = top / top.sum(-1, keepdim=True)
     return top.to(logits.dtype), ids
@@ -95,8 +101,10 @@ def moe_forward(
     trace: dict[str, Tensor] | None = None,
 ) -> Tensor:
     """The block's output for ``x`` [B, H] (the post-attention-normed hidden states).
-    ``trace`` (eager steps, the log-prob microscope): receives the chosen expert ids."""
-    weights, ids = route(x, mlp.gate.weight, int(mlp.gate.top_k), renormalise)
+    ``trace`` (eager steps, the log-prob microscope): receives the chosen expert ids; its
+    ``"replay"`` ids, when present, are routed to instead of the router's own choice."""
+    replay = None if trace is None else trace.get("replay")
+    weights, ids = route(x, mlp.gate.weight, int(mlp.gate.top_k), renormalise, ids=replay)
     if trace is not None:
         trace["experts"] = ids
     experts = mlp.experts
