@@ -114,3 +114,30 @@ def test_each_allocation_logs_its_tokens_and_where_they_came_from(caplog):
         "KV cache: 64 tokens (0.00 GiB) on cpu: the fixed size on cpu (cache_tokens unset)",
         "KV cache: 96 tokens (0.00 GiB) on cpu: cache_tokens (planned)",
     ]
+
+
+@pytest.mark.parametrize(
+    ("preset", "layers"),
+    [("qwen3.5-tiny", None), ("qwen3.5-35b-a3b", None), ("qwen3.5-35b-a3b", 8)],
+)
+def test_the_plan_counts_the_states_the_engine_holds_per_slot(preset, layers):
+    """What the colocation plan sets aside per sequence (``ModelShape.state_bytes_per_sequence``,
+    from the config: ``vlm_models.linear_attention.linear_state_bytes``) is what the engine's
+    decoder holds per slot (``LinearStates.bytes_per_slot``, from the built layers), at the
+    engine's bf16; the 8-layer cut's is this file's ``SLOT``. Built on the meta device."""
+    from rollout_sglang.hf.decode import TextDecoder
+    from vlm_models.build import build_model
+    from vlm_models.presets import PRESETS, preset_config
+    from vlm_models.sources import model_shape
+
+    if preset not in PRESETS:
+        pytest.skip("transformers without Qwen3.5")
+    config = preset_config(preset, **({} if layers is None else {"num_hidden_layers": layers}))
+    with torch.device("meta"):
+        model = build_model(config, dtype=torch.bfloat16)
+    states = TextDecoder(model, moe="dense").linear_states(torch.device("meta"))
+    assert states is not None and states.dtype == torch.bfloat16
+    planned = model_shape(config)["state_bytes_per_sequence"]
+    assert planned == states.bytes_per_slot() > 0
+    if layers == 8:
+        assert planned == SLOT

@@ -66,6 +66,9 @@ class ModelShape:
     vision_depth: int = 0
     expert_params: int = 0  # the part of language_params in routed experts (MoE)
     kv_bytes_per_token: int = 0  # bf16 keys and values of every attention layer (rollout)
+    # a rollout engine's per-sequence states of the linear-attention layers (Qwen3.5's gated
+    # delta nets: bf16 conv windows, float32 recurrent states); 0 without any
+    state_bytes_per_sequence: int = 0
 
 
 @dataclass(frozen=True)

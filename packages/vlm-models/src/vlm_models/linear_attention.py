@@ -58,6 +58,26 @@ def has_linear_attention(config: Any) -> bool:
     return "linear_attention" in (getattr(text, "layer_types", None) or [])
 
 
+def linear_state_bytes(config: Any, dtype_bytes: int = 2) -> int:
+    """Bytes one sequence's states take in a rollout engine, summed over the linear-attention
+    layers (0 without any): per gated-delta-net layer its conv window ``conv_dim x kernel`` in
+    the engine's dtype (``dtype_bytes``: bf16) and its float32 recurrent state ``v_heads x
+    k_dim x v_dim``, ``conv_dim`` being the q, k and v projections' width. What the
+    transformers engine holds per slot (``rollout_sglang.hf.linear_attention_decode.
+    LinearStates.bytes_per_slot``) and the colocation plan counts per sequence
+    (``rl_runtime.ModelShape.state_bytes_per_sequence``)."""
+    config = getattr(config, "config", config)
+    text = getattr(config, "text_config", config)
+    layers = sum(t == "linear_attention" for t in getattr(text, "layer_types", None) or [])
+    if not layers:
+        return 0
+    k_dim, v_dim = text.linear_key_head_dim, text.linear_value_head_dim
+    v_heads = text.linear_num_value_heads
+    conv_dim = 2 * text.linear_num_key_heads * k_dim + v_heads * v_dim
+    conv = conv_dim * text.linear_conv_kernel_dim * dtype_bytes
+    return layers * (conv + 4 * v_heads * k_dim * v_dim)
+
+
 def linear_attention_packs(model: nn.Module) -> bool:
     """True when every linear-attention layer of ``model`` resets its state at sample
     boundaries (runs :class:`PackedGatedDeltaNet`), and the model has at least one."""

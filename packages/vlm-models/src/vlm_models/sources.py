@@ -19,6 +19,7 @@ from vlm_models.config import (
 )
 from vlm_models.flops import parameter_counts
 from vlm_models.hub import load_folder, resolve_model_source
+from vlm_models.linear_attention import linear_state_bytes
 from vlm_models.presets import PRESETS, SHAPE_PRESETS, TINY_PRESETS, preset_config, tiny_config
 
 
@@ -107,7 +108,8 @@ def model_config(model: ModelConfig, *, load: str | None = None) -> Any | None:
 def model_shape(config: Any) -> dict[str, int]:
     """The numbers a memory estimate needs (`rl_runtime.ModelShape(**model_shape(config))`),
     from an HF config; for MoE, the intermediate size of a token's experts and the parameters
-    of all routed experts (split by expert parallelism)."""
+    of all routed experts (split by expert parallelism); for Qwen3.5, the gated-delta-net
+    layers' states a rollout engine keeps per sequence (``linear_state_bytes``)."""
     tc = getattr(config, "text_config", config)
     inter, experts = getattr(tc, "intermediate_size", 0), 0  # Qwen3.5 MoE has none
     if getattr(tc, "num_experts", 0):
@@ -130,6 +132,7 @@ def model_shape(config: Any) -> dict[str, int]:
         "vision_depth": vc.depth if vc else 0,
         "expert_params": experts,
         "kv_bytes_per_token": kv_bytes_per_token(tc),
+        "state_bytes_per_sequence": linear_state_bytes(tc),
     }
 
 
