@@ -273,3 +273,43 @@ def test_use_rollout_logprobs_needs_the_engines_logprobs(tmp_path):
     parts.rollout = NoLogprobs(gpu)
     with pytest.raises(RuntimeError, match="--use-rollout-logprobs"):
         run_grpo(_small_run(use_rollout_logprobs=True), parts)
+
+
+PUSH = 40.0  # the push's staging buffers, cached by the trainer's allocator after it
+
+
+class PushingTrainer(Trainer):
+    """A push leaves its buffers in the trainer's allocator cache until ``release_cache``."""
+
+    def push_weights(self, rollout, bucket_bytes):
+        super().push_weights(rollout, bucket_bytes)
+        self.gpu.book("trainer", STATE + PUSH, "push")
+
+
+@pytest.mark.parametrize("offload_train", [False, None], ids=["state-stays", "state-leaves"])
+def test_the_push_buffers_are_released_before_the_kv_cache_resumes(tmp_path, offload_train):
+    """The transformers engine's KV cache, sized by the colocation plan beside what the trainer
+    keeps (its state, 32 GiB), comes back after every push only once the trainer has given
+    back the push's buffers: push, release_cache, then the cache (32 + 40 of buffers + 8 + 90
+    would be 170 GiB of 139). Where the state leaves, the offload comes between."""
+    gpu = Gpu(CAPACITY)
+    engine = Engine(gpu, weights=8.0, kv_cache=90.0)
+    engine.release_memory()
+    parts = _parts(tmp_path, gpu, engine)
+    parts.train = PushingTrainer(gpu)
+    parts.engines_released = True
+    rows = run_grpo(_small_run(offload_train=offload_train), parts)
+    # the first push (the loop's start), one sync per step, and where the state leaves, one
+    # after each save (the engine made room for the state's return)
+    pushes = 4 if offload_train is False else 6
+    assert len(rows) == 3 and engine.weights_version == pushes and engine.resumed
+    kinds = ("push", "release_cache", "offload", "resume_memory ['kv_cache']")
+    order = [k for e in gpu.events for k in kinds if e.startswith(f"{k}:")]
+    between = ["release_cache", "offload"] if offload_train is None else ["release_cache"]
+    assert order.count("resume_memory ['kv_cache']") == pushes
+    for i, kind in enumerate(order):
+        if kind == "resume_memory ['kv_cache']":
+            assert order[i - 1 - len(between) : i] == ["push", *between], order
+    kv = [e for e in gpu.events if e.startswith("resume_memory ['kv_cache']")]
+    stays = STATE if offload_train is False else 0.0
+    assert all(f"'trainer': {stays}" in e for e in kv), kv

@@ -324,9 +324,12 @@ def _offload(p: GrpoParts, cfg: GrpoLoopConfig) -> dict[str, float]:
 
 
 def _resync(p: GrpoParts, cfg: GrpoLoopConfig) -> None:
-    """Give restarted engines the current weights (the trainer onloaded for it if needed)."""
+    """Give restarted engines the current weights (the trainer onloaded for it if needed);
+    colocated, the push's buffers are given back before the engines take their KV cache."""
     _onload(p, cfg)
     p.train.push_weights(p.rollout, cfg.weight_bucket_mb << 20)
+    if p.offload_between_phases:
+        p.train.release_cache()
     _offload(p, cfg)
 
 
@@ -380,9 +383,11 @@ def _sync(
     the offload's metrics. Colocated, the engines' memory comes back around the push in slime's
     order: the trainer's allocator gives back its cache (the step's activations: over 100 GiB
     for Megatron on a 2B model), the engines' weights return for the push, and their KV cache
-    only once the trainer's state has left the GPU, so the state and the engines' whole memory
-    never need to fit at once. Parts timed as ``sync_resume``, ``sync_push``,
-    ``sync_offload``."""
+    only once the trainer has given back the push's buffers (``release_cache`` again: its
+    allocator keeps them cached, and the transformers engine's planned cache, sized beside
+    what the trainer keeps, would not fit beside them) and its state has left the GPU where it
+    leaves, so the state and the engines' whole memory never need to fit at once. Parts timed
+    as ``sync_resume``, ``sync_push``, ``sync_offload``."""
     if p.offload_between_phases:
         with timer("sync_resume", shown=False):
             p.train.release_cache()
@@ -392,6 +397,7 @@ def _sync(
     out = _push_metrics(getattr(p.train, "last_push_bytes", None), push.seconds)
     if p.offload_between_phases:
         with timer("sync_offload", shown=False):
+            p.train.release_cache()  # the push's staging buffers, the state kept or not
             out |= _offload(p, cfg)
             p.rollout.resume_memory(KV_CACHE)
     return out
