@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from geo3k_grpo.config import colocation_plan
+from geo3k_grpo.config import colocation_plan, rollout_config
 from geo3k_grpo.main import parse as parse_grpo
 from geo3k_grpo.main import run as run_grpo
 from geo3k_sft.main import parse as parse_sft
@@ -234,6 +234,74 @@ def test_no_offload_train_is_kept():
     cfg = parse_grpo([*ONE_H200, "--rollout-engine", "hf", "--no-offload-train"], env={})
     plan = colocation_plan(cfg)
     assert (plan.offload_train, plan.why) == (False, "set")
+
+
+@pytest.fixture(scope="module")
+def qwen35_cut(tmp_path_factory) -> str:
+    """A folder with the config of the Qwen3.5-35B-A3B cut to 8 layers (6 gated-delta-net, 2
+    full-attention), the model issue 55's engine held a 1-token KV cache for on one H200."""
+    from vlm_models.presets import preset_config
+
+    folder = tmp_path_factory.mktemp("qwen35-cut")
+    preset_config("qwen3.5-35b-a3b", num_hidden_layers=8).save_pretrained(folder)
+    return str(folder)
+
+
+def settled_plan(cfg):
+    """The colocation plan of the layout the launcher settles on (as ``run`` and
+    ``--print-config`` make it)."""
+    from rl_runtime import plan_layout
+    from vlm_models.sources import shape_of
+
+    settled, _ = plan_layout(
+        cfg.parallel,
+        cfg.cluster,
+        trainer=cfg.trainer,
+        shape=shape_of(cfg.model),
+        engines_park_weights=cfg.rollout.weights_cpu_backup,
+    )
+    return colocation_plan(dataclasses.replace(cfg, parallel=settled), cfg.parallel.offload_options)
+
+
+def test_the_plan_sizes_the_engines_kv_cache_in_tokens(capsys, qwen35_cut):
+    """Colocated with the transformers engine, the plan's KV-cache tokens (beside what the FSDP
+    trainer keeps, less 128 sequences' gated-delta-net states: 12.4 MiB each) become the
+    engine's cache_tokens; --print-config shows them; --rollout-cache-tokens wins; set
+    --offload-train, the cache is planned beside nothing of the trainer's; without a plan (not
+    colocated) the engine keeps sizing it by --kv-cache-fraction."""
+    argv = ["--model-name", qwen35_cut, "--backend", "fsdp", "--num-gpus", "1"]
+    argv += ["--gpu-memory-gib", "139.8", "--host-memory-gib", "128", "--rollout-engine", "hf"]
+    argv += ISSUE_STEP
+    with pytest.raises(SystemExit):
+        parse_grpo([*argv, "--print-config"], env={})
+    shown = json.loads(capsys.readouterr().out)["offload_train"]
+    assert not shown["on"], shown
+    assert "(5,931,393 tokens) beside them" in shown["why"], shown
+    assert "1.5 GiB of it recurrent states" in shown["why"], shown
+    assert shown["kv_cache_tokens"] == shown["cache_tokens"] == 5_931_393, shown
+
+    cfg = parse_grpo(argv, env={})
+    assert cfg.rollout.cache_tokens is None
+    plan = settled_plan(cfg)
+    assert rollout_config(cfg, plan).cache_tokens == plan.kv_cache_tokens == 5_931_393
+
+    given = parse_grpo([*argv, "--rollout-cache-tokens", "100000"], env={})
+    assert rollout_config(given, settled_plan(given)).cache_tokens == 100_000
+    with pytest.raises(SystemExit):
+        parse_grpo([*argv, "--rollout-cache-tokens", "100000", "--print-config"], env={})
+    shown = json.loads(capsys.readouterr().out)["offload_train"]
+    assert (shown["kv_cache_tokens"], shown["cache_tokens"]) == (5_931_393, 100_000), shown
+
+    offloaded = parse_grpo([*argv, "--offload-train"], env={})
+    plan = settled_plan(offloaded)
+    assert (plan.offload_train, plan.why) == (True, "set")
+    assert plan.kv_cache_tokens > 5_931_393  # the trainer's 70.2 GiB are on the host then
+    assert rollout_config(offloaded, plan).cache_tokens == plan.kv_cache_tokens
+
+    apart = parse_grpo([*argv, "--no-colocate", "--num-gpus", "2"], env={})
+    plan = settled_plan(apart)
+    assert plan.kv_cache_tokens is None
+    assert rollout_config(apart, plan).cache_tokens is None
 
 
 ONE_H200_8B = ["--model-name", "qwen3-vl-8b", "--num-gpus", "1", "--gpu-memory-gib", "140.4"]

@@ -32,6 +32,7 @@ from rl_runtime import (
     check_parallel,
     choice,
     coarsest_dtype,
+    engine_cache,
     gpu_memory_bytes,
     host_budget,
     layout,
@@ -212,6 +213,10 @@ def print_layout(cfg: Geo3kGrpoConfig) -> dict[str, Any]:
         settled = cfg.parallel
     plan = colocation_plan(dataclasses.replace(cfg, parallel=settled), cfg.parallel.offload_options)
     colocation = {"on": plan.offload_train, "why": plan.why}
+    if plan.kv_cache_tokens is not None or cfg.rollout.cache_tokens is not None:
+        # the transformers engine's KV cache: the plan's tokens unless --rollout-cache-tokens
+        colocation["kv_cache_tokens"] = plan.kv_cache_tokens
+        colocation["cache_tokens"] = rollout_config(cfg, plan).cache_tokens
     raised = plan.optimizer_offload != settled.offload_fraction  # to give the cache room
     # the layout as the run will hold it: with a raised fraction, that fraction's estimate
     shown = settled.with_optimizer_offload(plan.optimizer_offload) if raised else cfg.parallel
@@ -255,22 +260,30 @@ def colocation_plan(cfg: Geo3kGrpoConfig, fractions: Sequence[float] = ()) -> Co
     transformers engine, as ``rl_runtime.plan_colocation`` finds (on the GPU where the engine's
     KV cache holds a rollout beside it, else offloaded where the host holds it, else on the GPU
     with more of the optimizer on the host, one of ``fractions``: those the user left free).
-    SGLang sizes its pool once at start, so it keeps the recipes' offload."""
+    SGLang sizes its pool once at start, so it keeps the recipes' offload. Colocated on GPUs
+    with the transformers engine and a known shape, the plan also sizes the engine's KV cache
+    in tokens beside what the trainer keeps, the sequences' recurrent states (Qwen3.5's
+    ``ModelShape.state_bytes_per_sequence``) counted, ``--offload-train`` set or not
+    (``kv_cache_tokens``, the engine's ``cache_tokens`` unless set: :func:`rollout_config`)."""
     from rollout_sglang.launch import uses_sglang  # torch: only when asked
     from vlm_models.sources import shape_of  # transformers: only when asked
 
-    current = cfg.parallel.offload_fraction
-    if cfg.loop.offload_train is not None:
-        return ColocationPlan(current, cfg.loop.offload_train, "set")
+    current, chosen = cfg.parallel.offload_fraction, cfg.loop.offload_train
+
+    def unplanned(why: str) -> ColocationPlan:
+        if chosen is not None:
+            return ColocationPlan(current, chosen, "set")
+        return ColocationPlan(current, True, why)
+
     lay = layout(cfg.cluster, gpus_per_engine=cfg.rollout.tp_size)
     if not (lay.colocate and lay.use_gpu):
-        return ColocationPlan(current, True, "not colocated on GPUs")
+        return unplanned("not colocated on GPUs")
     if uses_sglang(cfg.rollout, lay.use_gpu):
-        return ColocationPlan(current, True, "SGLang engine")
+        return unplanned("SGLang engine")
     shape = shape_of(cfg.model, load=cfg.run.load)
     gpu = gpu_memory_bytes(cfg.parallel)
     if shape is None or gpu is None:
-        return ColocationPlan(current, True, "no memory estimate")
+        return unplanned("no memory estimate")
     model = ModelShape(**shape)
 
     def estimate_at(fraction: float) -> MemoryEstimate:
@@ -280,12 +293,23 @@ def colocation_plan(cfg: Geo3kGrpoConfig, fractions: Sequence[float] = ()) -> Co
         return out
 
     samples = cfg.loop.rollout_batch_size * cfg.loop.n_samples_per_prompt
+    engine = dict(
+        gpu_bytes=gpu,
+        engine_sequences=min(cfg.rollout.max_batch_size, -(-samples // lay.num_engines)),
+        engine_share=cfg.rollout.kv_cache_fraction,
+        state_bytes_per_sequence=model.state_bytes_per_sequence,
+    )
+    if chosen is not None:  # the cache beside what the trainer keeps: nothing when offloaded
+        estimate = estimate_at(current)
+        if chosen:
+            estimate = dataclasses.replace(estimate, kept=0.0)
+        _, tokens = engine_cache(model, estimate, **engine)
+        return ColocationPlan(current, chosen, "set", tokens or None)
     return plan_colocation(
         model,
         estimate_at,
         current=current,
         fractions=fractions,
-        gpu_bytes=gpu,
         host_bytes=host_budget(
             cfg.parallel,
             cfg.cluster,
@@ -293,10 +317,19 @@ def colocation_plan(cfg: Geo3kGrpoConfig, fractions: Sequence[float] = ()) -> Co
             with_engines=True,
             engines_park_weights=cfg.rollout.weights_cpu_backup,
         ),
-        engine_sequences=min(cfg.rollout.max_batch_size, -(-samples // lay.num_engines)),
         tokens_per_sequence=longest_sample(cfg),
-        engine_share=cfg.rollout.kv_cache_fraction,
+        **engine,
     )
+
+
+def rollout_config(cfg: Geo3kGrpoConfig, plan: ColocationPlan) -> RolloutConfig:
+    """The engines' settings for the run: the colocation plan's KV-cache tokens as the
+    transformers engine's ``cache_tokens``, unless ``--rollout-cache-tokens`` sets them (a
+    user's value wins) or the plan has none (the engine then takes ``--kv-cache-fraction`` of
+    the memory free)."""
+    if cfg.rollout.cache_tokens is not None or plan.kv_cache_tokens is None:
+        return cfg.rollout
+    return dataclasses.replace(cfg.rollout, cache_tokens=plan.kv_cache_tokens)
 
 
 def parse(

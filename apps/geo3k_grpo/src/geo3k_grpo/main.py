@@ -98,7 +98,13 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
     import vlm_data.sources
     import vlm_data.tokens
     import vlm_models.sources
-    from geo3k_grpo.config import colocation_plan, compute_dtype, longest_sample, other_trainers
+    from geo3k_grpo.config import (
+        colocation_plan,
+        compute_dtype,
+        longest_sample,
+        other_trainers,
+        rollout_config,
+    )
     from rl_runtime import (
         CheckpointManager,
         Cluster,
@@ -146,6 +152,9 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
     if plan.optimizer_offload != parallel.offload_fraction:  # said with the plan, below
         parallel = parallel.with_optimizer_offload(plan.optimizer_offload)
         cfg = dataclasses.replace(cfg, parallel=parallel)
+    # the transformers engine's KV cache in tokens: the plan's, unless --rollout-cache-tokens
+    cache_from = "planned" if cfg.rollout.cache_tokens is None else "--rollout-cache-tokens"
+    cfg = dataclasses.replace(cfg, rollout=rollout_config(cfg, plan))
     run_dir = Path(cfg.run.output_dir)
     checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.loop.keep_checkpoints)
     start_step = resume_step(checkpoints, run_dir) if cfg.run.resume else None
@@ -200,6 +209,8 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
             100 * plan.optimizer_offload,
             plan.why,
         )
+        if cfg.rollout.cache_tokens is not None:
+            log.info("engine KV cache: %s tokens (%s)", f"{cfg.rollout.cache_tokens:,}", cache_from)
     loop_cfg = dataclasses.replace(
         cfg.loop, use_ref_logprobs=cfg.loss.kl_coef > 0, offload_train=plan.offload_train
     )

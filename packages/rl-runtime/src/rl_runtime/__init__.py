@@ -52,6 +52,7 @@ __getattr__, __dir__, __all__ = lazy_loader.attach(
             "TrainLayout",
             "check_layout",
             "choose_layout",
+            "engine_cache",
             "estimate_memory",
             "keep_train_state_on_gpu",
             "plan_colocation",

@@ -173,8 +173,9 @@ class RolloutConfig:
     cache_tokens: int | None = field(
         default=None,
         metadata={
-            "help": "transformers engine: the KV cache's size in tokens (default: "
-            "--kv-cache-fraction of the free GPU memory; 65536 on a CPU)",
+            "help": "transformers engine: the KV cache's size in tokens (default: colocated "
+            "on GPUs, the launcher's plan beside what the trainer keeps, shown by "
+            "--print-config; else --kv-cache-fraction of the free GPU memory; 65536 on a CPU)",
             "flag": "rollout_cache_tokens",
             "ge": 1,
         },
