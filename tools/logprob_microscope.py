@@ -90,7 +90,12 @@ def requests_for(args: argparse.Namespace, folder: Path, config: Any) -> list[An
     data = Path(args.data) if args.data else shared_dir() / "data" / "geo3k"
     parquet = data / "validation.parquet" if data.is_dir() else data
     rows = pq.read_table(parquet).to_pylist()
-    processor = AutoProcessor.from_pretrained(folder)
+    try:
+        processor = AutoProcessor.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(
+            f"{folder}: no processor to build Geometry3K prompts with ({exc}); pass --text"
+        ) from None
     if int(processor.image_token_id) != int(config.image_token_id):
         raise SystemExit(f"{folder}: the processor's image token is not the model's")
     prompts = list(PromptBuilder(processor, template="boxed").iter_samples(rows))[: args.prompts]
