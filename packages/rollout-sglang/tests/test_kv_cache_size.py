@@ -141,3 +141,26 @@ def test_the_plan_counts_the_states_the_engine_holds_per_slot(preset, layers):
     assert planned == states.bytes_per_slot() > 0
     if layers == 8:
         assert planned == SLOT
+
+
+def test_an_engine_whose_planned_cache_does_not_fit_fails_every_request_with_the_reason(
+    monkeypatch,
+):
+    """The engine does not raise out of generate (a Ray task error with a traceback): every
+    request fails with the allocation's message, which the loop's rollout guard stops the run
+    with, as for a rollout that returned nothing (rl_runtime.rollout_guard)."""
+    from rollout_sglang.hf import engine as engine_module
+    from rollout_sglang.hf.engine import HFEngine
+    from rollout_sglang.types import GenerateRequest, SamplingParams
+    from vlm_models.build import build_model
+
+    def too_small(**_: object) -> CacheSize:
+        raise KVCacheTooSmall("KV cache: the planned 800000 tokens need 6.15 GiB, 4.80 are free")
+
+    monkeypatch.setattr(engine_module, "cache_size", too_small)
+    engine = HFEngine(build_model("qwen3.5-tiny"), max_batch_size=2)
+    requests = [GenerateRequest(input_ids=torch.arange(100, 100 + n)) for n in (5, 9)]
+    out = engine.generate(requests, SamplingParams(max_new_tokens=4, seed=0))
+    assert [c.ok for c in out] == [False, False]
+    assert all("the planned 800000 tokens" in (c.error or "") for c in out)
+    assert [c.prompt_length for c in out] == [5, 9]

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from rollout_sglang.hf.decode import DecodeRunner, SamplingKey, TextDecoder, sample_logits, supports
-from rollout_sglang.hf.kv_cache import CacheSize, KVCache, cache_size
+from rollout_sglang.hf.kv_cache import CacheSize, KVCache, KVCacheTooSmall, cache_size
 from rollout_sglang.hf.legacy import LegacyHFEngine, _eos_ids
 from rollout_sglang.hf.scheduler import Scheduler, SeqState, round_up
 from rollout_sglang.hf.weights import WeightLoader
@@ -253,7 +253,16 @@ class HFEngine:
             return self._legacy.generate(requests, params)
         self._check_refilled()
         cache, runner = self._ensure_cache()
-        cache.allocate()  # its budget is what the requests are checked against
+        try:
+            cache.allocate()  # its budget is what the requests are checked against
+        except KVCacheTooSmall as exc:
+            # every request fails with the reason: the loop stops the run on a rollout that
+            # returned nothing, naming it (rl_runtime.rollout_guard), as for any engine
+            logger.error("%s", exc)
+            return [
+                Completion.failed(str(exc), prompt_length=r.prompt_length, request_id=r.request_id)
+                for r in requests
+            ]
         self._rope_memo = {}  # a prompt head's M-RoPE ids once per call (GRPO groups)
         base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()))
         results: list[Completion | None] = [None] * len(requests)
