@@ -117,3 +117,30 @@ def test_replaying_the_forwards_routing_takes_the_flips_out(sampled, monkeypatch
     result = compare(replayed, forward, part_at=PART_AT)
     assert all(row["rerouted"] == 0.0 for row in result["layers"] if "rerouted" in row)
     assert result["mean_gap"] < 1e-5 and result["parts_at"] is None
+
+
+def test_the_decode_conv_rounds_as_the_forwards_conv1d_does():
+    """The decode step's causal conv (one window per slot) against ``F.conv1d``, which the
+    prefill and the trainers run, in bf16: products summed in float32 and rounded once agree
+    with it but for float32 summation order (measured: every element equal on a CPU); rounding
+    each product to bf16 first, as the step did, moved 36 % of the elements by a bf16 step."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = build_model("qwen3.5-tiny", dtype=torch.bfloat16)
+    attn = next(
+        m.linear_attn for m in model.model.language_model.layers if hasattr(m, "linear_attn")
+    )
+    batch = 64
+    x = torch.randn(batch, model.config.text_config.hidden_size, dtype=torch.bfloat16)
+    state = torch.randn(batch, attn.conv_dim, attn.conv_kernel_size, dtype=torch.bfloat16)
+    window = torch.cat((state[:, :, 1:], F.linear(x, attn.in_proj_qkv.weight)[:, :, None]), -1)
+    expected = F.conv1d(window, attn.conv1d.weight, attn.conv1d.bias, groups=attn.conv_dim)
+    expected = F.silu(expected)[..., 0]
+    trace: dict[str, torch.Tensor] = {}
+    recurrent = torch.zeros(batch, attn.num_v_heads, attn.head_k_dim, attn.head_v_dim)
+    lad.gated_delta_net_step(attn, x, state.clone(), recurrent, trace=trace)
+    differ = trace["conv"] != expected
+    assert differ.float().mean() < 0.01
+    ulp = expected.float().abs() * 2**-7  # one bf16 step at each value
+    assert ((trace["conv"].float() - expected.float()).abs() <= ulp + 1e-6).all()
