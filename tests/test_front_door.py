@@ -5,6 +5,7 @@ before anything is printed or written and before torch, Ray or transformers load
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -96,6 +97,43 @@ def test_a_shortened_or_misspelt_flag_is_refused_naming_the_closest(app, argv, c
     assert out.returncode == 2 and out.stdout == ""
     (line,) = out.stderr.strip().splitlines()
     assert line.startswith(f"{app}: error: unrecognized arguments: ") and closest in line, line
+
+
+FREE_TEXT = ("model_name", "dataset", "output_dir")  # any text reads; checked before the run
+
+
+@pytest.mark.parametrize(("app", "parse"), [("geo3k_grpo", parse_grpo), ("geo3k_sft", parse_sft)])
+def test_every_variable_with_a_bad_value_names_itself_and_what_it_takes(app, parse):
+    """`GEO3K_NUM_GPUS=banana` answered `cannot read 'banana' as int: invalid literal for
+    int() with base 10: 'banana'`; an unknown `GEO3K_PRESET` was called `--preset`."""
+    aliases = importlib.import_module(f"{app}.config").ENV_ALIASES
+    for key, names in aliases.items():
+        for name in names:
+            if key in FREE_TEXT:
+                parse([], env={name: "banana"})
+                continue
+            with pytest.raises(ConfigError) as err:
+                parse([], env={name: "banana"})
+            message = str(err.value)
+            assert message.startswith(f"environment {name}=banana: "), message
+            assert re.search(r"takes (a whole number|1 or 0)|expected one of|known:", message)
+            assert "invalid literal" not in message and "cannot read" not in message
+
+
+def test_a_bad_variable_is_one_line_and_exit_2_before_anything_is_printed():
+    out = subprocess.run(
+        [sys.executable, "apps/geo3k_grpo", "--preset", "tiny"],
+        cwd=ROOT,
+        env=_env(GEO3K_NUM_GPUS="banana"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 2 and out.stdout == "", out.stderr
+    assert out.stderr.strip() == (
+        "geo3k_grpo: error: environment GEO3K_NUM_GPUS=banana: GPUs to use (0: CPU run); "
+        "takes a whole number >= 0"
+    )
 
 
 def test_an_abbreviation_is_no_flag_in_process():

@@ -638,7 +638,11 @@ def test_grpo_settings_are_checked_at_parse(argv, message):
         (["--sft-keep-checkpoints", "-1"], {}, "--sft-keep-checkpoints -1: must be >= 0"),
         (["--weight-decay", "nan"], {}, "--weight-decay nan: must be a finite number"),
         ([], {"GEO3K_NUM_GPUS": "-1"}, "environment GEO3K_NUM_GPUS=-1: must be >= 0"),
-        ([], {"SLIME_SCRIPT_NUM_GPUS": "x"}, "environment SLIME_SCRIPT_NUM_GPUS: cannot read"),
+        (
+            [],
+            {"SLIME_SCRIPT_NUM_GPUS": "x"},
+            "SLIME_SCRIPT_NUM_GPUS=x: GPUs to use (0: CPU run); takes",
+        ),
     ],
 )
 def test_sft_settings_are_checked_at_parse(argv, env, message):

@@ -125,7 +125,11 @@ def parse_checked(argv, env=None):
         (["--kind", "c"], {}, r"^--kind c: expected one of \['a', 'b'\]$"),
         (["--limit", "0"], {}, r"^--limit 0: must be >= 1$"),
         ([], {"STEPS": "-2"}, r"^environment STEPS=-2: must be >= 1$"),
-        ([], {"STEPS": "two"}, r"^environment STEPS: cannot read 'two' as int"),
+        (
+            [],
+            {"STEPS": "two"},
+            r"^environment STEPS=two: training steps; takes a whole number >= 1$",
+        ),
         (["--preset", "bad"], {}, r"^preset 'bad' \(--steps 0\): must be >= 1$"),
         (["--batch", "3", "--group", "3"], {}, r"--batch 3 x --group 3"),
         (["--no-such-flag"], {}, r"unrecognized arguments: --no-such-flag"),

@@ -107,7 +107,8 @@ class _Tree:
             return False
         leaf, item = hit
         if where is not None and isinstance(value, str):
-            value = convert(value, leaf.type if item is None else item_type(leaf.type), where)
+            tp = leaf.type if item is None else item_type(leaf.type)
+            value = convert(value, tp, origin, leaf.help, leaf.bounds)
         if item is not None:
             current = list(self.values[leaf.path])
             current[item] = value
@@ -338,7 +339,7 @@ def parse_config(
     first = next(iter(trees.values()))
     preset = first.resolve("preset", sources(None)) if "preset" in first.index else None
     if preset is not None and preset not in presets:
-        raise ConfigError(f"--preset {preset!r}: unknown preset; known: {list(presets)}")
+        raise ConfigError(f"{first.origin('preset')}: unknown preset; known: {list(presets)}")
     picks = {}
     for path, f in choice_fields(cls).items():
         by, names = f.metadata["select"], list(f.metadata["options"])

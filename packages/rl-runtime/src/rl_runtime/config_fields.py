@@ -267,39 +267,56 @@ def item_type(tp: Any) -> Any:
     return get_args(base)[0]
 
 
-def convert(value: str, tp: Any, where: str) -> Any:
-    """Turn a string from the command line or environment into a value of type `tp`."""
+def convert(value: str, tp: Any, where: str, about: str = "", bounds: Bounds = Bounds()) -> Any:
+    """Turn a string from the command line or environment into a value of type `tp`; one that
+    does not read is a `ConfigError` naming `where` (`environment GEO3K_NUM_GPUS=banana`), what
+    the setting is (`about`, its help) and what it takes, in words (`a whole number >= 0`)."""
+    base, _ = strip_optional(tp)
+    known = get_origin(base) in (list, tuple, Literal) or base in (bool, int, float, str)
+    if not known:
+        raise ConfigError(f"{where}: unsupported config type {tp!r}")
+    try:
+        return _read(value, tp)
+    except ValueError:
+        what = f"{about}; takes" if about else "takes"
+        raise ConfigError(f"{where}: {what} {takes(tp, bounds)}") from None
+
+
+def _read(value: str, tp: Any) -> Any:
     base, optional = strip_optional(tp)
     if optional and value.strip().lower() in {"none", "null"}:
         return None
-    try:
-        if base is bool:
-            v = value.strip().lower()
-            if v in _TRUE:
-                return True
-            if v in _FALSE:
-                return False
-            raise ValueError("expected one of 1/0, true/false, yes/no")
-        if get_origin(base) is Literal:
-            return value  # its choices are the setting's bounds (`validate`)
-        if get_origin(base) in (list, tuple):
-            (item,) = get_args(base)[:1]
-            parts = [p for p in value.replace(",", " ").split() if p]
-            items = [convert(p, item, where) for p in parts]
-            return items if get_origin(base) is list else tuple(items)
-        if base in (int, float, str):
-            return base(value)
-    except ValueError as e:
-        raise ConfigError(f"{where}: cannot read {value!r} as {_type_name(tp)}: {e}") from None
-    raise ConfigError(f"{where}: unsupported config type {tp!r}")
+    if base is bool:
+        v = value.strip().lower()
+        if v in _TRUE or v in _FALSE:
+            return v in _TRUE
+        raise ValueError(value)
+    if get_origin(base) is Literal:
+        return value  # its choices are the setting's bounds (`validate`)
+    if get_origin(base) in (list, tuple):
+        (item,) = get_args(base)[:1]
+        items = [_read(p, item) for p in value.replace(",", " ").split() if p]
+        return items if get_origin(base) is list else tuple(items)
+    return base(value)
 
 
-def _type_name(tp: Any) -> str:
+_WORDS = {
+    bool: "1 or 0 (also true/false, yes/no, on/off)",
+    int: "a whole number",
+    float: "a number",
+}
+
+
+def takes(tp: Any, bounds: Bounds = Bounds()) -> str:
+    """What a setting of type `tp` takes, in words: `a whole number >= 0`, `a number or none`."""
     base, optional = strip_optional(tp)
     if get_origin(base) is Literal:
-        name = "|".join(map(str, get_args(base)))
+        text = "one of " + ", ".join(map(str, get_args(base)))
     elif get_origin(base) in (list, tuple):
-        name = f"list of {getattr(get_args(base)[0], '__name__', 'value')}"
+        item = _WORDS.get(get_args(base)[0], "a word").removeprefix("a ")
+        text = f"{item}s separated by commas or spaces"
     else:
-        name = getattr(base, "__name__", str(base))
-    return f"{name} or none" if optional else name
+        text = _WORDS.get(base, "text")
+    if bounds.describe():
+        text += f" {bounds.describe()}"
+    return f"{text}, or none" if optional else text
