@@ -252,3 +252,11 @@ def test_flags_and_environment_names_in_prose_are_known(path: Path) -> None:
         if name not in launcher_env_names()
     ]
     assert not unknown, f"flags or environment names no launcher knows: {unknown}"
+
+
+def test_readme_variable_table_lists_every_variable_the_launchers_read() -> None:
+    """`GEO3K_OUTPUT_DIR`, `GEO3K_PRESET` and `GEO3K_WANDB` were in `--help` but not the table."""
+    rows = re.findall(r"^\| `(GEO3K_[A-Z0-9_]+)` \|", (ROOT / "README.md").read_text(), re.M)
+    assert len(rows) == len(set(rows)), rows
+    known = {name for name in launcher_env_names() if name.startswith("GEO3K_")}
+    assert set(rows) == known, f"missing: {known - set(rows)}; unknown: {set(rows) - known}"
