@@ -231,6 +231,27 @@ def test_what_parsing_cannot_see_is_refused_before_anything_is_printed_or_writte
     assert (tmp_path / "a-file").read_text() == "kept"
 
 
+@pytest.mark.parametrize("app", APPS)
+def test_resume_with_nothing_to_resume_is_refused_before_the_config_dump(tmp_path, app):
+    """A `--resume` of a folder with metrics but no checkpoint took 8.7 s and printed the
+    150-line configuration before its refusal."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    argv = ["--preset", "tiny", "--output-dir", str(tmp_path), "--resume"]
+    out = subprocess.run(
+        [sys.executable, f"apps/{app}", *argv],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 2 and out.stdout == "", out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith(f"{app}: error: --resume: no complete checkpoint in "), line
+    assert "2 rows (up to step 2)" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # nothing written
+
+
 @pytest.mark.skipif(count_gpus() > 0, reason="this machine has a GPU to read")
 @pytest.mark.parametrize("parse", [parse_grpo, parse_sft])
 def test_print_config_estimates_for_the_gpu_named(capsys, parse):

@@ -23,6 +23,7 @@ from rl_runtime import (
     as_config_error,
     check_gpus,
     check_output_dir,
+    check_resume,
     setup_logging,
     to_json,
     user_errors,
@@ -41,10 +42,13 @@ OUTPUT_DIR = f"--output-dir / {ENV_ALIASES['output_dir'][0]}"
 
 def check(cfg: Geo3kGrpoConfig) -> None:
     """What parsing cannot see, checked before anything is printed or written (and before
-    torch loads): the run folder can be one, a local dataset is there with its training
+    torch loads): the run folder can be one (and a `--resume` of it would not replace
+    metrics with no checkpoint to continue them), a local dataset is there with its training
     split's files, this machine has the GPUs, and the model (and --tokenizer, --load) exists:
     a local folder, or a hub id on the hub or in the cache (asked, not downloaded)."""
     check_output_dir(cfg.run.output_dir, OUTPUT_DIR)
+    if cfg.run.resume:
+        check_resume(cfg.run.output_dir)
     with as_config_error(DatasetLoadError, DATASET):
         check_dataset(cfg.data)
     check_gpus(cfg.cluster.num_gpus, preset=cfg.run.preset)

@@ -34,7 +34,7 @@ __getattr__, __dir__, __all__ = lazy_loader.attach(
     __name__,
     submod_attrs={
         "actor_group": ["EngineWorker", "RolloutGroup", "TrainGroup", "TrainWorker"],
-        "checkpoint": ["CheckpointManager", "resume_step"],
+        "checkpoint": ["CheckpointManager", "check_resume", "resume_step"],
         "cli": ["as_config_error", "user_errors"],
         "cluster": ["Cluster"],
         "cluster_config": ["Layout", "layout", "placement_preview"],

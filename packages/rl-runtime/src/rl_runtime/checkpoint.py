@@ -149,6 +149,20 @@ def resume_step(checkpoints: CheckpointManager, run_dir: str | Path) -> int:
     latest = checkpoints.latest()
     if latest is not None:
         return latest[0]
+    _refuse_replacing_metrics(checkpoints, run_dir)
+    log.warning("--resume: no checkpoint in %s yet; starting from step 0", checkpoints.root)
+    return 0
+
+
+def check_resume(run_dir: str | Path) -> None:
+    """`--resume` checked before anything is printed or started: the `ResumeError` of
+    `resume_step`, at once (the launchers call it with their other checks)."""
+    checkpoints = CheckpointManager(Path(run_dir) / "checkpoints")
+    if checkpoints.latest() is None:
+        _refuse_replacing_metrics(checkpoints, run_dir)
+
+
+def _refuse_replacing_metrics(checkpoints: CheckpointManager, run_dir: str | Path) -> None:
     metrics = Path(run_dir) / METRICS_FILE
     rows = read_metrics(metrics)
     if rows:
@@ -158,5 +172,3 @@ def resume_step(checkpoints: CheckpointManager, run_dir: str | Path) -> int:
             f"{len(rows)} rows (up to step {last}) that a fresh start would replace; "
             "run without --resume to start over (move the file away to keep it)"
         )
-    log.warning("--resume: no checkpoint in %s yet; starting from step 0", checkpoints.root)
-    return 0
