@@ -188,3 +188,17 @@ def test_a_failed_phase_says_when_it_stopped(caplog):
     with caplog.at_level(logging.INFO), pytest.raises(RuntimeError), phase("rollout"):
         raise RuntimeError("engine died")
     assert re.fullmatch(r"rollout failed after [\d.]+ s", caplog.records[-1].getMessage())
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, "Interrupted"])
+def test_an_interrupted_phase_says_interrupted_not_failed(caplog, stop):
+    """Ctrl-C logged `step 5: old log-probs failed after 0.811 s` before the interrupt line."""
+    from rl_runtime.faults import Interrupted
+    from rl_runtime.progress import phase
+
+    error = Interrupted("interrupted") if stop == "Interrupted" else KeyboardInterrupt()
+    with caplog.at_level(logging.INFO), pytest.raises(type(error)), phase("old log-probs"):
+        raise error
+    assert re.fullmatch(
+        r"old log-probs interrupted after [\d.]+ s", caplog.records[-1].getMessage()
+    )

@@ -22,6 +22,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from rl_runtime.faults import Interrupted
+
 _console = Console(stderr=True)
 log = logging.getLogger(__name__)
 
@@ -127,15 +129,17 @@ def phase(
     samples: int | None = None,
 ) -> Iterator[Phase]:
     """``<name> ...`` when the block starts, ``<name> done in S s: <figures>`` when it ends (or
-    ``failed after S s``), and a heartbeat while it runs (at INFO; none below it)."""
+    ``failed after S s``, or ``interrupted after S s`` for Ctrl-C), and a heartbeat while it
+    runs (at INFO; none below it)."""
     current = Phase(name, tokens, samples)
     logger.log(level, "%s ...", name)
     start = time.perf_counter()
     try:
         with heartbeat(name, heartbeat_s if level >= logging.INFO else 0.0, logger):
             yield current
-    except BaseException:
-        logger.log(level, "%s failed after %s", name, seconds(time.perf_counter() - start))
+    except BaseException as err:
+        how = "interrupted" if isinstance(err, KeyboardInterrupt | Interrupted) else "failed"
+        logger.log(level, "%s %s after %s", name, how, seconds(time.perf_counter() - start))
         raise
     current.seconds = time.perf_counter() - start
     figures = current.figures()
