@@ -5,7 +5,9 @@ before anything is printed or written and before torch, Ray or transformers load
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import json
 import os
 import re
@@ -292,3 +294,12 @@ def test_gpus_are_counted_as_torch_counts_them():
         check=True,
     )
     assert out.stdout.strip() == "1"
+
+
+def test_sft_help_promises_no_plot_it_does_not_write():
+    """`geo3k_sft --output-dir` promised a plot; only GRPO draws `reward.png`."""
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text), pytest.raises(SystemExit):
+        parse_sft(["--help"], env={})
+    entry = " ".join(text.getvalue().split("--output-dir OUTPUT_DIR", 1)[1].split()[:14])
+    assert "plot" not in entry.replace("GRPO: reward.png", ""), entry

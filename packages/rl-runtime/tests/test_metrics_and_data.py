@@ -122,3 +122,20 @@ def test_preflight_messages():
         check_backend("fsdp", Present(), use_gpu=False)
     with pytest.raises(PreflightError, match=r"NoSuchActor.*--backend fsdp"):
         check_backend("megatron", Missing(), use_gpu=True)
+
+
+def test_the_reward_plot_has_a_title_and_a_y_label(tmp_path, monkeypatch):
+    """reward.png had neither."""
+    from matplotlib.figure import Figure
+
+    from rl_runtime.metrics import plot_metrics
+
+    drawn: list[Figure] = []
+    save = Figure.savefig
+    monkeypatch.setattr(
+        Figure, "savefig", lambda fig, *a, **k: (drawn.append(fig), save(fig, *a, **k))
+    )
+    rows = [{"step": 1, "reward_mean": 0.2}, {"step": 2, "reward_mean": 0.5, "eval_accuracy": 0.4}]
+    assert plot_metrics(rows, tmp_path / "reward.png") == tmp_path / "reward.png"
+    (ax,) = drawn[0].axes
+    assert "reward" in ax.get_title() and "reward" in ax.get_ylabel()

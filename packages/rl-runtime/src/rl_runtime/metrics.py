@@ -177,7 +177,9 @@ def plot_metrics(rows: list[dict[str, Any]], out: str | Path) -> Path | None:
             label="eval accuracy (pass@1)",
             color="tab:orange",
         )
+    ax.set_title("GRPO: train reward and eval accuracy per step")
     ax.set_xlabel("step")
+    ax.set_ylabel("reward / accuracy (0 to 1)")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")

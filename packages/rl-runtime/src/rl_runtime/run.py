@@ -21,7 +21,9 @@ class RunConfig:
     section of the app's config, among the trainer packages the app offers)."""
 
     preset: str | None = option(None, "named preset; 'tiny' runs on any CPU in minutes")
-    output_dir: str = option("runs/run", "the run folder (metrics, plot, checkpoints)")
+    output_dir: str = option(
+        "runs/run", "the run folder (metrics, checkpoints, final weights; GRPO: reward.png)"
+    )
     resume: bool = option(False, "continue from the last complete checkpoint in --output-dir")
     load: str | None = option(None, "start from these weights (an HF folder or an SFT run folder)")
     backend: str | None = option(None, "training backend")
