@@ -130,6 +130,7 @@ OTHER_TOOLS = {
     "--compile-bytecode", "--package",
     "--micro-batch-size", "--qkv-format", "--sglang-disable-custom-all-reduce",
     "--te", "--json",  # tools/convert_*.py's, tools/soak.py's
+    "--text", "--shape", "--layers",  # tools/logprob_microscope.py's
     "--num-roll",  # the misspelt flag the docs show being refused
 }  # fmt: skip
 
