@@ -118,8 +118,8 @@ def test_the_plan_counts_every_tensor_a_released_actor_keeps(
     optimizer's device part, no gradients. The difference allowed is what the formula leaves
     out by design, each taken from the model: the host part ends on the first parameter
     boundary past its fraction (12 bytes a parameter short of it), one float32 step count a
-    parameter and two scalars (the clip's scale; the FSDP2 layout kept one more 4-byte scalar
-    in a clean-clone CI run), the model's buffers (rotary frequencies), and the
+    parameter and a few 4-byte scalars (the clip's scale; a full-suite run
+    found one more on the FSDP2 layout than an isolated one), the model's buffers (rotary frequencies), and the
     config's parameter count against the built model's (Qwen3.5's differs by a few hundred,
     14 bytes each). A gradient kept (2 to 6 bytes a parameter) is far beyond all of them."""
     actor, _ = stepped_actor(make_config, make_small_batch, preset, **options)
@@ -135,7 +135,7 @@ def test_the_plan_counts_every_tensor_a_released_actor_keeps(
         slack = (
             12 * abs(split)
             + sum(b.numel() * b.element_size() for b in actor.model.buffers())
-            + 4 * (len(params) + 2)  # float32 step counts, the clip's scale, one more scalar
+            + 4 * (len(params) + 8)  # float32 step counts and a few scalars (see above)
             + 14 * abs(shape["language_params"] + shape["vision_params"] - counted)
         )
         assert abs(kept - plan) <= slack, (kept, plan, slack)
