@@ -31,6 +31,18 @@ def _env(**extra: str) -> dict[str, str]:
     return env | extra
 
 
+def _launch(app: str, *argv: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``apps/<app> argv`` as a user runs it, its output captured."""
+    return subprocess.run(
+        [sys.executable, f"apps/{app}", *argv],
+        cwd=ROOT,
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
 # A launcher's __main__ run several times in one process (runpy), then the heavy packages it
 # loaded: each case must end at its check, before the run imports them.
 IMPORTS = """
@@ -88,14 +100,7 @@ def test_parsing_and_refusing_load_neither_torch_ray_nor_transformers(tmp_path, 
 )
 def test_a_shortened_or_misspelt_flag_is_refused_naming_the_closest(app, argv, closest):
     """argparse's abbreviations took `--num-roll 3` as `--num-rollout 3` and started a run."""
-    out = subprocess.run(
-        [sys.executable, f"apps/{app}", *argv],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    out = _launch(app, *argv)
     assert out.returncode == 2 and out.stdout == ""
     (line,) = out.stderr.strip().splitlines()
     assert line.startswith(f"{app}: error: unrecognized arguments: ") and closest in line, line
@@ -123,14 +128,7 @@ def test_every_variable_with_a_bad_value_names_itself_and_what_it_takes(app, par
 
 
 def test_a_bad_variable_is_one_line_and_exit_2_before_anything_is_printed():
-    out = subprocess.run(
-        [sys.executable, "apps/geo3k_grpo", "--preset", "tiny"],
-        cwd=ROOT,
-        env=_env(GEO3K_NUM_GPUS="banana"),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    out = _launch("geo3k_grpo", "--preset", "tiny", GEO3K_NUM_GPUS="banana")
     assert out.returncode == 2 and out.stdout == "", out.stderr
     assert out.stderr.strip() == (
         "geo3k_grpo: error: environment GEO3K_NUM_GPUS=banana: GPUs to use (0: CPU run); "
@@ -239,14 +237,7 @@ def test_resume_with_nothing_to_resume_is_refused_before_the_config_dump(tmp_pat
     150-line configuration before its refusal."""
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
     argv = ["--preset", "tiny", "--output-dir", str(tmp_path), "--resume"]
-    out = subprocess.run(
-        [sys.executable, f"apps/{app}", *argv],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    out = _launch(app, *argv)
     assert out.returncode == 2 and out.stdout == "", out.stderr
     (line,) = out.stderr.strip().splitlines()
     assert line.startswith(f"{app}: error: --resume: no complete checkpoint in "), line
