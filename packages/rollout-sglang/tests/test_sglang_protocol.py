@@ -125,3 +125,32 @@ def test_parse_abort_keeps_the_message():
 def test_parse_malformed_output_is_an_error_not_an_exception(output, message):
     out = parse_output(output, _req())
     assert out.finish_reason == "error" and message in out.error
+
+
+def _routed(ids: torch.Tensor) -> str:
+    """As sglang 0.5.23's detokenizer sends it: base64 of the int32 ids' bytes."""
+    return base64.b64encode(ids.to(torch.int32).numpy().tobytes()).decode()
+
+
+def test_routing_replay_asks_for_and_shapes_routed_experts():
+    payload = generate_payload([_req()], SamplingParams(), return_routed_experts=True)
+    assert payload["return_routed_experts"] is True
+    assert "return_routed_experts" not in generate_payload([_req()], SamplingParams())
+    ids = torch.randint(0, 128, (3 + 2 - 1, 4, 2))  # prompt 3 + response 2 - 1 rows
+    output = _output([5, 6], {"type": "length"})
+    output["meta_info"]["routed_experts"] = _routed(ids)
+    out = parse_output(output, _req(), routing_shape=(4, 2))
+    assert out.ok and torch.equal(out.routed_experts, ids.to(torch.int32))
+    assert parse_output(output, _req()).routed_experts is None  # not asked: not read
+
+
+@pytest.mark.parametrize(
+    ("routed", "message"),
+    [(None, "--enable-return-routed-experts"), (_routed(torch.zeros(5, 4, 2)), "expected 4")],
+)
+def test_bad_routed_experts_fail_the_request_alone(routed, message):
+    output = _output([5, 6], {"type": "length"})
+    if routed is not None:
+        output["meta_info"]["routed_experts"] = routed
+    out = parse_output(output, _req(), routing_shape=(4, 2))
+    assert not out.ok and message in out.error

@@ -279,3 +279,47 @@ def test_speculative_and_moe_settings_are_sglangs_own():
     assert args.max_running_requests == 512 and args.enable_draft_weights_cpu_backup
     assert args.enable_weights_cpu_backup  # --weights-cpu-backup
     assert list(args.cuda_graph_bs_decode) == [1, 2, 4, 8, 16]
+
+
+def test_routing_replay_request_flag_and_answer_are_sglangs_own(requests_, limits_id):
+    """Routing replay through SGLang: the server flag parses with SGLang's parser, the request
+    field is a ``GenerateReqInput`` field, and an answer encoded as SGLang's detokenizer does
+    (``_b64_encode_per_request``: pybase64 of the int32 tensor's bytes) decodes to the ids
+    SGLang's own reader (``extract_routed_experts_from_meta_info``) gives, shaped
+    ``[seqlen - 1, layers, k]``."""
+    import argparse
+
+    import pybase64
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.state_capturer.routed_experts import extract_routed_experts_from_meta_info
+
+    from rollout_sglang import RolloutConfig
+    from rollout_sglang.sglang_client.protocol import parse_output
+
+    rollout = RolloutConfig(model_path="/models/qwen3.5", backend="sglang")
+    rollout.return_routed_experts = True
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(rollout.sglang_config().server_command()[3:])
+    assert args.enable_return_routed_experts
+    payload = generate_payload(
+        requests_, SamplingParams(max_new_tokens=4), limits_id, return_routed_experts=True
+    )
+    request = GenerateReqInput(**payload)
+    request.normalize_batch_and_arguments()
+    assert request.return_routed_experts
+    prompt, layers, k = requests_[0].prompt_length, 3, 2
+    ids = torch.randint(0, 64, (prompt + 4 - 1, layers, k), dtype=torch.int32)
+    output = {
+        "output_ids": [5, 6, 7, 8],
+        "meta_info": {
+            "finish_reason": {"type": "length"},
+            "output_token_logprobs": [[-0.5, t, None] for t in (5, 6, 7, 8)],
+            "routed_experts": pybase64.b64encode(ids.numpy().tobytes()).decode("utf-8"),
+        },
+    }
+    theirs = torch.from_numpy(extract_routed_experts_from_meta_info(output).copy())
+    completion = parse_output(output, requests_[0], routing_shape=(layers, k))
+    assert completion.ok and torch.equal(completion.routed_experts.reshape(-1), theirs)
+    assert torch.equal(completion.routed_experts, ids)

@@ -37,7 +37,8 @@ class RunContext:
     (model source, seed, device, layout) and what the loop sets (sampling temperature, loss,
     reference model, schedule length). ``schedule``: a learning-rate schedule of the phase's
     own in place of the optimizer settings' (the SFT warm-up's constant rate: the ``--lr``
-    settings are the GRPO steps')."""
+    settings are the GRPO steps'). ``routing_replay``: MoE forwards route to the experts the
+    batch's ``routed_experts`` name (the engine's choices)."""
 
     model: Any
     seed: int
@@ -48,6 +49,7 @@ class RunContext:
     reference_model: bool = False
     total_steps: int | None = None
     schedule: Schedule | None = None
+    routing_replay: bool = False
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,11 @@ from rl_runtime.config_fields import ConfigError, option
 from rl_runtime.progress import HEARTBEAT_S
 
 
+def routing_replay_on(setting: str, moe: bool) -> bool:
+    """Whether routing replay runs: ``on``/``off`` as given, ``auto`` for an MoE model."""
+    return setting == "on" or (setting == "auto" and moe)
+
+
 @dataclass
 class GrpoLoopConfig:
     num_rollout: int = option(300, "training steps (rollouts)", ge=1)
@@ -35,6 +40,13 @@ class GrpoLoopConfig:
         "train on the engine's log-probs as the old log-probs and skip the trainer's forward "
         "that recomputes them (slime's --use-rollout-logprobs); off: the trainer recomputes "
         "them (docs/guide.md, 'Old log-probs': the measured gap)",
+    )
+    routing_replay: str = option(
+        "auto",
+        "MoE models: the trainer routes every token to the experts the engine routed it to "
+        "(rollout routing replay, slime's --use-rollout-routing-replay), so that a bf16 "
+        "rounding cannot flip a top-k choice between them; auto: on for MoE models",
+        choices=("auto", "on", "off"),
     )
     eval_interval: int = option(20, "evaluate every N steps (0: never)", ge=0)
     eval_before_train: bool = option(

@@ -202,6 +202,9 @@ class RolloutConfig:
     # decode through transformers' own loop (hf/legacy.py) instead of the engine's decode step,
     # which covers Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE (a reference; slow)
     legacy_decode: bool = False
+    # MoE models: every completion carries the experts each token was routed to (SGLang's
+    # return_routed_experts), for routing replay in the trainer; the launcher sets it
+    return_routed_experts: bool = False
     # how trainer rank 0 sends weights (`choose_weight_transport`)
     weight_transport: TransportKind = field(
         default="auto",
@@ -223,6 +226,7 @@ class RolloutConfig:
             "decode_attention": self.decode_attention,
             "legacy_decode": self.legacy_decode,
             "weights_backup": self.weights_cpu_backup,
+            "return_routed_experts": self.return_routed_experts,
         }
 
     def check(self) -> None:
@@ -264,6 +268,8 @@ class RolloutConfig:
             args["enable_weights_cpu_backup"] = True
         if self.max_running_requests is not None:
             args["max_running_requests"] = self.max_running_requests
+        if self.return_routed_experts:  # sglang 0.5.23 arg_groups/fields/exec_.py
+            args["enable_return_routed_experts"] = True
         if self.cuda_graph_bs:
             # sglang 0.5.23's name for the decode graphs' batch sizes (arg_groups/fields/exec_.py)
             args["cuda_graph_bs_decode"] = list(self.cuda_graph_bs)
@@ -316,7 +322,7 @@ def resolve_backend(backend: Backend) -> Backend:
     return backend
 
 
-def _limits(config: RolloutConfig, model_config: Any | None) -> RequestLimits | None:
+def _model_config(config: RolloutConfig, model_config: Any | None) -> Any | None:
     if model_config is None:
         try:
             from transformers import AutoConfig
@@ -324,6 +330,24 @@ def _limits(config: RolloutConfig, model_config: Any | None) -> RequestLimits | 
             model_config = AutoConfig.from_pretrained(config.model_path)
         except Exception:  # not a local/hub model with a config: the server checks for itself
             return None
+    return model_config
+
+
+def routing_shape(config: RolloutConfig, model_config: Any | None) -> tuple[int, int] | None:
+    """(decoder layers, experts per token) of the routing SGLang returns, when asked for and
+    the model routes (its ``routed_experts`` rows are flat int32: this shapes them)."""
+    if not config.return_routed_experts or model_config is None:
+        return None
+    text = model_config.get_text_config()
+    k = getattr(text, "num_experts_per_tok", None)
+    if not k or not getattr(text, "num_experts", None):
+        return None
+    return int(text.num_hidden_layers), int(k)
+
+
+def _limits(config: RolloutConfig, model_config: Any | None) -> RequestLimits | None:
+    if model_config is None:
+        return None
     return config.sglang_config().limits(
         image_token_id=model_config.image_token_id,
         merge_size=model_config.vision_config.spatial_merge_size,
@@ -360,10 +384,13 @@ def build_engine(config: RolloutConfig, *, model: torch.nn.Module | None = None)
             logger.warning("num_engines=%d ignored by the HF engine", config.num_engines)
         return HFEngine(model, device=config.device, **config.hf_engine_options())
 
-    limits = _limits(config, getattr(model, "config", None))
+    model_config = _model_config(config, getattr(model, "config", None))
+    limits = _limits(config, model_config)
+    routing = routing_shape(config, model_config)
     names = config.weight_name_check()
     client = {
         "limits": limits,
+        "routing_shape": routing,
         "tp_size": config.tp_size,
         "weight_names": names,
         "deterministic": config.enable_deterministic_inference,
@@ -375,6 +402,7 @@ def build_engine(config: RolloutConfig, *, model: torch.nn.Module | None = None)
                 limits=limits,
                 flatten_buckets=config.flatten_buckets,
                 weight_names=names,
+                routing_shape=routing,
             )
             for i in range(config.num_engines)
         ]

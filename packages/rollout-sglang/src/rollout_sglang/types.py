@@ -105,6 +105,11 @@ class Completion:
     truncation*: ``log_softmax(logits / T)`` (``T = 1`` for greedy). This is the quantity the
     trainer recomputes for TIS and the rollout-vs-trainer gap metric. A bad request gets
     ``finish_reason == "error"``, empty ids and a message in ``error``.
+
+    ``routed_experts`` (MoE models, when the engine was asked to return them: routing replay)
+    is SGLang's layout: an integer tensor ``[prompt_length + len(token_ids) - 1, layers, k]``,
+    the experts each token the model ran on was routed to at each decoder layer (the last
+    sampled token is never run).
     """
 
     token_ids: list[int]
@@ -113,6 +118,7 @@ class Completion:
     prompt_length: int
     error: str | None = None
     request_id: str | None = None
+    routed_experts: Tensor | None = None
 
     @property
     def response_length(self) -> int:

@@ -193,6 +193,9 @@ class TextDecoder:
         # gated-delta-net layer's intermediates (``"gdn"``: layer -> name -> tensor) and each
         # MoE layer's chosen experts (``"moe"``: layer -> {"experts": ids})
         self.trace: dict[str, Any] | None = None
+        # ``[slots, layers, k]`` (set by the runner when the engine returns routing): each
+        # step writes every MoE layer's chosen experts of row ``b`` into ``routing[b, layer]``
+        self.routing: Tensor | None = None
         self._triton_attend: Callable[..., Tensor] | None = None
         if attention == "triton":
             from rollout_sglang.hf.decode_attention import decode_attention
@@ -220,6 +223,9 @@ class TextDecoder:
         rotary = self.text.rotary_emb
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
         self.moe_renormalise = getattr(config, "norm_topk_prob", None) is not False
+        moe_layers = [layer.mlp for layer in layers if is_moe(getattr(layer, "mlp", None))]
+        # (decoder layers, experts a token takes) of the routing a step records; None: dense
+        self.routing_shape = (len(layers), int(moe_layers[0].gate.top_k)) if moe_layers else None
         self.moe_grouped = moe == "grouped" or (
             moe == "auto" and grouped_mm_available(self.head.weight.device, self.dtype)
         )
@@ -310,8 +316,14 @@ class TextDecoder:
         """A layer's MLP on the normed ``x``: sparse MoE block or SwiGLU."""
         if is_moe(mlp):
             trace = None if self.trace is None else self.trace["moe"].setdefault(layer, {})
+            record = None if self.routing is None else self.routing[: x.shape[0], layer]
             return moe_forward(
-                mlp, x, grouped=self.moe_grouped, renormalise=self.moe_renormalise, trace=trace
+                mlp,
+                x,
+                grouped=self.moe_grouped,
+                renormalise=self.moe_renormalise,
+                trace=trace,
+                record=record,
             )
         return F.linear(
             F.silu(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight),
@@ -486,10 +498,19 @@ class DecodeRunner:
     """
 
     def __init__(
-        self, decoder: TextDecoder, cache: KVCache, device: torch.device, *, use_graphs: bool
+        self,
+        decoder: TextDecoder,
+        cache: KVCache,
+        device: torch.device,
+        *,
+        use_graphs: bool,
+        record_routing: bool = False,
     ) -> None:
         self.decoder, self.cache, self.device = decoder, cache, device
         self.use_graphs = use_graphs and device.type == "cuda"
+        # return each step's MoE routing (``TextDecoder.routing``; routing replay)
+        self.record_routing = record_routing
+        self.out_routing: Tensor | None = None
         self._graphs: dict[tuple[int, int, SamplingKey], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
         self.state: Tensor | None = None  # [5, slots] int64
@@ -507,7 +528,8 @@ class DecodeRunner:
         """Forget captured graphs and buffers (cache layout changed or memory released)."""
         self._graphs.clear()
         self._pool = None
-        self.state = self.out_tokens = self.out_logprobs = None
+        self.state = self.out_tokens = self.out_logprobs = self.out_routing = None
+        self.decoder.routing = None
 
     def _buffers(self) -> None:
         if self.state is None or self.state.shape[1] != self.cache.slots:
@@ -516,6 +538,13 @@ class DecodeRunner:
             self.state = torch.zeros((5, slots), dtype=torch.long, device=self.device)
             self.out_tokens = torch.zeros(slots, dtype=torch.long, device=self.device)
             self.out_logprobs = torch.zeros(slots, dtype=torch.float32, device=self.device)
+            shape = self.decoder.routing_shape
+            if self.record_routing and shape is not None:
+                # int16: expert ids < 32768; what the graphs write, so set before a capture
+                self.out_routing = torch.zeros(
+                    (slots, *shape), dtype=torch.int16, device=self.device
+                )
+                self.decoder.routing = self.out_routing
 
     @property
     def num_graphs(self) -> int:
@@ -540,9 +569,10 @@ class DecodeRunner:
 
     def run(
         self, host_state: Tensor, kv_len: int, sampling: SamplingKey
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """One step for the first ``host_state.shape[1]`` slots (``host_state``: [5, B] int64
-        on the host). Returns the sampled tokens and log-probs ([B] host arrays)."""
+        on the host). Returns the sampled tokens and log-probs ([B] host arrays) and, when
+        recording, the experts each row's input token was routed to ([B, layers, k])."""
         self._buffers()
         assert self.state is not None and self.out_tokens is not None
         assert self.out_logprobs is not None
@@ -569,11 +599,14 @@ class DecodeRunner:
             graph.replay()
         tokens = self.out_tokens[:batch].to("cpu", non_blocking=True)
         logprobs = self.out_logprobs[:batch].to("cpu", non_blocking=True)
+        routing = None
+        if self.out_routing is not None:
+            routing = self.out_routing[:batch].to("cpu", non_blocking=True)
         if cuda:
             end.record()
             torch.cuda.current_stream(self.device).synchronize()
             self.device_s += begin.elapsed_time(end) / 1e3
-        return tokens.numpy(), logprobs.numpy()
+        return tokens.numpy(), logprobs.numpy(), None if routing is None else routing.numpy()
 
     def _probe(self, batch: int, kv_len: int, sampling: SamplingKey) -> None:
         """The step as a dry run (:attr:`TextDecoder.dry_run`: Qwen3.5's gated-delta-net layers

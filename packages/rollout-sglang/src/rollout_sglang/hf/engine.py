@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from rollout_sglang.hf.decode import DecodeRunner, SamplingKey, TextDecoder, sample_logits, supports
 from rollout_sglang.hf.kv_cache import CacheSize, KVCache, KVCacheTooSmall, cache_size
 from rollout_sglang.hf.legacy import LegacyHFEngine, _eos_ids
+from rollout_sglang.hf.routing import PrefillRouting, sequence_routing
 from rollout_sglang.hf.scheduler import Scheduler, SeqState, round_up
 from rollout_sglang.hf.weights import WeightLoader
 from rollout_sglang.types import Completion, GenerateRequest, NamedTensors, SamplingParams
@@ -106,6 +107,9 @@ class HFEngine:
             elsewhere), "dense" or "grouped" (see :mod:`~rollout_sglang.hf.moe`).
         legacy_decode: decode through the transformers loop (:mod:`~rollout_sglang.hf.legacy`)
             even where the decode step covers the model.
+        return_routed_experts: MoE models: each completion carries the experts every token
+            was routed to (:mod:`~rollout_sglang.hf.routing`), for routing replay in the
+            trainer; as SGLang's option of that name.
     """
 
     name = "hf"
@@ -131,6 +135,7 @@ class HFEngine:
         decode_moe: str = "auto",
         legacy_decode: bool = False,
         weights_backup: bool = True,
+        return_routed_experts: bool = False,
     ) -> None:
         self.model = model.eval()
         self.device = (
@@ -160,6 +165,7 @@ class HFEngine:
         self.last_stats: dict[str, float] = {}  # where the last generate's time went
         self._rope_memo: dict = {}  # M-RoPE ids of prompt heads, per generate call
         self._legacy: LegacyHFEngine | None = None
+        self._routing: PrefillRouting | None = None  # set below where routing is returned
         self.cache: KVCache | None = None
         self.runner: DecodeRunner | None = None
         if legacy_decode or not supports(model):
@@ -194,6 +200,11 @@ class HFEngine:
         self._kv_cache_fraction = kv_cache_fraction
         self._cache_tokens = cache_tokens
         self._bytes_per_token = bytes_per_token
+        # None for a dense model: there is nothing to replay
+        shape = self.decoder.routing_shape if return_routed_experts else None
+        self._routing = (
+            None if shape is None else PrefillRouting(self.decoder.text.layers, shape[1])
+        )
         self.cuda_graphs = cuda_graphs
         logger.info(
             "rollout engine: transformers HFEngine (%s on %s, eos %s, %s decode%s, %s attention)",
@@ -238,7 +249,11 @@ class HFEngine:
                 budget_tokens=lambda: self._cache_budget(states),
             )
             self.runner = DecodeRunner(
-                self.decoder, self.cache, self.device, use_graphs=self.cuda_graphs
+                self.decoder,
+                self.cache,
+                self.device,
+                use_graphs=self.cuda_graphs,
+                record_routing=self._routing is not None,
             )
         assert self.runner is not None
         return self.cache, self.runner
@@ -357,6 +372,7 @@ class HFEngine:
                     finish_reason="stop" if seq.stopped else "length",
                     prompt_length=request.prompt_length,
                     request_id=request.request_id,
+                    routed_experts=sequence_routing(seq.prompt_routing, seq.decode_routing),
                 )
         return results  # type: ignore[return-value]
 
@@ -467,7 +483,17 @@ class HFEngine:
         hidden: list[Tensor | None] = [None] * len(distinct)
         for group in groups:
             members = [distinct[j] for j in group]
-            out = self.model.model(**self._prefill_inputs(members), use_cache=True)
+            inputs = self._prefill_inputs(members)
+            if self._routing is None:
+                out = self.model.model(**inputs, use_cache=True)
+            else:
+                with self._routing as routing:
+                    out = self.model.model(**inputs, use_cache=True)
+                lengths = [s.prompt_length for s in members]
+                for s, rows in zip(
+                    members, routing.rows(*inputs["input_ids"].shape, lengths), strict=True
+                ):
+                    s.prompt_routing = rows
             last = torch.tensor([s.prompt_length - 1 for s in members], device=self.device)
             rows = out.last_hidden_state[torch.arange(len(members), device=self.device), last]
             for r, j in enumerate(group):
@@ -480,6 +506,7 @@ class HFEngine:
             self._store_prefill(out.past_key_values, slot_index, row_index)
         for seq, j in zip(seqs, owner, strict=True):
             seq.rope_next = distinct[j].rope_next
+            seq.prompt_routing = distinct[j].prompt_routing
         owner_index = torch.tensor(owner, device=self.device)
         logits = self.model.lm_head(torch.stack(hidden)).float()[owner_index]  # type: ignore[arg-type]
         seeds = torch.tensor([s.seed for s in seqs], device=self.device)

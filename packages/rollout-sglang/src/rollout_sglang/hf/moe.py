@@ -99,14 +99,19 @@ def moe_forward(
     grouped: bool,
     renormalise: bool = True,
     trace: dict[str, Tensor] | None = None,
+    record: Tensor | None = None,
 ) -> Tensor:
     """The block's output for ``x`` [B, H] (the post-attention-normed hidden states).
     ``trace`` (eager steps, the log-prob microscope): receives the chosen expert ids; its
-    ``"replay"`` ids, when present, are routed to instead of the router's own choice."""
+    ``"replay"`` ids, when present, are routed to instead of the router's own choice.
+    ``record`` ``[B, k]`` (a view of a static buffer, so a captured graph writes it too):
+    receives the chosen ids, which the engine returns for routing replay in the trainer."""
     replay = None if trace is None else trace.get("replay")
     weights, ids = route(x, mlp.gate.weight, int(mlp.gate.top_k), renormalise, ids=replay)
     if trace is not None:
         trace["experts"] = ids
+    if record is not None:
+        record.copy_(ids)
     experts = mlp.experts
     run = experts_grouped if grouped else experts_dense
     out = run(x, weights, ids, experts.gate_up_proj, experts.down_proj)

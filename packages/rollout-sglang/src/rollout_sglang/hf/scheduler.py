@@ -43,6 +43,10 @@ class SeqState:
     logprobs: list[float] = field(default_factory=list)
     stopped: bool = False
     error: str | None = None
+    # routing replay: the experts each prompt token was routed to ([P, layers, k], set by the
+    # prefill) and each consumed response token ([R - 1, layers, k], set when it finishes)
+    prompt_routing: np.ndarray | None = None
+    decode_routing: np.ndarray | None = None
 
     @property
     def name(self) -> str:
@@ -60,7 +64,8 @@ class SeqState:
 
 
 PrefillFn = Callable[[list[SeqState], list[int]], list[tuple[int, float]]]
-DecodeFn = Callable[[torch.Tensor, int], tuple[np.ndarray, np.ndarray]]
+# (tokens, log-probs) or (tokens, log-probs, routing [B, layers, k] or None)
+DecodeFn = Callable[[torch.Tensor, int], tuple[np.ndarray, ...]]
 MoveFn = Callable[[list[int], list[int]], None]
 
 
@@ -122,6 +127,8 @@ class Scheduler:
         self._tokens = np.zeros((self.slots, width), dtype=np.int64)
         self._logprobs = np.zeros((self.slots, width), dtype=np.float64)
         self._count = np.zeros(self.slots, dtype=np.int64)
+        self._width = width
+        self._routing: np.ndarray | None = None  # [slots, width, layers, k] once a step has it
         self._limit = np.zeros(self.slots, dtype=np.int64)
         self._stop = np.array(sorted(self.stop_ids), dtype=np.int64)
         waiting = deque(sequences)
@@ -203,6 +210,8 @@ class Scheduler:
         slot, n = seq.slot, int(self._count[seq.slot])
         seq.tokens = self._tokens[slot, :n].tolist()
         seq.logprobs = self._logprobs[slot, :n].tolist()
+        if self._routing is not None:  # the last token was never an input: n - 1 rows
+            seq.decode_routing = self._routing[slot, : n - 1].copy()
         seq.stopped = stopped
         self._state[:, slot] = 0
 
@@ -214,7 +223,7 @@ class Scheduler:
         self.steps += 1
         start = time.perf_counter()
         try:
-            tokens, logprobs = self.decode(
+            out = self.decode(
                 torch.from_numpy(np.ascontiguousarray(self._state[:, :batch])), kv_len
             )
         except Exception as exc:
@@ -227,8 +236,14 @@ class Scheduler:
             return
         finally:
             self.decode_s += time.perf_counter() - start
-        tokens, logprobs = np.asarray(tokens)[rows], np.asarray(logprobs)[rows]
+        tokens, logprobs = np.asarray(out[0])[rows], np.asarray(out[1])[rows]
         count = self._count[rows]
+        routing = out[2] if len(out) > 2 else None
+        if routing is not None:  # this step's inputs are tokens count - 1
+            if self._routing is None:
+                shape = (self.slots, self._width, *routing.shape[1:])
+                self._routing = np.zeros(shape, dtype=routing.dtype)
+            self._routing[rows, count - 1] = routing[rows]
         self._tokens[rows, count] = tokens
         self._logprobs[rows, count] = logprobs
         count += 1
@@ -252,7 +267,8 @@ class Scheduler:
         holes = sorted(s for s in free if s < n)
         self.move(movers, holes)
         src, dst = np.array(movers), np.array(holes)
-        for array in (self._tokens, self._logprobs, self._count, self._limit):
+        arrays = [self._tokens, self._logprobs, self._count, self._limit]
+        for array in arrays + ([] if self._routing is None else [self._routing]):
             array[dst] = array[src]
         self._state[:, dst] = self._state[:, src]
         self._state[:, src] = 0

@@ -8,7 +8,6 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rollout_sglang.sglang_client.common import _check, _CheckedGenerate, _warn_ignored_seed
-from rollout_sglang.sglang_client.protocol import generate_payload, parse_output
 from rollout_sglang.sglang_client.server import SGLangServer
 from rollout_sglang.types import Completion, GenerateRequest, SamplingParams
 from rollout_sglang.validation import RequestLimits
@@ -50,6 +49,7 @@ class SGLangClient(_CheckedGenerate):
         timeout: float = 3600.0,
         weight_names: WeightNameCheck | None = None,
         deterministic: bool | None = None,
+        routing_shape: tuple[int, int] | None = None,
     ) -> None:
         if (url is None) == (server is None):
             raise ValueError("give exactly one of url= or server=")
@@ -60,6 +60,7 @@ class SGLangClient(_CheckedGenerate):
         self.timeout = timeout
         self.weight_names = weight_names
         self.deterministic = deterministic
+        self.routing_shape = routing_shape
         self.session = _session()
         logger.info("rollout engine: SGLang server at %s", self.url)
 
@@ -81,7 +82,7 @@ class SGLangClient(_CheckedGenerate):
     ) -> list[Completion]:
         if self.deterministic is False:
             _warn_ignored_seed(params, None)
-        outputs = self._post("/generate", generate_payload(requests, params, self.image_token_id))
+        outputs = self._post("/generate", self._payload(requests, params))
         if isinstance(outputs, dict):
             outputs = [outputs]
         if not isinstance(outputs, list) or len(outputs) != len(requests):
@@ -89,7 +90,7 @@ class SGLangClient(_CheckedGenerate):
                 f"/generate returned {type(outputs).__name__} of length "
                 f"{len(outputs) if isinstance(outputs, list) else '-'} for {len(requests)} requests"
             )
-        return [parse_output(o, r) for o, r in zip(outputs, requests, strict=True)]
+        return self._parse(outputs, requests)
 
     def update_weights(self, buckets: Iterable[NamedTensors]) -> None:
         """CUDA tensors only, by CUDA IPC handle (trainer and server on the same node).

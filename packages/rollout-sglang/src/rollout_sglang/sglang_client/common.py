@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_sglang.sglang_client.protocol import with_sample_seeds
+from rollout_sglang.sglang_client.protocol import generate_payload, parse_output, with_sample_seeds
 from rollout_sglang.types import Completion, GenerateRequest, SamplingParams
 from rollout_sglang.validation import RequestLimits, request_error
 
@@ -150,6 +150,8 @@ class _CheckedGenerate:
     which memory types are released."""
 
     limits: RequestLimits | None
+    # (layers, k): ask SGLang for each token's routed experts and shape them (routing replay)
+    routing_shape: tuple[int, int] | None = None
     _in_flight: int = 0
     _in_flight_lock = threading.Lock()
     _released: frozenset[str] = frozenset()
@@ -169,6 +171,22 @@ class _CheckedGenerate:
     @property
     def image_token_id(self) -> int | None:
         return self.limits.image_token_id if self.limits else None
+
+    def _payload(
+        self, requests: Sequence[GenerateRequest], params: SamplingParams
+    ) -> dict[str, Any]:
+        return generate_payload(
+            requests,
+            params,
+            self.image_token_id,
+            return_routed_experts=self.routing_shape is not None,
+        )
+
+    def _parse(self, outputs: list[Any], requests: Sequence[GenerateRequest]) -> list[Completion]:
+        return [
+            parse_output(o, r, routing_shape=self.routing_shape)
+            for o, r in zip(outputs, requests, strict=True)
+        ]
 
     @contextmanager
     def _busy(self) -> Iterator[None]:

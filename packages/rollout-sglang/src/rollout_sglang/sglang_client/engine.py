@@ -13,7 +13,6 @@ from rollout_sglang.sglang_client.common import (
     _warn_ignored_seed,
     require_sglang,
 )
-from rollout_sglang.sglang_client.protocol import generate_payload, parse_output
 from rollout_sglang.types import Completion, GenerateRequest, SamplingParams
 from rollout_sglang.validation import RequestLimits
 from weight_sync import NamedTensors
@@ -45,11 +44,13 @@ class SGLangEngine(_CheckedGenerate):
         flatten_buckets: bool = False,
         weight_names: WeightNameCheck | None = None,
         engine: Any | None = None,
+        routing_shape: tuple[int, int] | None = None,
     ) -> None:
         self.config = config
         self.limits = limits
         self.flatten_buckets = flatten_buckets
         self.weight_names = weight_names
+        self.routing_shape = routing_shape
         logger.info(
             "rollout engine: SGLang in-process (%s, tp %d)", config.model_path, config.tp_size
         )
@@ -62,10 +63,10 @@ class SGLangEngine(_CheckedGenerate):
         self, requests: Sequence[GenerateRequest], params: SamplingParams
     ) -> list[Completion]:
         _warn_ignored_seed(params, self.config)
-        outputs = self.engine.generate(**generate_payload(requests, params, self.image_token_id))
+        outputs = self.engine.generate(**self._payload(requests, params))
         if isinstance(outputs, dict):
             outputs = [outputs]
-        return [parse_output(o, r) for o, r in zip(outputs, requests, strict=True)]
+        return self._parse(outputs, requests)
 
     def update_weights(self, buckets: Iterable[NamedTensors]) -> None:
         """Every bucket inside one weight-update session, then one cache flush."""

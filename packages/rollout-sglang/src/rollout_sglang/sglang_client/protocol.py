@@ -22,6 +22,7 @@ import io
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -100,6 +101,8 @@ def generate_payload(
     requests: Sequence[GenerateRequest],
     params: SamplingParams,
     image_token_id: int | None = None,
+    *,
+    return_routed_experts: bool = False,
 ) -> dict[str, Any]:
     """Fields of one batched ``/generate`` call (or ``Engine.generate`` keyword arguments).
 
@@ -113,6 +116,8 @@ def generate_payload(
         "sampling_params": [sampling_params_payload(params, r.seed) for r in requests],
         "return_logprob": True,
     }
+    if return_routed_experts:  # the server must run with --enable-return-routed-experts
+        payload["return_routed_experts"] = True
     if any(r.images for r in requests):
         payload["image_data"] = [[encode_image(im) for im in r.images] for r in requests]
     rids = [r.request_id for r in requests]
@@ -121,9 +126,15 @@ def generate_payload(
     return payload
 
 
-def parse_output(output: dict[str, Any], request: GenerateRequest) -> Completion:
+def parse_output(
+    output: dict[str, Any],
+    request: GenerateRequest,
+    *,
+    routing_shape: tuple[int, int] | None = None,
+) -> Completion:
     """One SGLang output dict -> :class:`Completion`. Malformed output becomes an error
-    completion naming what was missing, never an exception."""
+    completion naming what was missing, never an exception. ``routing_shape`` (layers, k):
+    decode ``meta_info.routed_experts`` too."""
     prompt_length, rid = request.prompt_length, request.request_id
     meta = output.get("meta_info")
     if not isinstance(meta, dict):
@@ -164,13 +175,42 @@ def parse_output(output: dict[str, Any], request: GenerateRequest) -> Completion
         return Completion.failed(
             f"unknown SGLang finish_reason {finish!r}", prompt_length=prompt_length, request_id=rid
         )
+    routed = None
+    if routing_shape is not None:
+        rows = prompt_length + len(token_ids) - 1
+        routed, problem = routed_experts(meta.get("routed_experts"), rows, routing_shape)
+        if problem:
+            return Completion.failed(problem, prompt_length=prompt_length, request_id=rid)
     return Completion(
         token_ids=token_ids,
         logprobs=[float(t[0]) for t in triples],
         finish_reason=kind,
         prompt_length=prompt_length,
         request_id=rid,
+        routed_experts=routed,
     )
+
+
+def routed_experts(
+    encoded: Any, rows: int, shape: tuple[int, int]
+) -> tuple[torch.Tensor | None, str | None]:
+    """``meta_info.routed_experts`` -> ``[rows, layers, k]`` int32, or a problem. sglang 0.5.23
+    sends base64 of the int32 ids of tokens ``[0, seqlen - 1)`` by layer and top-k
+    (``managers/detokenizer_manager.py`` ``_b64_encode_per_request``,
+    ``state_capturer/routed_experts.py``)."""
+    if not isinstance(encoded, str):
+        return None, (
+            "malformed SGLang output: no meta_info.routed_experts (was the server started "
+            "with --enable-return-routed-experts?)"
+        )
+    flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    layers, k = shape
+    if flat.size != rows * layers * k:
+        return None, (
+            f"SGLang routed_experts has {flat.size} ids, expected {rows} tokens x {layers} "
+            f"layers x {k} experts"
+        )
+    return torch.from_numpy(flat.reshape(rows, layers, k).copy()), None
 
 
 def _short(value: Any, limit: int = 200) -> str:
