@@ -88,3 +88,24 @@ def test_pack_by_token_budget_properties(lengths, budget):
         else:
             first_fit[free] += length
     assert len(bins) <= len(first_fit) + sum(x > budget for x in lengths)
+
+
+def test_routed_experts_align_with_input_ids_and_are_selected():
+    """Per sample ``[L_i, layers, k]`` integer ids; a misaligned or float one is refused by
+    name, and ``select`` carries them."""
+    b = _batch()
+    routes = [torch.randint(0, 8, (n, 4, 2), dtype=torch.int16) for n in b.lengths]
+    routed = TrainBatch(input_ids=b.input_ids, loss_mask=b.loss_mask, routed_experts=routes)
+    assert routed.select([2, 0]).routed_experts[0] is routes[2]
+    bad = [routes[0], routes[1][:-1], routes[2]]
+    with pytest.raises(ValueError, match=r"routed_experts\[1\] has shape \(4, 4, 2\).*\(5, "):
+        TrainBatch(input_ids=b.input_ids, loss_mask=b.loss_mask, routed_experts=bad)
+    flat = [routes[0], routes[1][:, 0], routes[2]]  # one layer dimension lost
+    with pytest.raises(ValueError, match=r"routed_experts\[1\]"):
+        TrainBatch(input_ids=b.input_ids, loss_mask=b.loss_mask, routed_experts=flat)
+    other_k = [routes[0], routes[1], routes[2][..., :1]]
+    with pytest.raises(ValueError, match=r"routed_experts\[2\] has \(layers, top_k\) \(4, 1\)"):
+        TrainBatch(input_ids=b.input_ids, loss_mask=b.loss_mask, routed_experts=other_k)
+    floats = [r.float() for r in routes]
+    with pytest.raises(ValueError, match="not expert ids"):
+        TrainBatch(input_ids=b.input_ids, loss_mask=b.loss_mask, routed_experts=floats)

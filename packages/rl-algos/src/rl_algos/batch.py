@@ -41,6 +41,10 @@ class TrainBatch:
     pixel_values: list[Tensor | None] | None = None  # FloatTensor[P_i, D] per sample
     image_grid_thw: list[Tensor | None] | None = None  # LongTensor[n_img_i, 3] per sample
     mm_token_type_ids: list[Tensor] | None = None  # LongTensor[L_i], 1 at image tokens
+    # IntTensor[L_i, num_hidden_layers, top_k] (any integer dtype): the experts the engine's
+    # router chose for token t at each decoder layer, replayed by the trainers (MoE models,
+    # routing replay); the last row is never routed by the engine and may hold any valid ids
+    routed_experts: list[Tensor] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -58,6 +62,8 @@ class TrainBatch:
                             f"TrainBatch.{name}[{i}] has shape {tuple(t.shape)}, "
                             f"expected ({length},) to align with input_ids[{i}]"
                         )
+            if name == "routed_experts":
+                _check_routed_experts(value, lengths)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -80,6 +86,26 @@ class TrainBatch:
             value = getattr(self, f.name)
             picked[f.name] = None if value is None else [value[i] for i in idx]
         return TrainBatch(**picked)
+
+
+def _check_routed_experts(values: list[Tensor], lengths: list[int]) -> None:
+    """Each sample's ids are ``[L_i, layers, k]`` integers, the same ``(layers, k)`` for all."""
+    trailing = None
+    for i, (t, length) in enumerate(zip(values, lengths, strict=True)):
+        if t.dim() != 3 or t.shape[0] != length:
+            raise ValueError(
+                f"TrainBatch.routed_experts[{i}] has shape {tuple(t.shape)}, expected "
+                f"({length}, num_hidden_layers, top_k) to align with input_ids[{i}]"
+            )
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ValueError(f"TrainBatch.routed_experts[{i}] holds {t.dtype}, not expert ids")
+        if trailing is None:
+            trailing = tuple(t.shape[1:])
+        elif tuple(t.shape[1:]) != trailing:
+            raise ValueError(
+                f"TrainBatch.routed_experts[{i}] has (layers, top_k) {tuple(t.shape[1:])}, "
+                f"sample 0 has {trailing}"
+            )
 
 
 def pack_sequences(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor]:

@@ -52,6 +52,9 @@ class MicroBatch:
     # a backend's split of the row over context-parallel ranks (the Megatron actor's), already
     # on the device; carried unchanged by .to
     context_parallel: Any = None
+    # IntTensor[T, num_hidden_layers, top_k]: the engine's expert ids of every token of the
+    # row, fillers included (routing replay); None when the batch has none
+    routed_experts: Tensor | None = None
 
     @property
     def num_real_tokens(self) -> int:
@@ -91,6 +94,8 @@ class MicroBatch:
             named["image_grid_thw"] = self.image_grid_thw
         if self.image_positions is not None:
             named["image_positions"] = self.image_positions
+        if self.routed_experts is not None:
+            named["routed_experts"] = self.routed_experts
         for k, v in (self.vision_inputs or {}).items():
             if isinstance(v, Tensor):
                 named[f"vision_inputs.{k}"] = v
@@ -118,6 +123,7 @@ class MicroBatch:
             else {k: out.get(f"vision_inputs.{k}", v) for k, v in self.vision_inputs.items()},
             cu_seqlens=out["cu_seqlens"],
             context_parallel=self.context_parallel,
+            routed_experts=out.get("routed_experts"),
         )
 
 
@@ -229,6 +235,37 @@ def _check_image_tokens(
             )
 
 
+def _pack_routed_experts(
+    values: Sequence[Tensor], names: list, config: PretrainedConfig, lengths: list[int]
+) -> Tensor:
+    """The real samples' expert ids then the fillers' (the first ``k`` experts: valid ids that
+    no loss reads), int32 ``[T, layers, k]``. Shapes and id ranges are checked here, on the
+    host: an id out of range would be a device-side assert in the router's gather."""
+    text = getattr(config, "text_config", config)
+    layers, top_k = text.num_hidden_layers, getattr(text, "num_experts_per_tok", None)
+    num_experts = getattr(text, "num_experts", None)
+    if not num_experts or not top_k:
+        raise ValueError(f"routed_experts given for {config.model_type}, which has no experts")
+    parts = []
+    for name, ids, length in zip(names, values, lengths, strict=False):
+        if tuple(ids.shape) != (length, layers, top_k):
+            raise ValueError(
+                f"sample {name}: routed_experts has shape {tuple(ids.shape)}, expected "
+                f"({length}, {layers}, {top_k}) (tokens, decoder layers, experts per token)"
+            )
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
+            raise ValueError(
+                f"sample {name}: routed_experts holds ids in [{int(ids.min())}, "
+                f"{int(ids.max())}], the model has {num_experts} experts"
+            )
+        parts.append(ids.to(torch.int32))
+    fillers = sum(lengths[len(values) :])
+    if fillers:
+        first = torch.arange(top_k, dtype=torch.int32)
+        parts.append(first.expand(fillers, layers, top_k))
+    return torch.cat(parts)
+
+
 def build_micro_batch(
     batch: Any,
     indices: Sequence[int],
@@ -237,6 +274,7 @@ def build_micro_batch(
     fields: Sequence[str] = (),
     need_vision: bool = False,
     pad_to_multiple: int = 1,
+    routed_experts: bool = True,
 ) -> MicroBatch:
     """Pack ``batch`` samples ``indices`` into one row (CPU tensors).
 
@@ -245,6 +283,7 @@ def build_micro_batch(
     dummy image sample when no real sample has an image, so that the vision tower runs (FSDP
     collectives must match across ranks); with no ``indices`` the row is the dummy alone.
     ``pad_to_multiple``: append a padding sample (token 0) so the row's length divides by it.
+    ``routed_experts``: pack the batch's ``routed_experts`` (when it has them) over the row.
     """
     indices = list(indices)
     ids = [batch.input_ids[i].reshape(-1).long() for i in indices]
@@ -286,6 +325,10 @@ def build_micro_batch(
     image_positions = None
     if present:
         image_positions = (flat == config.image_token_id).nonzero().reshape(-1)
+    routes = None
+    if routed_experts and getattr(batch, "routed_experts", None) is not None:
+        chosen = [batch.routed_experts[i] for i in indices]
+        routes = _pack_routed_experts(chosen, indices, config, lengths)
     return MicroBatch(
         indices=indices,
         lengths=lengths,
@@ -300,4 +343,5 @@ def build_micro_batch(
         ),
         image_positions=image_positions,
         has_dummy=add_dummy,
+        routed_experts=routes,
     )
