@@ -74,6 +74,7 @@ from trainers_fsdp.weights import export_hf_folder, iter_hf_weight_buckets
 from vlm_models.build import build_model
 from vlm_models.linear_attention import has_linear_attention
 from vlm_models.packing import supports_packed_forward
+from vlm_models.routing_replay import clear_routes, replay_routers, replaying, set_routes
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ class FsdpActor:
             self._check_offload()
         self.compile = config.compile  # None: decided by the model built (compile_by_default)
         self._vision_inputs: dict[int, VisionInputs | None] = {}  # by id(model)
+        self._unrouted_logged = False  # routing_replay on, a batch without routed_experts
         self._masters: MasterWeights | None = None  # one rank, low-precision compute
         # reused pinned host buffers: each micro-batch reaches the GPU in one copy (PinnedStaging)
         self._staging = PinnedStaging() if self.device.type == "cuda" else None
@@ -188,9 +190,14 @@ class FsdpActor:
             fused_vision_attention=cfg.fused_vision_attention,
             sync_free=True,  # counts are checked on the host, in build_micro_batch
             packed_linear_attention=True,  # Qwen3.5: recurrent state reset at sample boundaries
+            routing_replay=cfg.routing_replay,
             **cfg.model_overrides,
         )
         model.config.use_cache = False
+        if cfg.routing_replay and not replay_routers(model):
+            raise ValueError(
+                f"routing_replay needs an MoE model; {model.config.model_type} has no routers"
+            )
         if not trainable:
             model.requires_grad_(False)
             model.eval()
@@ -260,11 +267,23 @@ class FsdpActor:
         )
         need_vision = self.world_size > 1
         vision = self._vision_inputs.get(id(model or self.model))
+        replay = self.config.routing_replay
+        if replay and batch.routed_experts is None and len(batch) and not self._unrouted_logged:
+            self._unrouted_logged = True
+            logger.warning(
+                "routing_replay is on but a batch has no routed_experts: the trainer routes "
+                "it by itself (logged once)"
+            )
 
         def build(indices: Sequence[int]) -> MicroBatch:
             with record_function("fsdp_actor.micro_batch"):  # host work the GPU may wait on
                 mb = build_micro_batch(
-                    batch, indices, self.model_config, fields=fields, need_vision=need_vision
+                    batch,
+                    indices,
+                    self.model_config,
+                    fields=fields,
+                    need_vision=need_vision,
+                    routed_experts=replay,
                 )
                 if vision is not None and mb.image_grid_thw is not None:
                     mb.vision_inputs = vision.compute(mb.image_grid_thw)
@@ -345,11 +364,12 @@ class FsdpActor:
         self._require_onloaded()
         was_training = model.training
         model.eval()
-        out = collect_logprobs(
-            self.micro_batches(batch, model=model),
-            lambda mb: self._forward(model, mb)[0],
-            len(batch),
-        )
+
+        def forward(mb: MicroBatch) -> Tensor:
+            with replaying(model, mb.routed_experts):
+                return self._forward(model, mb)[0]
+
+        out = collect_logprobs(self.micro_batches(batch, model=model), forward, len(batch))
         model.train(was_training)
         return out  # type: ignore[return-value]
 
@@ -395,6 +415,12 @@ class FsdpActor:
         self.model.train()
 
         def forward(mb: MicroBatch) -> tuple[Tensor, Tensor | None]:
+            # routes stay set through this micro-batch's backward, where activation
+            # checkpointing recomputes the layers (the next forward replaces them)
+            if mb.routed_experts is not None:
+                set_routes(self.model, mb.routed_experts)
+            elif self.config.routing_replay:
+                clear_routes(self.model)
             return self._forward(self.model, mb, entropy=entropy)
 
         def backward(value: Tensor) -> None:
@@ -402,7 +428,11 @@ class FsdpActor:
             self._backward(value * self.world_size if self.world_size > 1 else value)
 
         with record_function("fsdp_actor.micro_batches"):
-            run_sequentially(micro_batches, forward, backward, loss_fn)
+            try:
+                run_sequentially(micro_batches, forward, backward, loss_fn)
+            finally:
+                if self.config.routing_replay:
+                    clear_routes(self.model)
 
     def _backward(self, loss: Tensor) -> None:
         """``loss.backward()``; with one-rank master weights, the bf16 gradient buffer is first

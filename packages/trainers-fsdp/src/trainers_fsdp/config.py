@@ -71,6 +71,10 @@ class FsdpConfig:
     # image after a cu_seqlens read in every block).
     fused_vision_attention: bool = True
     activation_checkpointing: bool = False
+    # rollout routing replay (MoE): every forward routes each token to the experts the engine
+    # chose (TrainBatch.routed_experts), weighted by this model's own router probabilities
+    # there (vlm_models.routing_replay); a batch without them routes as the model does
+    routing_replay: bool = False
     # torch.compile each decoder layer / vision block (not of a CPU-offloaded reference model),
     # and the log-prob / entropy chunk kernels; None: on CUDA for dense Qwen3-VL
     # (parallelize.compile_by_default), otherwise off

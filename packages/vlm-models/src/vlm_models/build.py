@@ -106,6 +106,7 @@ def build_model(
     fused_rms_norm: bool = False,
     sync_free: bool = False,
     packed_linear_attention: bool = False,
+    routing_replay: bool = False,
     gradient_checkpointing: bool = False,
     freeze_vision: bool = False,
     device: str | torch.device | None = None,
@@ -129,7 +130,8 @@ def build_model(
     one varlen kernel for all images; ``fused_rms_norm``, ``F.rms_norm`` where the formula
     matches; ``sync_free``, the image merge and DeepStack without host syncs (the caller checks
     placeholder counts on the host); ``packed_linear_attention``, Qwen3.5's gated delta net
-    resetting its state at the boundaries given as ``packed_seq_info``.
+    resetting its state at the boundaries given as ``packed_seq_info``; ``routing_replay``,
+    MoE routers that route to the expert ids :mod:`vlm_models.routing_replay` sets.
     ``config_overrides`` are set on the config first (see :func:`~vlm_models.presets.apply_overrides`).
 
     ``narrow_dtype``: load in this dtype instead of ``dtype`` when the checkpoint stores every
@@ -191,6 +193,7 @@ def build_model(
         fused_rms_norm=fused_rms_norm,
         sync_free=sync_free,
         packed_linear_attention=packed_linear_attention,
+        routing_replay=routing_replay,
     )
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

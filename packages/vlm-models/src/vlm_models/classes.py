@@ -52,6 +52,7 @@ OPTIONS: dict[str, bool] = {
     "fused_rms_norm": False,  # F.rms_norm where the formula matches
     "sync_free": False,  # image merge and DeepStack without host syncs
     "packed_linear_attention": False,  # gated delta net state reset at sample boundaries
+    "routing_replay": False,  # MoE routers that can route to given expert ids
 }
 
 

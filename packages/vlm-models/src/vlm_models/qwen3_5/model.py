@@ -3,7 +3,8 @@
 As :mod:`vlm_models.qwen3_vl.model`: subclasses that only override methods (parameter names
 stay transformers'), and :data:`CLASSES`, the table ``build_model`` applies. Qwen3.5 adds the
 gated delta net whose state resets at sample boundaries
-(:class:`~vlm_models.linear_attention.PackedGatedDeltaNet`) and has no DeepStack. Its RMSNorm
+(:class:`~vlm_models.linear_attention.PackedGatedDeltaNet`) and has no DeepStack; the MoE router
+can replay the engine's experts (:class:`~vlm_models.routing_replay.ReplayRouter`). Its RMSNorm
 scales by ``(1 + weight)``, not ``F.rms_norm``'s formula, so it keeps transformers' forward.
 """
 
@@ -15,6 +16,7 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as moe
 from vlm_models.classes import Swap
 from vlm_models.linear_attention import PackedGatedDeltaNet
 from vlm_models.patch_embed import GemmPatchEmbed
+from vlm_models.routing_replay import ReplayRouter
 from vlm_models.sync_free import SyncFreePlaceholderMask
 from vlm_models.vision_attention import FusedVisionAttention
 
@@ -53,6 +55,10 @@ class Qwen3_5MoeModel(SyncFreePlaceholderMask, moe.Qwen3_5MoeModel):
     pass
 
 
+class Qwen3_5MoeTopKRouter(ReplayRouter, moe.Qwen3_5MoeTopKRouter):
+    pass
+
+
 #: model_type -> which of transformers' classes run as ours, under which build_model option.
 CLASSES: dict[str, tuple[Swap, ...]] = {
     "qwen3_5": (
@@ -66,5 +72,6 @@ CLASSES: dict[str, tuple[Swap, ...]] = {
         Swap("fused_vision_attention", moe.Qwen3_5MoeVisionAttention, Qwen3_5MoeVisionAttention),
         Swap("packed_linear_attention", moe.Qwen3_5MoeGatedDeltaNet, Qwen3_5MoeGatedDeltaNet),
         Swap("sync_free", moe.Qwen3_5MoeModel, Qwen3_5MoeModel),
+        Swap("routing_replay", moe.Qwen3_5MoeTopKRouter, Qwen3_5MoeTopKRouter),
     ),
 }

@@ -12,7 +12,8 @@ class, ours. What each forward does and why lives with its mixin:
 - RMSNorm as ``F.rms_norm`` (:class:`~vlm_models.rms_norm.FusedRMSNorm`);
 - the placeholder mask and the DeepStack merge without host syncs
   (:class:`~vlm_models.sync_free.SyncFreePlaceholderMask`,
-  :class:`~vlm_models.sync_free.SyncFreeDeepstack`).
+  :class:`~vlm_models.sync_free.SyncFreeDeepstack`);
+- the MoE router replaying the engine's experts (:class:`~vlm_models.routing_replay.ReplayRouter`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe as moe
 from vlm_models.classes import Swap
 from vlm_models.patch_embed import GemmPatchEmbed
 from vlm_models.rms_norm import FusedRMSNorm
+from vlm_models.routing_replay import ReplayRouter
 from vlm_models.sync_free import SyncFreeDeepstack, SyncFreePlaceholderMask
 from vlm_models.vision_attention import FusedVisionAttention
 
@@ -69,6 +71,10 @@ class Qwen3VLMoeModel(SyncFreePlaceholderMask, moe.Qwen3VLMoeModel):
     pass
 
 
+class Qwen3VLMoeTextTopKRouter(ReplayRouter, moe.Qwen3VLMoeTextTopKRouter):
+    pass
+
+
 #: model_type -> which of transformers' classes run as ours, under which build_model option.
 CLASSES: dict[str, tuple[Swap, ...]] = {
     "qwen3_vl": (
@@ -84,5 +90,6 @@ CLASSES: dict[str, tuple[Swap, ...]] = {
         Swap("fused_rms_norm", moe.Qwen3VLMoeTextRMSNorm, Qwen3VLMoeTextRMSNorm),
         Swap("sync_free", moe.Qwen3VLMoeTextModel, Qwen3VLMoeTextModel),
         Swap("sync_free", moe.Qwen3VLMoeModel, Qwen3VLMoeModel),
+        Swap("routing_replay", moe.Qwen3VLMoeTextTopKRouter, Qwen3VLMoeTextTopKRouter),
     ),
 }
