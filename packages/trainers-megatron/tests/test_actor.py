@@ -9,10 +9,6 @@ plain optimizer) and as DP=2 (one sample per rank; the distributed optimizer).
 from __future__ import annotations
 
 import io
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -94,14 +90,8 @@ def _hf_logprobs(model, batch: TrainBatch) -> list[torch.Tensor]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def run(geo3k_dir, qwen3vl_dir, tmp_path_factory):
+def run(geo3k_dir, qwen3vl_dir, tmp_path_factory, launch_ranks):
     torch.manual_seed(0)  # as the actor does before its random init
     model = build_model(tiny_config())
     batch = _batch(geo3k_dir, qwen3vl_dir, model.config)
@@ -127,21 +117,7 @@ def run(geo3k_dir, qwen3vl_dir, tmp_path_factory):
 
     workdir = tmp_path_factory.mktemp("megatron_actor")
     torch.save(dict(config=COMMON, scenarios=SCENARIOS, batch=batch), workdir / "case.pt")
-    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(workdir / "case.pt"), str(workdir)],
-            env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    logs = [p.communicate(timeout=900)[0] for p in procs]
-    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"rank {r} failed:\n{log[-6000:]}"
-    results = [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    results = launch_ranks(WORKER, workdir, 2)
     reference = dict(
         before=before,
         after=after,

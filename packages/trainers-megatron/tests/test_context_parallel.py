@@ -20,10 +20,6 @@ and weights by far more, while reordered float32 sums move log-probs by about 1e
 from __future__ import annotations
 
 import io
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -104,14 +100,8 @@ def _batch(geo3k_dir: Path, qwen3vl_dir: Path) -> TrainBatch:
     return TrainBatch(**fields)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def results(geo3k_dir, qwen3vl_dir, tmp_path_factory) -> dict[str, dict]:
+def results(geo3k_dir, qwen3vl_dir, tmp_path_factory, launch_ranks) -> dict[str, dict]:
     """Rank 0's results (every rank holds the whole batch's log-probs)."""
     batch = _batch(geo3k_dir, qwen3vl_dir)
     assert all(n % 4 for n in batch.lengths[:2])  # the split pads samples
@@ -119,23 +109,7 @@ def results(geo3k_dir, qwen3vl_dir, tmp_path_factory) -> dict[str, dict]:
     case["batch"] = batch
     workdir = tmp_path_factory.mktemp("megatron_cp")
     torch.save(case, workdir / "case.pt")
-    env = dict(
-        os.environ, WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
-    )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(workdir / "case.pt"), str(workdir)],
-            env=dict(env, RANK=str(r), LOCAL_RANK=str(r), OMP_NUM_THREADS="1"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(WORLD)
-    ]
-    logs = [p.communicate(timeout=900)[0] for p in procs]
-    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"rank {r} failed:\n{log[-6000:]}"
-    out = [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    out = launch_ranks(WORKER, workdir, WORLD, OMP_NUM_THREADS="1")
     for r in range(1, WORLD):  # every rank returns the whole log-probs
         for key, res in out[r].items():
             for a, b in zip(res["after"], out[0][key]["after"], strict=True):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import logging
-import socket
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,10 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 from rl_algos import TrainBatch
 from vlm_models.presets import PRESETS, tiny_config
 
-pytestmark = pytest.mark.skipif("qwen3.5-tiny" not in PRESETS, reason="needs Qwen3.5")
+pytestmark = [
+    pytest.mark.skipif("qwen3.5-tiny" not in PRESETS, reason="needs Qwen3.5"),
+    pytest.mark.usefixtures("one_process"),
+]
 IDS = dict(
     vocab_size=151936,
     image_token_id=151655,
@@ -25,21 +27,6 @@ IDS = dict(
     vision_start_token_id=151652,
     vision_end_token_id=151653,
 )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_process():
-    """A world of one on a free port (the actor initialises the process group itself)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MASTER_ADDR", "127.0.0.1")
-        mp.setenv("MASTER_PORT", str(port))
-        yield
-    from vlm_models.megatron import destroy_model_parallel
-
-    destroy_model_parallel()
 
 
 @pytest.fixture(scope="module")

@@ -89,23 +89,6 @@ def test_small_storages_cross_in_buckets_and_dropped_ones_come_back_zero():
     assert torch.equal(view.reshape(-1), large[10:20])
 
 
-@pytest.fixture(scope="module")
-def one_process():
-    """A world of one on a free port (the actor initialises the process group itself)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MASTER_ADDR", "127.0.0.1")
-        mp.setenv("MASTER_PORT", str(port))
-        yield
-    from vlm_models.megatron import destroy_model_parallel
-
-    destroy_model_parallel()
-
-
 def _text_batch():
     """Two text-only samples, 8 response tokens each (no image: the vision tower idles)."""
     from rl_algos import TrainBatch
