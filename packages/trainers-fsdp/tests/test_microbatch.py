@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rl_algos import LOSS_FIELDS
-from trainer_core import PinnedStaging, build_micro_batch
+from trainer_core import PinnedStaging, build_micro_batch, replays_routes
 from trainers_fsdp.synthetic import TINY_OVERRIDES
 from vlm_models.presets import tiny_config
 
@@ -75,6 +75,8 @@ def test_routed_experts_pack_over_the_row_fillers_included():
     moved = mb.to(CPU, PinnedStaging(pin=False))
     assert torch.equal(moved.routed_experts, mb.routed_experts)
     assert build_micro_batch(batch, [1], config, routed_experts=False).routed_experts is None
+    assert replays_routes(batch, True) and not replays_routes(batch, False)
+    assert not replays_routes(synthetic_batch(config, [9]), True)  # the trainer routes
     alone = build_micro_batch(batch, [], config)  # a rank without samples: the dummy alone
     assert torch.equal(alone.routed_experts, torch.tensor([[[0, 1]] * 4]).int())
 

@@ -15,7 +15,13 @@ import lazy_loader
 __getattr__, __dir__, __all__ = lazy_loader.attach(
     __name__,
     submod_attrs={
-        "microbatch": ["MicroBatch", "PinnedStaging", "build_micro_batch", "dummy_image"],
+        "microbatch": [
+            "MicroBatch",
+            "PinnedStaging",
+            "build_micro_batch",
+            "dummy_image",
+            "replays_routes",
+        ],
         "offload": ["HostCopies", "host_cores", "host_threads", "pinned_empty"],
     },
 )

@@ -13,6 +13,7 @@ so this package does not depend on rl-algos.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Sequence
@@ -264,6 +265,27 @@ def _pack_routed_experts(
         first = torch.arange(top_k, dtype=torch.int32)
         parts.append(first.expand(fillers, layers, top_k))
     return torch.cat(parts)
+
+
+def replays_routes(batch: Any, routing_replay: bool) -> bool:
+    """Whether ``batch``'s micro-batches carry expert ids to replay: ``routing_replay`` is on
+    and the batch has ``routed_experts``. On without them, the trainer routes by itself, which
+    is logged once (every step would say it again)."""
+    if not routing_replay:
+        return False
+    if getattr(batch, "routed_experts", None) is None:
+        if len(batch.input_ids):
+            _log_unrouted()
+        return False
+    return True
+
+
+@functools.cache
+def _log_unrouted() -> None:
+    logger.warning(
+        "routing_replay is on but a batch has no routed_experts: the trainer routes it by "
+        "itself (logged once)"
+    )
 
 
 def build_micro_batch(

@@ -39,7 +39,7 @@ from rl_algos import (
     scatter_rows,
 )
 from rl_algos import train_step as core
-from trainer_core import MicroBatch, PinnedStaging, build_micro_batch
+from trainer_core import MicroBatch, PinnedStaging, build_micro_batch, replays_routes
 from trainer_core.compile_log import log_compiles
 from trainer_core.offload import timed_copies, transfer_metrics
 from trainer_core.startup import StartupLog
@@ -115,7 +115,6 @@ class FsdpActor:
             self._check_offload()
         self.compile = config.compile  # None: decided by the model built (compile_by_default)
         self._vision_inputs: dict[int, VisionInputs | None] = {}  # by id(model)
-        self._unrouted_logged = False  # routing_replay on, a batch without routed_experts
         self._masters: MasterWeights | None = None  # one rank, low-precision compute
         # reused pinned host buffers: each micro-batch reaches the GPU in one copy (PinnedStaging)
         self._staging = PinnedStaging() if self.device.type == "cuda" else None
@@ -267,13 +266,7 @@ class FsdpActor:
         )
         need_vision = self.world_size > 1
         vision = self._vision_inputs.get(id(model or self.model))
-        replay = self.config.routing_replay
-        if replay and batch.routed_experts is None and len(batch) and not self._unrouted_logged:
-            self._unrouted_logged = True
-            logger.warning(
-                "routing_replay is on but a batch has no routed_experts: the trainer routes "
-                "it by itself (logged once)"
-            )
+        replay = replays_routes(batch, self.config.routing_replay)
 
         def build(indices: Sequence[int]) -> MicroBatch:
             with record_function("fsdp_actor.micro_batch"):  # host work the GPU may wait on
