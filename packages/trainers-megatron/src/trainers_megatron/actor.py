@@ -45,7 +45,7 @@ from rl_algos import (
     scatter_rows,
 )
 from rl_algos import train_step as core
-from trainer_core import MicroBatch, PinnedStaging, build_micro_batch
+from trainer_core import MicroBatch, PinnedStaging, build_micro_batch, replays_routes
 from trainer_core.compile_log import log_compiles
 from trainer_core.offload import timed_copies, transfer_metrics
 from trainer_core.startup import StartupLog
@@ -77,6 +77,12 @@ from vlm_models.megatron import (
     text_arch,
 )
 from vlm_models.megatron.context_parallel import reduce_over_cp
+from vlm_models.megatron.routing_replay import (
+    clear_routes,
+    local_routes,
+    replay_routers,
+    set_routes,
+)
 from vlm_models.presets import PRESETS
 
 logger = logging.getLogger(__name__)
@@ -174,6 +180,8 @@ class MegatronActor:
             )
         if config.ep > 1 and not text_arch(self.hf_config).num_experts:
             raise ValueError(f"ep={config.ep} (expert parallel) needs an MoE model")
+        if config.routing_replay and not text_arch(self.hf_config).num_experts:
+            raise ValueError("routing_replay needs an MoE model")
         if self.device.type == "cpu":
             # megatron-core 0.16.1 assumes CUDA in a few places; CPU runs (tests, debugging)
             # need the compatibility layer, which refuses to run where CUDA exists.
@@ -199,6 +207,8 @@ class MegatronActor:
         self.last_stage = parallel_state.is_pipeline_last_stage()
         overrides = dict(schedule_config(config.pp), **recompute_settings(config))
         overrides["moe_grouped_gemm"] = config.moe_grouped_gemm
+        if config.routing_replay:
+            overrides["moe_enable_routing_replay"] = True
         if config.pipeline_first_stage_layers is not None:
             overrides["num_layers_in_first_pipeline_stage"] = config.pipeline_first_stage_layers
         gdn = dict(gdn_path=config.linear_attention_kernels)
@@ -309,6 +319,7 @@ class MegatronActor:
         pad = self.tp_size if self.config.sp else 1
         vision = self.module.vision_inputs
         cp = self.cp_size
+        replay = replays_routes(batch, self.config.routing_replay)
 
         def build(indices: Sequence[int]) -> MicroBatch:
             with record_function("megatron_actor.micro_batch"):  # host work the GPU may wait on
@@ -318,6 +329,7 @@ class MegatronActor:
                     self.hf_config,
                     fields=fields,
                     pad_to_multiple=1 if cp > 1 else pad,
+                    routed_experts=replay,
                 )
                 if cp > 1:
                     mb.context_parallel = split_row(
@@ -342,6 +354,8 @@ class MegatronActor:
         Only the rows that predict loss tokens go through the output layer; other positions
         hold 0, which the token alignment convention allows (as in the FSDP actor).
         """
+        if self.config.routing_replay:
+            self._route(mb, model)
         if mb.context_parallel is not None:
             return self._stage_forward_cp(mb, model, mb.context_parallel)
         longest = mb.max_seqlen
@@ -383,6 +397,27 @@ class MegatronActor:
             return lp[: mb.num_real_tokens]
         scored = self._score(logits, mb.input_ids[positions])
         return scatter_rows(scored, positions, mb.input_ids.shape[0])[: mb.num_real_tokens]
+
+    def _route(self, mb: MicroBatch, model: torch.nn.Module) -> None:
+        """This stage's routers to ``mb``'s expert ids on this rank's tokens (zigzag part,
+        sequence-parallel slice), or to their own top-k for a micro-batch without them. The
+        ids stay until the next micro-batch's forward: one stage runs this micro-batch's
+        backward, with its recompute, in between."""
+        routers = replay_routers(model)
+        if mb.routed_experts is None:
+            clear_routes(routers)
+            return
+        split = mb.context_parallel
+        ids = local_routes(
+            mb.routed_experts,
+            zigzag=None if split is None else split.layout,
+            sequence_parallel=self.config.sp,
+        )
+        set_routes(routers, ids)
+
+    def _clear_routes(self, model: torch.nn.Module) -> None:
+        if self.config.routing_replay:
+            clear_routes(replay_routers(model))
 
     def _score(self, logits: Tensor, targets: Tensor) -> Tensor:
         """Log-probs of ``targets`` under ``logits`` ``[R, V / tp]`` (float32)."""
@@ -444,7 +479,12 @@ class MegatronActor:
                 out[i] = part
             return logprobs.new_zeros(())
 
-        run_schedule(model, self.micro_batches(batch), self._stage_forward, keep, forward_only=True)
+        try:
+            run_schedule(
+                model, self.micro_batches(batch), self._stage_forward, keep, forward_only=True
+            )
+        finally:
+            self._clear_routes(model)
         return self._from_last_stage(out)
 
     def _loss(self, loss: str | TrainLoss) -> TrainLoss:
@@ -498,12 +538,15 @@ class MegatronActor:
         self.model.train()
         self._grads_zero = False
         with record_function("megatron_actor.micro_batches"):
-            run_schedule(
-                self.model,
-                micro_batches,
-                self._stage_forward,
-                lambda mb, logprobs: loss_fn(mb, logprobs, None),
-            )
+            try:
+                run_schedule(
+                    self.model,
+                    micro_batches,
+                    self._stage_forward,
+                    lambda mb, logprobs: loss_fn(mb, logprobs, None),
+                )
+            finally:
+                self._clear_routes(self.model)
 
     def finish_grads(self) -> Tensor:
         """Finish the gradients with megatron-core's ``finalize_model_grads`` (DP

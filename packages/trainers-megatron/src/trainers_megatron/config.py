@@ -89,6 +89,11 @@ class MegatronConfig:
     recompute_method: Literal["uniform", "block"] = "uniform"
     recompute_num_layers: int = 1
     recompute_modules: tuple[str, ...] | None = None
+    # rollout routing replay (MoE): every forward routes each token to the experts the engine
+    # chose (TrainBatch.routed_experts), weighted by this model's own router scores there
+    # (megatron-core's RouterReplay, vlm_models.megatron.routing_replay); a batch without them
+    # routes as the model does
+    routing_replay: bool = False
     # torch.compile each decoder layer (one function shared by all), each HF vision block and
     # the log-prob kernels, as the FSDP actor compiles its units. None: on CUDA for dense
     # Qwen3-VL (compiles_by_default). On the H200 (2026-12-02) the 2B shape's first compiled
@@ -158,6 +163,14 @@ class MegatronConfig:
             )
         if self.recompute_num_layers < 1:
             raise ValueError(f"recompute_num_layers must be >= 1, got {self.recompute_num_layers}")
+        if self.routing_replay and self.pp > 1 and self.recomputes_routers:
+            raise NotImplementedError(
+                f"routing_replay with pp={self.pp} and recompute={self.recompute!r}"
+                f"{'' if self.recompute == 'full' else ' (recompute_modules with moe)'}: the "
+                "1F1B schedule runs other micro-batches' forwards before a backward recomputes "
+                "the routers, which megatron-core's REPLAY_BACKWARD queue would have to follow; "
+                "use pp=1, or no recompute of the MoE layers"
+            )
         if self.optim.lr_schedule == "cosine" and not self.optim.total_steps:
             raise ValueError("optim.lr_schedule='cosine' needs optim.total_steps")
         if not 0.0 <= self.optimizer_offload <= 1.0:
@@ -168,6 +181,13 @@ class MegatronConfig:
             raise ValueError(OFFLOAD_NEEDS_DISTRIBUTED)
         if self.optim.min_lr > self.optim.lr:  # megatron-core's scheduler asserts it
             raise ValueError("optim.min_lr must be within [0, optim.lr]")
+
+    @property
+    def recomputes_routers(self) -> bool:
+        """Whether activation recompute runs the MoE routers again in backward."""
+        if self.recompute == "full":
+            return True
+        return self.recompute == "selective" and "moe" in (self.recompute_modules or ())
 
     def actor_class(self) -> type:
         """The actor this config builds (importing it loads megatron-core, so a launcher
@@ -199,9 +219,15 @@ class MegatronConfig:
     def supports(self, layout: ParallelLayout, world_size: int | None = None) -> str | None:
         """Megatron runs every split (a CLI check already refuses sequence parallel without
         TP; whether the ranks divide is the launcher's check); the optimizer on the host needs
-        the distributed optimizer."""
+        the distributed optimizer; routing replay cannot recompute layers over pipeline
+        stages."""
         if layout.optimizer_offload > 0 and not self.distributed_optimizer:
             return OFFLOAD_NEEDS_DISTRIBUTED
+        if self.routing_replay and layout.pp > 1 and layout.recompute == "full":
+            return (
+                "routing replay over pipeline stages cannot recompute the routers (1F1B runs "
+                "other micro-batches' forwards first): --recompute none or selective"
+            )
         return None
 
     def state_bytes(
