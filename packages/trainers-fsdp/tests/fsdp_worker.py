@@ -41,6 +41,9 @@ def main() -> None:
     parser.add_argument("--reduce-dtype", default="float32", help="FsdpConfig.reduce_dtype")
     parser.add_argument("--checkpoint", default=None, help="save here, then resume a fresh actor")
     parser.add_argument("--model", default="qwen3-vl-tiny", help="a tiny preset")
+    parser.add_argument(
+        "--routing-replay", action="store_true", help="an MoE preset routed to random experts"
+    )
     args = parser.parse_args()
     # fused AdamW: the optimizer step below takes the no-host-sync path (sharded grad norm,
     # device-side clip), which must agree across world sizes too
@@ -53,9 +56,18 @@ def main() -> None:
         replicate=args.replicate,
         param_dtype="bfloat16" if args.bf16 else None,
         reduce_dtype=args.reduce_dtype,
+        routing_replay=args.routing_replay,
     )
     actor = FsdpActor(cfg)
     batch = mixed_batch()
+    if args.routing_replay:  # the same ids on every rank: drawn for the whole batch
+        text = actor.model_config.text_config
+        g = torch.Generator().manual_seed(0)
+        shape = (text.num_hidden_layers, text.num_experts)
+        batch.routed_experts = [
+            torch.rand(n, *shape, generator=g).argsort(-1)[..., : text.num_experts_per_tok]
+            for n in batch.lengths
+        ]
     part = batch.select(shard(len(batch), actor.rank, actor.world_size))
     logprobs = actor.compute_logprobs(part)
     gathered = [None] * actor.world_size

@@ -67,6 +67,19 @@ def _assert_same_update(params: dict, other: dict, lr: float = 1e-2, close: floa
         assert diff.max() <= 2 * lr + 1e-6 and off <= allowed, f"{name}: {diff.max():.2e}, {off}"
 
 
+def _assert_same_logprobs_and_grads(one: dict, two: dict) -> None:
+    """The worker's log-probs and each case's gradients agree between two launches."""
+    for a, b in zip(one["logprobs"], two["logprobs"], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    cases = [k for k in one if k not in ("logprobs", "train_step")]
+    assert len(cases) == 3
+    for case in cases:
+        g1, g2 = one[case]["grads"], two[case]["grads"]
+        assert g1.keys() == g2.keys() and g1
+        for name in g1:
+            torch.testing.assert_close(g2[name], g1[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> dict:
     return _launch(1, tmp_path_factory.mktemp("one") / "one.pt")
@@ -79,18 +92,11 @@ def test_two_processes_match_one_process(tmp_path, one_process, flags):
     sharded by FSDP or replicated and averaged by one all-reduce."""
     one = dict(one_process)
     two = _launch(2, tmp_path / "two.pt", *flags)
-    for a, b in zip(one["logprobs"], two["logprobs"], strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    _assert_same_logprobs_and_grads(one, two)
     step1, step2 = one.pop("train_step"), two.pop("train_step")
     assert step2["grad_norm"] == pytest.approx(step1["grad_norm"], rel=1e-5)
     _assert_same_update(step1["params"], step2["params"])
-    cases = [k for k in one if k != "logprobs"]
-    assert len(cases) == 3
-    for case in cases:
-        g1, g2 = one[case]["grads"], two[case]["grads"]
-        assert g1.keys() == g2.keys() and g1
-        for name in g1:
-            torch.testing.assert_close(g2[name], g1[name], atol=1e-6, rtol=1e-4, msg=name)
+    for case in [k for k in one if k != "logprobs"]:
         m1, m2 = one[case]["metrics"], two[case]["metrics"]
         assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5)
         assert m2["tokens"] == m1["tokens"] and m2["loss_tokens"] == m1["loss_tokens"]
@@ -103,15 +109,17 @@ def test_qwen3_5_two_processes_match_one_process(tmp_path):
     gated delta net's state stays inside each sample under FSDP too."""
     one = _launch(1, tmp_path / "one.pt", "--model", "qwen3.5-tiny")
     two = _launch(2, tmp_path / "two.pt", "--model", "qwen3.5-tiny")
-    for a, b in zip(one["logprobs"], two["logprobs"], strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    cases = [k for k in one if k not in ("logprobs", "train_step")]
-    assert len(cases) == 3
-    for case in cases:
-        g1, g2 = one[case]["grads"], two[case]["grads"]
-        assert g1.keys() == g2.keys() and g1
-        for name in g1:
-            torch.testing.assert_close(g2[name], g1[name], atol=1e-6, rtol=1e-4, msg=name)
+    _assert_same_logprobs_and_grads(one, two)
+
+
+@pytest.mark.slow
+def test_routing_replay_two_processes_match_one_process(tmp_path):
+    """MoE routed to the engine's experts under FSDP: sharded layers, rows packed otherwise
+    and rank 1's dummy image sample (its filler ids) give one rank's log-probs and gradients."""
+    flags = ("--model", "qwen3-vl-moe-tiny", "--routing-replay")
+    one = _launch(1, tmp_path / "one.pt", *flags)
+    two = _launch(2, tmp_path / "two.pt", *flags)
+    _assert_same_logprobs_and_grads(one, two)
 
 
 @pytest.mark.slow
