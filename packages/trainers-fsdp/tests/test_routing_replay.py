@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rl_algos.run_context import RunContext
 from trainers_fsdp.actor import FsdpActor
 from trainers_fsdp.synthetic import TINY_OVERRIDES
 from vlm_models.build import build_model
@@ -148,6 +149,8 @@ def test_a_replayed_step_recomputes_with_the_same_experts(make_config, make_smal
     assert not torch.allclose(grads["own"][router], grads["plain"][router], atol=1e-4)
 
 
-def test_routing_replay_refuses_a_dense_model(make_config):
+def test_routing_replay_is_the_runs_and_refuses_a_dense_model(make_config):
+    run = RunContext(model="qwen3-vl-moe-tiny", seed=0, use_gpu=False, routing_replay=True)
+    assert make_config().for_run(run).routing_replay  # the loop's --routing-replay
     with pytest.raises(ValueError, match="routing_replay needs an MoE model; qwen3_vl"):
         FsdpActor(make_config(routing_replay=True))

@@ -12,6 +12,7 @@ pipeline stages (global layer numbers) and expert parallelism.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 from rl_algos import TrainBatch, aligned_logprobs
 from rl_algos.optimizer import OptimConfig
-from rl_algos.run_context import ParallelLayout
+from rl_algos.run_context import ParallelLayout, RunContext
 from trainers_megatron import MegatronConfig
 from vlm_models.build import build_model
 from vlm_models.megatron.routing_replay import replay_routers
@@ -165,6 +166,12 @@ def test_pipeline_stages_with_recomputed_routers_are_refused():
     assert "cannot recompute the routers" in replay.supports(ParallelLayout(pp=2, recompute="full"))
     assert replay.supports(ParallelLayout(pp=2, recompute="selective")) is None
     assert replay.supports(ParallelLayout(pp=1, recompute="full")) is None
+    run = RunContext(model="qwen3-vl-moe-tiny", seed=0, use_gpu=False, routing_replay=True)
+    assert MegatronConfig().for_run(run).routing_replay  # the loop's --routing-replay
+    with pytest.raises(NotImplementedError, match="pp=2"):
+        MegatronConfig().for_run(
+            dataclasses.replace(run, layout=ParallelLayout(pp=2, recompute="full"))
+        )
 
 
 # layout -> the MegatronConfig fields; each rank runs the whole batch but under ep2 (its own)

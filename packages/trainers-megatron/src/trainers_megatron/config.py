@@ -286,5 +286,6 @@ class MegatronConfig:
             temperature=run.temperature,
             grpo=self.grpo if run.grpo is None else run.grpo,
             reference_model=run.reference_model,
+            routing_replay=run.routing_replay,
             optim=self.optim.for_run(run.total_steps, run.schedule),
         )
