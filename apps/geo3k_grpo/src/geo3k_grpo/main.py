@@ -122,6 +122,7 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
         to_dict,
         write_config,
     )
+    from rl_runtime.loop_config import routing_replay_on
 
     check_backend(cfg.run.backend, cfg.trainer, use_gpu=cfg.cluster.use_gpu)
     lay = layout(cfg.cluster, gpus_per_engine=cfg.rollout.tp_size)
@@ -158,7 +159,11 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
         cfg = dataclasses.replace(cfg, parallel=parallel)
     # the transformers engine's KV cache in tokens: the plan's, unless --rollout-cache-tokens
     cache_from = "planned" if cfg.rollout.cache_tokens is None else "--rollout-cache-tokens"
-    cfg = dataclasses.replace(cfg, rollout=rollout_config(cfg, plan))
+    # MoE: the trainer routes each token to the engine's experts (--routing-replay)
+    moe = (vlm_models.sources.shape_of(cfg.model, load=load) or {}).get("expert_params", 0) > 0
+    replay = routing_replay_on(cfg.loop.routing_replay, moe)
+    engine_cfg = dataclasses.replace(rollout_config(cfg, plan), return_routed_experts=replay)
+    cfg = dataclasses.replace(cfg, rollout=engine_cfg)
     run_dir = Path(cfg.run.output_dir)
     checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.loop.keep_checkpoints)
     start_step = resume_step(checkpoints, run_dir) if cfg.run.resume else None
@@ -191,6 +196,7 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
             grpo=cfg.loss,
             reference_model=cfg.loss.kl_coef > 0,
             total_steps=cfg.loop.optimizer_steps,
+            routing_replay=replay,
         )
     )
     tok = processor.tokenizer
@@ -215,6 +221,8 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
         )
         if cfg.rollout.cache_tokens is not None:
             log.info("engine KV cache: %s tokens (%s)", f"{cfg.rollout.cache_tokens:,}", cache_from)
+        if replay:
+            log.info("routing replay: the trainer routes each token to the engine's experts")
     loop_cfg = dataclasses.replace(
         cfg.loop, use_ref_logprobs=cfg.loss.kl_coef > 0, offload_train=plan.offload_train
     )

@@ -102,9 +102,13 @@ def build_train_batch(
     completions: Sequence[Any],
     advantages: torch.Tensor,
 ) -> TrainBatch:
-    """One sample per (prompt, completion) pair; `advantages[i]` goes on sample i's response."""
+    """One sample per (prompt, completion) pair; `advantages[i]` goes on sample i's response.
+    The engines' ``routed_experts`` (``[prompt + response - 1, layers, k]``) become the batch's
+    per-token ``routed_experts`` when every completion has them."""
     input_ids, loss_mask, adv, pixels, grids, mm = [], [], [], [], [], []
     rollout_lp: list[torch.Tensor] | None = []
+    # routing replay: the engine's experts for every token; only when every sample has them
+    routed: list[torch.Tensor] | None = []
     has_mm = all(getattr(p, "mm_token_type_ids", None) is not None for p in prompts)
     for prompt, comp, a in zip(prompts, completions, advantages.tolist(), strict=True):
         prompt_ids = torch.as_tensor(prompt.input_ids, dtype=torch.long).reshape(-1)
@@ -119,6 +123,13 @@ def build_train_batch(
             rollout_lp = None
         if rollout_lp is not None:
             rollout_lp.append(torch.cat([torch.zeros(lp), logprobs]))
+        experts = getattr(comp, "routed_experts", None)
+        if experts is None or experts.shape[0] != lp + lr - 1:
+            routed = None
+        if routed is not None:
+            # the last token was never run by the engine: its row is any valid one (it
+            # predicts nothing the loss reads), here the row before it
+            routed.append(torch.cat([experts, experts[-1:]]))
         pixels.append(getattr(prompt, "pixel_values", None))
         grids.append(getattr(prompt, "image_grid_thw", None))
         if has_mm:
@@ -135,4 +146,5 @@ def build_train_batch(
         pixel_values=pixels,
         image_grid_thw=grids,
         mm_token_type_ids=mm if has_mm else None,
+        routed_experts=routed or None,
     )
