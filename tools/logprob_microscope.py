@@ -11,7 +11,8 @@ the same response tokens go through every path:
   attention (``decode-sdpa``) and dense MoE experts (``decode-dense-moe``);
 * ``forward``: transformers' forward over prompt + response, one sample (the engine's prefill
   path), and on a machine with fla also through the torch reference delta rule
-  (``forward-torch-gdn``);
+  (``forward-torch-gdn``) or given float32 inputs (``forward-f32-gdn``, and the decode
+  replaying its routing, ``decode-replay-f32``);
 * ``fsdp`` / ``megatron``: each trainer's ``compute_logprobs`` over the packed batch.
 
 It prints, per dtype, the mean |gap| of every path against ``forward`` and against ``engine``,
@@ -130,6 +131,21 @@ def _resolved(fn: Any) -> Any:
     return fn
 
 
+def _float32_inputs(kernel: Any) -> Any:
+    """The chunked delta rule given float32 q, k, v and beta (fla keeps its chunk states and
+    dots in the inputs' dtype), its output cast back: the trainer's side of the engine's
+    float32 recurrence."""
+
+    def run(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
+        dtype = value.dtype
+        if "beta" in kwargs:
+            kwargs["beta"] = kwargs["beta"].float()
+        out, state = kernel(query.float(), key.float(), value.float(), *args, **kwargs)
+        return out.to(dtype), state
+
+    return run
+
+
 def engine_paths(
     folder: Path, dtype: torch.dtype, device: torch.device, args: argparse.Namespace
 ) -> tuple[list[Any], list[Any], dict[str, list[Any]], dict[str, Any]]:
@@ -207,13 +223,22 @@ def engine_paths(
             kernels[name] = f"{getattr(impl, '__module__', '?')}.{getattr(impl, '__name__', '?')}"
         reference = _torch_delta_rule(kernel)
         if device.type == "cuda" and "fla" in kernels["torch_chunk_gated_delta_rule"]:
-            module.torch_chunk_gated_delta_rule = reference
-            try:
-                paths["forward-torch-gdn"] = [
-                    ms.forward_trace(engine, r, t) for r, t in zip(requests, responses, strict=True)
-                ]
-            finally:
-                module.torch_chunk_gated_delta_rule = kernel
+            for name, swap in (
+                ("forward-torch-gdn", reference),
+                ("forward-f32-gdn", _float32_inputs(kernel)),
+            ):
+                module.torch_chunk_gated_delta_rule = swap
+                try:
+                    paths[name] = [
+                        ms.forward_trace(engine, r, t)
+                        for r, t in zip(requests, responses, strict=True)
+                    ]
+                finally:
+                    module.torch_chunk_gated_delta_rule = kernel
+            if "decode-replay" in paths:  # what a trainer replaying the engine's routes sees
+                paths["decode-replay-f32"] = ms.decode_trace(
+                    engine, requests, responses, replay=paths["forward-f32-gdn"]
+                )
     logger.info("kernels: %s", kernels)
     engine.shutdown()
     del engine, model
@@ -287,6 +312,16 @@ def report(paths: dict[str, list[Any]], part_at: float) -> dict[str, Any]:
                 for k, v in compare(traces, paths["engine"], part_at=part_at).items()
                 if k not in ("layers", "parts_at")
             }
+    if "decode-replay-f32" in paths:  # the pair a float32-kernel trainer would see
+        out["pairs"] = {
+            "decode-replay-f32 vs forward-f32-gdn": {
+                k: v
+                for k, v in compare(
+                    paths["decode-replay-f32"], paths["forward-f32-gdn"], part_at=part_at
+                ).items()
+                if k not in ("layers", "parts_at")
+            }
+        }
     for result in out["against_forward"].values():
         if not result["layers"]:
             result.pop("layers")
@@ -304,6 +339,8 @@ def print_report(dtype: str, result: dict[str, Any]) -> None:
             f"  {'':>18}  by position: "
             + ", ".join(f"{k}: {v:.2g}" for k, v in r["gap_by_position"].items())
         )
+    for pair, r in result.get("pairs", {}).items():
+        print(f"  {pair}: {r['mean_gap']:.3g} (max {r['max_gap']:.3g})")
     for path in ("decode", "decode-replay"):
         decode = result["against_forward"].get(path, {})
         if not decode.get("layers"):

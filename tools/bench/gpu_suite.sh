@@ -134,13 +134,14 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
         run qwen35 480 python3 tools/bench/bench_qwen35_megatron.py --device cuda --out "$OUT/qwen35.json" ;;
       microscope)  # where the engine's and the trainers' log-probs part (tools/logprob_microscope.py),
         # per MICRO_SHAPES entry "shape:layers" (layers empty: the whole model); needs fla-core and
-        # megatron-core in WHEEL_DIR for Qwen3.5 and the Megatron trainer
+        # megatron-core in WHEEL_DIR for Qwen3.5 and the Megatron trainer; MICRO_ARGS: more tool
+        # options (--dtypes float32), MICRO_TAG: a suffix of the JSON's name
         for s in ${MICRO_SHAPES:-qwen3.5-35b-a3b:8}; do
           shape=${s%%:*}; layers=${s#*:}
           run "microscope_$shape" "${MICRO_TIMEOUT:-300}" python3 tools/logprob_microscope.py --device cuda \
             --shape "$shape" ${layers:+--layers "$layers"} --work-dir /tmp/e2e --trainers "${MICRO_TRAINERS:-fsdp,megatron}" \
             --prompts "${MICRO_PROMPTS:-4}" --samples 2 --max-new-tokens "${MICRO_TOKENS:-128}" \
-            --out "$OUT/microscope_${shape}${layers:+_${layers}l}.json"
+            --out "$OUT/microscope_${shape}${layers:+_${layers}l}${MICRO_TAG:+_$MICRO_TAG}.json" ${MICRO_ARGS:-}
         done ;;
       gpu_tests) run gpu_tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider -o log_level=WARNING packages ;;
       setup) ;;  # only install WHEEL_DIR into /tmp/site (see the header)
