@@ -192,12 +192,15 @@ def engine_paths(
         "cuda_graphs": engine.runner.use_graphs if engine.runner is not None else None,
     }
     variants = [("decode", {})]
+    skip = set(args.skip.split(",")) if args.skip else set()
     if device.type == "cuda":
         if decoder.attention != "sdpa":
             variants.append(("decode-sdpa", {"attention": "sdpa"}))
         if decoder.moe_grouped:
             variants.append(("decode-dense-moe", {"moe_grouped": False}))
     for name, settings in variants:
+        if name in skip:
+            continue
         saved = {k: getattr(decoder, k) for k in settings}
         for k, v in settings.items():
             setattr(decoder, k, v)
@@ -227,6 +230,8 @@ def engine_paths(
                 ("forward-torch-gdn", reference),
                 ("forward-f32-gdn", _float32_inputs(kernel)),
             ):
+                if name in skip:
+                    continue
                 module.torch_chunk_gated_delta_rule = swap
                 try:
                     paths[name] = [
@@ -235,7 +240,9 @@ def engine_paths(
                     ]
                 finally:
                     module.torch_chunk_gated_delta_rule = kernel
-            if "decode-replay" in paths:  # what a trainer replaying the engine's routes sees
+            if (
+                "decode-replay" in paths and "forward-f32-gdn" in paths
+            ):  # what a trainer replaying the engine's routes sees
                 paths["decode-replay-f32"] = ms.decode_trace(
                     engine, requests, responses, replay=paths["forward-f32-gdn"]
                 )
@@ -386,6 +393,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--text", action="store_true", help="random text prompts, no images")
     ap.add_argument("--data", help="Geometry3K folder or parquet (default: GLIMPSE_SHARED's)")
     ap.add_argument("--trainers", default="fsdp,megatron")
+    ap.add_argument(
+        "--skip",
+        default="",
+        help="paths not to run (decode-sdpa,decode-dense-moe,forward-torch-gdn)",
+    )
     ap.add_argument(
         "--part-at",
         type=float,
