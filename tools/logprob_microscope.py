@@ -146,6 +146,20 @@ def _float32_inputs(kernel: Any) -> Any:
     return run
 
 
+def _note(paths: dict[str, list[Any]], name: str) -> None:
+    """Log a path's mean gap as soon as it is run, so a call cut short still tells it."""
+    gaps = {
+        ref: torch.cat(
+            [(a.logprobs - b.logprobs).abs() for a, b in zip(paths[name], paths[ref], strict=True)]
+        )
+        .mean()
+        .item()
+        for ref in ("engine", "forward")
+        if ref in paths and ref != name
+    }
+    logger.info("%s: %s", name, ", ".join(f"vs {k} {v:.3g}" for k, v in gaps.items()))
+
+
 def engine_paths(
     folder: Path, dtype: torch.dtype, device: torch.device, args: argparse.Namespace
 ) -> tuple[list[Any], list[Any], dict[str, list[Any]], dict[str, Any]]:
@@ -206,16 +220,19 @@ def engine_paths(
             setattr(decoder, k, v)
         try:
             paths[name] = ms.decode_trace(engine, requests, responses)
+            _note(paths, name)
         finally:
             for k, v in saved.items():
                 setattr(decoder, k, v)
     paths["forward"] = [
         ms.forward_trace(engine, r, t) for r, t in zip(requests, responses, strict=True)
     ]
+    _note(paths, "forward")
     if paths["forward"][0].experts:  # MoE: the decode with the forward's routing, no flips
         paths["decode-replay"] = ms.decode_trace(
             engine, requests, responses, replay=paths["forward"]
         )
+        _note(paths, "decode-replay")
     layers = [getattr(layer, "linear_attn", None) for layer in model.model.language_model.layers]
     gdn = [a for a in layers if a is not None]
     if gdn:
@@ -240,6 +257,7 @@ def engine_paths(
                     ]
                 finally:
                     module.torch_chunk_gated_delta_rule = kernel
+                _note(paths, name)
             if (
                 "decode-replay" in paths and "forward-f32-gdn" in paths
             ):  # what a trainer replaying the engine's routes sees
