@@ -38,7 +38,6 @@ from rl_runtime import (
     layout,
     layout_report,
     parse_config,
-    placement_preview,
     plan_colocation,
     plan_layout,
     recipe_env_aliases,
@@ -228,8 +227,12 @@ def print_layout(cfg: Geo3kGrpoConfig) -> dict[str, Any]:
             f"{plan.optimizer_offload:.0%} colocated (offload_train says why)"
         )
     out = {"layout": report, "offload_train": colocation}
-    plan = placement_preview(cfg.cluster, layout(cfg.cluster, gpus_per_engine=cfg.rollout.tp_size))
-    return out if plan is None else out | {"placement": plan}
+    if cfg.cluster.ray_to_join is None:  # where each actor goes: only on a cluster
+        return out
+    from rl_runtime import placement_preview  # Ray
+
+    lay = layout(cfg.cluster, gpus_per_engine=cfg.rollout.tp_size)
+    return out | {"placement": placement_preview(cfg.cluster, lay)}
 
 
 #: Prompt tokens assumed per sequence when ``--max-prompt-length`` is unset (Geometry3K's

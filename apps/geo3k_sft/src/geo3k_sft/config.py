@@ -25,7 +25,6 @@ from rl_runtime import (
     layout,
     layout_report,
     parse_config,
-    placement_preview,
     recipe_env_aliases,
     section,
 )
@@ -116,8 +115,12 @@ def print_layout(cfg: Geo3kSftConfig) -> dict[str, Any]:
         model_name=cfg.model.model_name,
         with_engines=False,
     )
-    plan = placement_preview(cfg.cluster, layout(cfg.cluster, with_engines=False))
-    return {"layout": report} if plan is None else {"layout": report, "placement": plan}
+    if cfg.cluster.ray_to_join is None:  # where each actor goes: only on a cluster
+        return {"layout": report}
+    from rl_runtime import placement_preview  # Ray
+
+    lay = layout(cfg.cluster, with_engines=False)
+    return {"layout": report, "placement": placement_preview(cfg.cluster, lay)}
 
 
 def parse(

@@ -38,7 +38,7 @@ class Cluster:
         import ray
 
         self.owns_ray = not ray.is_initialized()
-        address = self.cfg.ray_address or ("auto" if self.cfg.external_ray else None)
+        address = self.cfg.ray_to_join
         label = "Ray start" if address is None else f"Ray: joining the cluster at {address}"
         with phase(label) if self.owns_ray else contextlib.nullcontext():
             init_ray(address, num_cpus=self.cfg.ray_num_cpus)
@@ -130,3 +130,11 @@ class Cluster:
         self.placement.remove()
         if self.owns_ray:
             shutdown_ray()
+
+
+def placement_preview(cfg: ClusterConfig, lay: Layout) -> list[dict[str, Any]]:
+    """For ``--print-config`` on a cluster (``ClusterConfig.ray_to_join``): join it, reserve
+    the run's placement group, read which node holds each actor (`Cluster.plan`), and give it
+    all back; no actor starts and no model loads."""
+    with Cluster(cfg, lay) as cluster:
+        return cluster.plan()
