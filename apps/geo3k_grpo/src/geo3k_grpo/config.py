@@ -15,9 +15,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import trainers_fsdp.build
+import trainers_megatron.build
 from rewards_math import RewardConfig
 from rl_algos import GrpoLossConfig
 from rl_runtime import (
+    ActorClass,
     ClusterConfig,
     ColocationPlan,
     ConfigError,
@@ -58,6 +61,12 @@ problem as is in the chat template, temperature 0.8, responses up to 4096 tokens
 --preset tiny runs the whole thing on a CPU in minutes (with a short SFT warm-up first)."""
 
 TRAINERS = {"megatron": MegatronConfig, "fsdp": FsdpConfig}
+#: each backend's actor class, imported on call (in a trainer rank; its settings above name
+#: nothing they build)
+ACTORS: dict[str, ActorClass] = {
+    "megatron": trainers_megatron.build.actor_class,
+    "fsdp": trainers_fsdp.build.actor_class,
+}
 ENV_ALIASES = recipe_env_aliases("GEO3K")
 
 

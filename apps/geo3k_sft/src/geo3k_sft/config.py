@@ -14,7 +14,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import trainers_fsdp.build
+import trainers_megatron.build
 from rl_runtime import (
+    ActorClass,
     ClusterConfig,
     ParallelConfig,
     RunConfig,
@@ -39,6 +42,12 @@ the loss covers assistant tokens only. The run folder ends with `hf/`, an HF mod
 the processor beside it, which `uv run apps/geo3k_grpo --load <run folder>` starts from."""
 
 TRAINERS = {"megatron": MegatronConfig, "fsdp": FsdpConfig}
+#: each backend's actor class, imported on call (in a trainer rank; its settings above name
+#: nothing they build)
+ACTORS: dict[str, ActorClass] = {
+    "megatron": trainers_megatron.build.actor_class,
+    "fsdp": trainers_fsdp.build.actor_class,
+}
 ENV_ALIASES = recipe_env_aliases("GEO3K")
 
 

@@ -71,7 +71,7 @@ __getattr__, __dir__, __all__ = lazy_loader.attach(
         "placement": ["Placement", "create_placement", "init_ray", "shutdown_ray"],
         "preflight": ["check_backend", "check_gpus", "check_output_dir", "count_gpus"],
         "progress": ["setup_logging"],
-        "protocols": ["PromptSource", "RewardFn", "TrainActor"],
+        "protocols": ["ActorClass", "PromptSource", "RewardFn", "TrainActor"],
         "rollout_batch": ["ScoredGroups", "build_train_batch"],
         "run": ["recipe_env_aliases", "write_config"],
         "sft": ["run_sft", "sft_batch", "sft_warmup", "train_sft"],

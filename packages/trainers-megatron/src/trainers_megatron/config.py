@@ -28,7 +28,8 @@ class MegatronConfig:
     names.
 
     Fields with a help text are a launcher's settings (`rl_runtime.parse_config`);
-    :meth:`for_run` fills in the rest for one run, and :meth:`build` makes the actor.
+    :meth:`for_run` fills in the rest for one run. Each trainer rank builds the actor
+    from it (``actor_class()(config)``, :mod:`trainers_megatron.build`); this module imports no actor.
     """
 
     model: Any = "qwen3-vl-tiny"
@@ -169,13 +170,6 @@ class MegatronConfig:
         if self.optim.min_lr > self.optim.lr:  # megatron-core's scheduler asserts it
             raise ValueError("optim.min_lr must be within [0, optim.lr]")
 
-    def actor_class(self) -> type:
-        """The actor this config builds (importing it loads megatron-core, so a launcher
-        parses the config without it)."""
-        from trainers_megatron.actor import MegatronActor
-
-        return MegatronActor
-
     def machine_refusal(self, *, use_gpu: bool) -> str | None:
         """Why a setting cannot work here (see ``rl_runtime.protocols.TrainerConfig``)."""
         if self.linear_attention_kernels != "fla":
@@ -191,10 +185,6 @@ class MegatronConfig:
                 "(uv sync --extra gpu, or pip install fla-core==0.6.0); auto picks torch"
             )
         return None
-
-    def build(self) -> Any:
-        """The actor, built in each trainer rank's process."""
-        return self.actor_class()(self)
 
     def supports(self, layout: ParallelLayout, world_size: int | None = None) -> str | None:
         """Megatron runs every split (a CLI check already refuses sequence parallel without
