@@ -33,7 +33,7 @@ from rl_runtime.sft_config import SftLoopConfig, WarmupConfig
 __getattr__, __dir__, __all__ = lazy_loader.attach(
     __name__,
     submod_attrs={
-        "actor_group": ["EngineWorker", "RolloutGroup", "TrainGroup", "TrainWorker"],
+        "actor_group": ["RolloutGroup", "TrainGroup"],
         "checkpoint": ["CheckpointManager", "check_resume", "resume_step"],
         "cli": ["as_config_error", "user_errors"],
         "cluster": ["Cluster", "placement_preview"],
@@ -75,6 +75,7 @@ __getattr__, __dir__, __all__ = lazy_loader.attach(
         "rollout_batch": ["ScoredGroups", "build_train_batch"],
         "run": ["recipe_env_aliases", "write_config"],
         "sft": ["run_sft", "sft_batch", "sft_warmup", "train_sft"],
+        "workers": ["EngineWorker", "TrainWorker"],
     },
 )
 __all__ += [
