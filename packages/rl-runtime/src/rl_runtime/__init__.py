@@ -23,7 +23,7 @@ from rl_runtime.faults import (
     WorkerDied,
 )
 from rl_runtime.loop_config import GrpoLoopConfig
-from rl_runtime.parallel import ParallelConfig
+from rl_runtime.parallel_config import ParallelConfig
 from rl_runtime.preflight import PreflightError
 from rl_runtime.protocols import TrainerConfig
 from rl_runtime.run import RunConfig
@@ -59,7 +59,6 @@ __getattr__, __dir__, __all__ = lazy_loader.attach(
         ],
         "metrics": ["RunLogger", "plot_metrics", "read_metrics"],
         "parallel": [
-            "check_parallel",
             "gpu_memory_bytes",
             "host_budget",
             "host_memory_bytes",
@@ -68,6 +67,7 @@ __getattr__, __dir__, __all__ = lazy_loader.attach(
             "settle",
             "state_estimate",
         ],
+        "parallel_config": ["check_parallel"],
         "placement": ["Placement", "create_placement", "init_ray", "shutdown_ray"],
         "preflight": ["check_backend", "check_gpus", "check_output_dir", "count_gpus"],
         "progress": ["setup_logging"],
