@@ -106,22 +106,21 @@ def test_preflight_messages():
     with pytest.raises(PreflightError, match="only 2 GPU"):
         check_gpus(8, available=2)
 
-    class Present:  # a trainer config whose actor imports
-        def actor_class(self) -> type:
-            return object
-
+    class Kernels:  # a trainer config with a GPU-only setting
         def machine_refusal(self, *, use_gpu: bool) -> str | None:
             return None if use_gpu else "--kernels x runs on CUDA only"
 
-    class Missing:  # one whose package lacks its actor (rl-runtime imports no trainer itself)
-        def actor_class(self) -> type:
-            raise AttributeError("module 'trainers_x' has no attribute 'NoSuchActor'")
+    def present() -> type:  # a package whose actor imports
+        return object
 
-    check_backend("fsdp", Present(), use_gpu=True)
+    def missing() -> type:  # one that lacks its actor (rl-runtime imports no trainer itself)
+        raise AttributeError("module 'trainers_x' has no attribute 'NoSuchActor'")
+
+    check_backend("fsdp", Kernels(), present, use_gpu=True)
     with pytest.raises(PreflightError, match=r"--kernels x runs on CUDA only"):
-        check_backend("fsdp", Present(), use_gpu=False)
+        check_backend("fsdp", Kernels(), present, use_gpu=False)
     with pytest.raises(PreflightError, match=r"NoSuchActor.*--backend fsdp"):
-        check_backend("megatron", Missing(), use_gpu=True)
+        check_backend("megatron", Kernels(), missing, use_gpu=True)
 
 
 def test_the_reward_plot_has_a_title_and_a_y_label(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from rl_runtime.actor_group import TrainWorker
+from rl_runtime.workers import TrainWorker
 
 LAUNCHER_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 

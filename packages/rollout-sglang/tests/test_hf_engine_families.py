@@ -174,7 +174,7 @@ def test_grouped_experts_on_cuda_bf16():
 
 
 def test_rollout_config_legacy_decode_keeps_the_transformers_loop(tiny_model):
-    from rollout_sglang.config import RolloutConfig, build_engine
+    from rollout_sglang import RolloutConfig, build_engine
 
     assert build_engine(RolloutConfig(backend="hf"), model=tiny_model)._legacy is None
     legacy = build_engine(RolloutConfig(backend="hf", legacy_decode=True), model=tiny_model)

@@ -15,9 +15,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import trainers_fsdp.build
+import trainers_megatron.build
 from rewards_math import RewardConfig
 from rl_algos import GrpoLossConfig
 from rl_runtime import (
+    ActorClass,
     ClusterConfig,
     ColocationPlan,
     ConfigError,
@@ -38,7 +41,6 @@ from rl_runtime import (
     layout,
     layout_report,
     parse_config,
-    placement_preview,
     plan_colocation,
     plan_layout,
     recipe_env_aliases,
@@ -59,6 +61,12 @@ problem as is in the chat template, temperature 0.8, responses up to 4096 tokens
 --preset tiny runs the whole thing on a CPU in minutes (with a short SFT warm-up first)."""
 
 TRAINERS = {"megatron": MegatronConfig, "fsdp": FsdpConfig}
+#: each backend's actor class, imported on call (in a trainer rank; its settings above name
+#: nothing they build)
+ACTORS: dict[str, ActorClass] = {
+    "megatron": trainers_megatron.build.actor_class,
+    "fsdp": trainers_fsdp.build.actor_class,
+}
 ENV_ALIASES = recipe_env_aliases("GEO3K")
 
 
@@ -228,8 +236,12 @@ def print_layout(cfg: Geo3kGrpoConfig) -> dict[str, Any]:
             f"{plan.optimizer_offload:.0%} colocated (offload_train says why)"
         )
     out = {"layout": report, "offload_train": colocation}
-    plan = placement_preview(cfg.cluster, layout(cfg.cluster, gpus_per_engine=cfg.rollout.tp_size))
-    return out if plan is None else out | {"placement": plan}
+    if cfg.cluster.ray_to_join is None:  # where each actor goes: only on a cluster
+        return out
+    from rl_runtime import placement_preview  # Ray
+
+    lay = layout(cfg.cluster, gpus_per_engine=cfg.rollout.tp_size)
+    return out | {"placement": placement_preview(cfg.cluster, lay)}
 
 
 #: Prompt tokens assumed per sequence when ``--max-prompt-length`` is unset (Geometry3K's

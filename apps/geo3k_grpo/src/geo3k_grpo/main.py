@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from geo3k_grpo.config import ENV_ALIASES, PRESETS, Geo3kGrpoConfig, parse
+from geo3k_grpo.config import ACTORS, ENV_ALIASES, PRESETS, Geo3kGrpoConfig, parse
 from rl_runtime import (
     PreflightError,
     RunContext,
@@ -88,6 +88,7 @@ def warm_up(cfg: Geo3kGrpoConfig) -> Path:
         run=cfg.run,
         cluster=cfg.cluster,
         trainer=trainer,
+        actor_class=ACTORS[cfg.run.backend],
         samples=samples,
         tp_size=cfg.parallel.tp_cp_size,
         config=to_dict(cfg),
@@ -124,7 +125,8 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
     )
     from rl_runtime.loop_config import routing_replay_on
 
-    check_backend(cfg.run.backend, cfg.trainer, use_gpu=cfg.cluster.use_gpu)
+    actor_class = ACTORS[cfg.run.backend]
+    check_backend(cfg.run.backend, cfg.trainer, actor_class, use_gpu=cfg.cluster.use_gpu)
     lay = layout(cfg.cluster, gpus_per_engine=cfg.rollout.tp_size)
     try:  # colocated on a GPU: CUDA IPC; SGLang on GPUs of its own: NCCL; else Ray's store
         rollout_sglang.launch.check_engines(cfg.rollout, use_gpu=lay.use_gpu)
@@ -235,7 +237,9 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
     with cfg.reward.build() as scorer, Cluster(cfg.cluster, lay) as cluster:
         train = None
         if not engines_first:
-            train = cluster.train_group(trainer, tp_size=cfg.parallel.tp_cp_size, wait=False)
+            train = cluster.train_group(
+                trainer, actor_class, tp_size=cfg.parallel.tp_cp_size, wait=False
+            )
         rollout = cluster.rollout_group(
             engines,
             request_fn=rollout_sglang.types.GenerateRequest.from_prompt,
@@ -244,7 +248,9 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
         )
         if engines_first:
             rollout.release_memory()
-            train = cluster.train_group(trainer, tp_size=cfg.parallel.tp_cp_size, wait=False)
+            train = cluster.train_group(
+                trainer, actor_class, tp_size=cfg.parallel.tp_cp_size, wait=False
+            )
         train.ready()
         cluster.record(run_dir)
         logger = RunLogger(

@@ -14,7 +14,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import trainers_fsdp.build
+import trainers_megatron.build
 from rl_runtime import (
+    ActorClass,
     ClusterConfig,
     ParallelConfig,
     RunConfig,
@@ -25,7 +28,6 @@ from rl_runtime import (
     layout,
     layout_report,
     parse_config,
-    placement_preview,
     recipe_env_aliases,
     section,
 )
@@ -40,6 +42,12 @@ the loss covers assistant tokens only. The run folder ends with `hf/`, an HF mod
 the processor beside it, which `uv run apps/geo3k_grpo --load <run folder>` starts from."""
 
 TRAINERS = {"megatron": MegatronConfig, "fsdp": FsdpConfig}
+#: each backend's actor class, imported on call (in a trainer rank; its settings above name
+#: nothing they build)
+ACTORS: dict[str, ActorClass] = {
+    "megatron": trainers_megatron.build.actor_class,
+    "fsdp": trainers_fsdp.build.actor_class,
+}
 ENV_ALIASES = recipe_env_aliases("GEO3K")
 
 
@@ -116,8 +124,12 @@ def print_layout(cfg: Geo3kSftConfig) -> dict[str, Any]:
         model_name=cfg.model.model_name,
         with_engines=False,
     )
-    plan = placement_preview(cfg.cluster, layout(cfg.cluster, with_engines=False))
-    return {"layout": report} if plan is None else {"layout": report, "placement": plan}
+    if cfg.cluster.ray_to_join is None:  # where each actor goes: only on a cluster
+        return {"layout": report}
+    from rl_runtime import placement_preview  # Ray
+
+    lay = layout(cfg.cluster, with_engines=False)
+    return {"layout": report, "placement": placement_preview(cfg.cluster, lay)}
 
 
 def parse(

@@ -57,7 +57,7 @@ def run(cfg: Geo3kSftConfig) -> Path:
     import vlm_data.sources  # torch, Ray, transformers: imported once the flags are checked
     import vlm_data.tokens
     import vlm_models.sources
-    from geo3k_sft.config import other_trainers
+    from geo3k_sft.config import ACTORS, other_trainers
     from rl_runtime import (
         CheckpointManager,
         check_backend,
@@ -68,7 +68,8 @@ def run(cfg: Geo3kSftConfig) -> Path:
         write_config,
     )
 
-    check_backend(cfg.run.backend, cfg.trainer, use_gpu=cfg.cluster.use_gpu)
+    actor_class = ACTORS[cfg.run.backend]
+    check_backend(cfg.run.backend, cfg.trainer, actor_class, use_gpu=cfg.cluster.use_gpu)
     load = cfg.run.load
     model, parallel = settle(
         cfg.model,
@@ -108,6 +109,7 @@ def run(cfg: Geo3kSftConfig) -> Path:
         run=cfg.run,
         cluster=cfg.cluster,
         trainer=trainer,
+        actor_class=actor_class,
         samples=samples,
         tp_size=cfg.parallel.tp_cp_size,
         config=to_dict(cfg),

@@ -40,7 +40,7 @@ from rl_algos.metrics import Reduce, StepMetrics, all_reduce_, peak_rss_gib
 
 logger = logging.getLogger(__name__)
 #: a step's progress inside a trainer rank: rl-runtime's workers show it at INFO whatever their
-#: level (`rl_runtime.actor_group.PROGRESS_LOGGER`)
+#: level (`rl_runtime.workers.PROGRESS_LOGGER`)
 progress_logger = logging.getLogger("glimpse.progress")
 #: seconds between two micro-batch progress lines of one step (the first comes after as long)
 PROGRESS_EVERY_S = 10.0

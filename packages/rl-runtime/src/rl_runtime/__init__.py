@@ -23,7 +23,7 @@ from rl_runtime.faults import (
     WorkerDied,
 )
 from rl_runtime.loop_config import GrpoLoopConfig
-from rl_runtime.parallel import ParallelConfig
+from rl_runtime.parallel_config import ParallelConfig
 from rl_runtime.preflight import PreflightError
 from rl_runtime.protocols import TrainerConfig
 from rl_runtime.run import RunConfig
@@ -33,11 +33,11 @@ from rl_runtime.sft_config import SftLoopConfig, WarmupConfig
 __getattr__, __dir__, __all__ = lazy_loader.attach(
     __name__,
     submod_attrs={
-        "actor_group": ["EngineWorker", "RolloutGroup", "TrainGroup", "TrainWorker"],
+        "actor_group": ["RolloutGroup", "TrainGroup"],
         "checkpoint": ["CheckpointManager", "check_resume", "resume_step"],
         "cli": ["as_config_error", "user_errors"],
-        "cluster": ["Cluster"],
-        "cluster_config": ["Layout", "layout", "placement_preview"],
+        "cluster": ["Cluster", "placement_preview"],
+        "cluster_config": ["Layout", "layout"],
         "config": ["parse_config", "to_dict", "to_json", "validate"],
         "config_fields": ["choice", "option", "section"],
         "data": ["PromptPrefetch", "PromptSampler"],
@@ -59,7 +59,6 @@ __getattr__, __dir__, __all__ = lazy_loader.attach(
         ],
         "metrics": ["RunLogger", "plot_metrics", "read_metrics"],
         "parallel": [
-            "check_parallel",
             "gpu_memory_bytes",
             "host_budget",
             "host_memory_bytes",
@@ -68,13 +67,15 @@ __getattr__, __dir__, __all__ = lazy_loader.attach(
             "settle",
             "state_estimate",
         ],
+        "parallel_config": ["check_parallel"],
         "placement": ["Placement", "create_placement", "init_ray", "shutdown_ray"],
         "preflight": ["check_backend", "check_gpus", "check_output_dir", "count_gpus"],
         "progress": ["setup_logging"],
-        "protocols": ["PromptSource", "RewardFn", "TrainActor"],
+        "protocols": ["ActorClass", "PromptSource", "RewardFn", "TrainActor"],
         "rollout_batch": ["ScoredGroups", "build_train_batch"],
         "run": ["recipe_env_aliases", "write_config"],
         "sft": ["run_sft", "sft_batch", "sft_warmup", "train_sft"],
+        "workers": ["EngineWorker", "TrainWorker"],
     },
 )
 __all__ += [

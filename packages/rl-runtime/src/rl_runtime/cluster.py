@@ -5,6 +5,7 @@ actor groups in it, and shuts down what it started."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from rl_runtime.cluster_config import ClusterConfig, Layout
 from rl_runtime.placement import Placement, create_placement, init_ray, shutdown_ray
 from rl_runtime.placement_plan import actor_nodes, format_plan, plan_rows
 from rl_runtime.progress import phase
-from rl_runtime.protocols import TrainerConfig
+from rl_runtime.protocols import ActorClass, TrainActor, TrainerConfig
 from weight_sync import TransportFactory
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ class Cluster:
         import ray
 
         self.owns_ray = not ray.is_initialized()
-        address = self.cfg.ray_address or ("auto" if self.cfg.external_ray else None)
+        address = self.cfg.ray_to_join
         label = "Ray start" if address is None else f"Ray: joining the cluster at {address}"
         with phase(label) if self.owns_ray else contextlib.nullcontext():
             init_ray(address, num_cpus=self.cfg.ray_num_cpus)
@@ -81,13 +82,19 @@ class Cluster:
         self.close()
 
     def train_group(
-        self, trainer: TrainerConfig, *, tp_size: int = 1, wait: bool = True
+        self,
+        trainer: TrainerConfig,
+        actor_class: ActorClass,
+        *,
+        tp_size: int = 1,
+        wait: bool = True,
     ) -> TrainGroup:
-        """The trainer ranks, each building `trainer` in its actor; a pipeline-parallel
-        trainer config (`pp`, Megatron) sets the ranks' order with `tp_size`. ``wait=False``:
-        the ranks build while the caller goes on (start the engines, then `group.ready()`)."""
+        """The trainer ranks, each building ``actor_class()(trainer)`` in its actor; a
+        pipeline-parallel trainer config (`pp`, Megatron) sets the ranks' order with `tp_size`.
+        ``wait=False``: the ranks build while the caller goes on (start the engines, then
+        `group.ready()`)."""
         group = TrainGroup(
-            trainer.build,
+            functools.partial(build_actor, actor_class, trainer),
             world_size=self.layout.num_trainers,
             placement=self.placement,
             num_cpus=self.layout.actor_cpus,
@@ -130,3 +137,17 @@ class Cluster:
         self.placement.remove()
         if self.owns_ray:
             shutdown_ray()
+
+
+def build_actor(actor_class: ActorClass, trainer: TrainerConfig) -> TrainActor:
+    """One trainer rank's actor, in that rank's process: its class imported there (the driver
+    never loads the backend), built from `trainer`."""
+    return actor_class()(trainer)
+
+
+def placement_preview(cfg: ClusterConfig, lay: Layout) -> list[dict[str, Any]]:
+    """For ``--print-config`` on a cluster (``ClusterConfig.ray_to_join``): join it, reserve
+    the run's placement group, read which node holds each actor (`Cluster.plan`), and give it
+    all back; no actor starts and no model loads."""
+    with Cluster(cfg, lay) as cluster:
+        return cluster.plan()

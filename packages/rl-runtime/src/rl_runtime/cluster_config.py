@@ -1,12 +1,12 @@
 """What a run asks of the machines, as plain data without Ray: `ClusterConfig` (how many GPUs,
 shared or split, which Ray) and the `Layout` of trainer ranks and engines it gives. A launcher
-parses and checks them before Ray loads; `rl_runtime.cluster.Cluster` starts what they say."""
+parses and checks them before Ray loads; `rl_runtime.cluster.Cluster` starts what they say
+(and `rl_runtime.cluster.placement_preview` shows it): this module imports nothing of Ray."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 from rl_runtime.config_fields import ConfigError, option
 from rl_runtime.preflight import PreflightError
@@ -50,6 +50,12 @@ class ClusterConfig:
     @property
     def use_gpu(self) -> bool:
         return self.num_gpus > 0
+
+    @property
+    def ray_to_join(self) -> str | None:
+        """The address of the Ray cluster the run joins (``auto``: the one running on this
+        machine); None: the run starts a Ray of its own."""
+        return self.ray_address or ("auto" if self.external_ray else None)
 
 
 @dataclass
@@ -97,15 +103,3 @@ def layout(cfg: ClusterConfig, *, with_engines: bool = True, gpus_per_engine: in
     return dataclasses.replace(
         lay, num_engines=lay.num_engines // gpus_per_engine, gpus_per_engine=gpus_per_engine
     )
-
-
-def placement_preview(cfg: ClusterConfig, lay: Layout) -> list[dict[str, Any]] | None:
-    """For ``--print-config`` on a cluster (``--ray-address`` / ``--external-ray``): join it,
-    reserve the run's placement group, read which node holds each actor (`Cluster.plan`),
-    and give it all back; no actor starts and no model loads. None without a cluster."""
-    if not (cfg.ray_address or cfg.external_ray):
-        return None
-    from rl_runtime.cluster import Cluster  # Ray: only on a cluster
-
-    with Cluster(cfg, lay) as cluster:
-        return cluster.plan()

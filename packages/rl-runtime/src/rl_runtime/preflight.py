@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from rl_runtime.protocols import ActorClass
+
 log = logging.getLogger(__name__)
 
 
@@ -65,12 +67,13 @@ def check_output_dir(path: str | Path, setting: str = "--output-dir") -> None:
         return
 
 
-def check_backend(backend: str, trainer: Any, *, use_gpu: bool) -> None:
+def check_backend(backend: str, trainer: Any, actor_class: ActorClass, *, use_gpu: bool) -> None:
     """The trainer package `backend` picked must import and provide its actor
-    (`TrainerConfig.actor_class`), and its settings must suit the machine
-    (`TrainerConfig.machine_refusal`): either stops the run before any work starts."""
+    (`actor_class`, the package's `ActorClass`), and its settings must
+    suit the machine (`TrainerConfig.machine_refusal`): either stops the run before any work
+    starts."""
     try:
-        trainer.actor_class()
+        actor_class()
     except (ImportError, AttributeError) as e:
         raise PreflightError(
             f"backend {backend!r} is not available here ({type(e).__name__}: {e}); install the "

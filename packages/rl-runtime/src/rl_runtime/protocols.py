@@ -4,7 +4,7 @@ weight-sync protocol (`WeightTransport`, `TransportFactory`, `EngineLink`) is `w
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -53,9 +53,10 @@ class TrainActor(Protocol):
 class TrainerConfig(Protocol):
     """A trainer package's config (`trainers_fsdp.FsdpConfig`, `trainers_megatron.MegatronConfig`):
     the user's settings, completed for one run by `for_run`, then built into the actor in each
-    trainer rank (`build`, a picklable bound method). It describes its backend, so that
-    rl-runtime never asks which one it is: the layouts it runs (`supports`), what a layout costs
-    per GPU (`state_bytes`) and how a layout reads (`describe_layout`, `layout_flags`)."""
+    trainer rank by the package's `ActorClass` (the launcher hands both over: settings name
+    nothing they build). It describes its backend, so that rl-runtime never asks which one it
+    is: the layouts it runs (`supports`), what a layout costs per GPU (`state_bytes`) and how a
+    layout reads (`describe_layout`, `layout_flags`)."""
 
     max_tokens_per_gpu: int
 
@@ -84,16 +85,16 @@ class TrainerConfig(Protocol):
         flags are added by rl-runtime)."""
         ...
 
-    def actor_class(self) -> type:
-        """The actor's class, imported here (ImportError: the backend is not installed)."""
-        ...
-
     def machine_refusal(self, *, use_gpu: bool) -> str | None:
         """Why a setting cannot work on this machine (a GPU-only kernel on a CPU run, a kernel
         package not installed), naming the flag; None when all can."""
         ...
 
-    def build(self) -> TrainActor: ...
+
+#: A trainer package's actor class, imported on call (ImportError: the backend is not
+#: installed): `trainers_fsdp.build.actor_class`, `trainers_megatron.build.actor_class`. Each
+#: trainer rank builds ``actor_class()(trainer_config)`` in its own process.
+ActorClass = Callable[[], Callable[[Any], TrainActor]]
 
 
 #: An engine's memory by part, as `resume_memory(tags)` takes it (SGLang's memory types): the

@@ -25,7 +25,7 @@ from rl_runtime.data import PromptSampler
 from rl_runtime.faults import stop_with_checkpoint_note
 from rl_runtime.metrics import RunLogger
 from rl_runtime.progress import step_progress
-from rl_runtime.protocols import PromptSource, TrainerConfig
+from rl_runtime.protocols import ActorClass, PromptSource, TrainerConfig
 from rl_runtime.run import RunConfig
 from rl_runtime.sft_config import SftLoopConfig, WarmupConfig
 
@@ -118,6 +118,7 @@ def train_sft(
     run: RunConfig,
     cluster: ClusterConfig,
     trainer: TrainerConfig,
+    actor_class: ActorClass,
     samples: PromptSource,
     tp_size: int = 1,
     config: Mapping[str, Any] | None = None,
@@ -125,12 +126,12 @@ def train_sft(
     on_export: Callable[[Path], None] | None = None,
 ) -> Path:
     """An SFT run on Ray into `run.output_dir`: the trainer ranks (`trainer`, completed for the
-    run), the loop, checkpoints (resumed with `run.resume`) and the final weights in `hf/`,
+    run, built by its package's `actor_class`), the loop, checkpoints (resumed with `run.resume`) and the final weights in `hf/`,
     where `on_export(folder)` adds what loads with them (the processor). `config` is logged."""
     run_dir = Path(run.output_dir)
     checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.sft_keep_checkpoints)
     with Cluster(cluster, layout(cluster, with_engines=False)) as ray_cluster:
-        train = ray_cluster.train_group(trainer, tp_size=tp_size)
+        train = ray_cluster.train_group(trainer, actor_class, tp_size=tp_size)
         ray_cluster.record(run_dir)
         logger = RunLogger(
             run_dir,
@@ -165,6 +166,7 @@ def sft_warmup(
     run: RunConfig,
     cluster: ClusterConfig,
     trainer: TrainerConfig,
+    actor_class: ActorClass,
     samples: Callable[[], PromptSource],
     tp_size: int = 1,
     config: Mapping[str, Any] | None = None,
@@ -194,6 +196,7 @@ def sft_warmup(
         run=warm_run,
         cluster=cluster,
         trainer=trainer,
+        actor_class=actor_class,
         samples=samples(),
         tp_size=tp_size,
         config=settings,

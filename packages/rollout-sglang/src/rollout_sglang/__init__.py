@@ -14,6 +14,7 @@ modules (``from rollout_sglang.hf.engine import HFEngine``): the transformers en
 transformers (seconds), and a launcher parses its flags without it.
 """
 
-from rollout_sglang.config import RolloutConfig, build_engine, resolve_backend
+from rollout_sglang.build import build_engine, resolve_backend
+from rollout_sglang.config import RolloutConfig
 
 __all__ = ["RolloutConfig", "build_engine", "resolve_backend"]

@@ -9,7 +9,8 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any, get_args
 
-from rollout_sglang.config import RolloutConfig, TransportKind, build_engine
+from rollout_sglang.build import build_engine
+from rollout_sglang.config import RolloutConfig, TransportKind
 from rollout_sglang.sglang_client.common import sglang_available
 from weight_sync.weight_names import WeightNameCheck
 

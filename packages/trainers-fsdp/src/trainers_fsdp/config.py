@@ -22,7 +22,8 @@ class FsdpConfig:
     config object. Dtypes are names (``"bfloat16"``) so the config stays plain data.
 
     Fields with a help text are a launcher's settings (`rl_runtime.parse_config`);
-    :meth:`for_run` fills in the rest for one run, and :meth:`build` makes the actor.
+    :meth:`for_run` fills in the rest for one run. Each trainer rank builds the actor
+    from it (``actor_class()(config)``, :mod:`trainers_fsdp.build`); this module imports no actor.
     """
 
     model: Any = "qwen3-vl-tiny"
@@ -136,13 +137,6 @@ class FsdpConfig:
                 f"optimizer_offload must be within [0, 1], got {self.optimizer_offload}"
             )
 
-    def actor_class(self) -> type:
-        """The actor this config builds (importing it loads torch.distributed and the model
-        code, so a launcher parses the config without it)."""
-        from trainers_fsdp.actor import FsdpActor
-
-        return FsdpActor
-
     def machine_refusal(self, *, use_gpu: bool) -> str | None:
         """Why a setting cannot work here (see ``rl_runtime.protocols.TrainerConfig``)."""
         if self.attn_implementation != "flash_attention_2":
@@ -158,10 +152,6 @@ class FsdpConfig:
                 "(pip install flash-attn); packed (the default) needs nothing more"
             )
         return None
-
-    def build(self) -> Any:
-        """The actor, built in each trainer rank's process."""
-        return self.actor_class()(self)
 
     def supports(self, layout: ParallelLayout, world_size: int | None = None) -> str | None:
         """Why FSDP cannot run ``layout`` on ``world_size`` trainer ranks (None: not known yet),

@@ -1,13 +1,16 @@
 """The Megatron actor's folders: its own checkpoints (each rank's shard, resumed only on the
 same layout) and the HF export that ``from_pretrained`` and the rollout engines load. Apart
-from the actor because they only read its state: the step's code does not depend on them."""
+from the actor because they only read its state: the step's code does not depend on them.
+What they read of it is :class:`CheckpointedActor`; the actor imports this module, never the
+other way."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -19,8 +22,23 @@ from vlm_models.megatron import SafetensorsReader
 from vlm_models.presets import PRESETS
 from weight_sync.files import save_safetensors
 
-if TYPE_CHECKING:
-    from trainers_megatron.actor import MegatronActor
+
+class CheckpointedActor(Protocol):
+    """What the folders read of a `trainers_megatron.actor.MegatronActor`, and the step a
+    resume sets."""
+
+    rank: int
+    config: MegatronConfig
+    hf_config: Any  # the transformers config, saved with the export
+    module: Any  # the stage's Megatron model
+    optimizer: Any
+    scheduler: Any
+    step: int
+
+    def iter_hf_weights(
+        self, bucket_bytes: int = 1 << 30, *, device: str | None = "cpu", wire: bool = True
+    ) -> Iterator[list[tuple[str, Tensor]]]: ...
+
 
 #: What a checkpoint folder that does not record a field was saved with.
 DEFAULT_LAYOUT: dict[str, Any] = {
@@ -45,7 +63,7 @@ def layout_of(config: MegatronConfig) -> dict[str, Any]:
     }
 
 
-def export_hf(actor: MegatronActor, path: str | os.PathLike) -> None:
+def export_hf(actor: CheckpointedActor, path: str | os.PathLike) -> None:
     """An HF folder (config + safetensors) that ``from_pretrained`` loads; rank 0 writes.
     A Qwen3.5 MTP head of the source folder (not trained here) is copied along as read."""
     path = Path(path)
@@ -64,7 +82,7 @@ def export_hf(actor: MegatronActor, path: str | os.PathLike) -> None:
     dist.barrier()
 
 
-def save_checkpoint(actor: MegatronActor, path: str | os.PathLike) -> None:
+def save_checkpoint(actor: CheckpointedActor, path: str | os.PathLike) -> None:
     """Each rank's shard, optimizer state (this rank's shard of the masters and moments
     under the distributed optimizer), LR schedule and step (same layout to resume)."""
     path = Path(path)
@@ -83,7 +101,7 @@ def save_checkpoint(actor: MegatronActor, path: str | os.PathLike) -> None:
     dist.barrier()
 
 
-def load_checkpoint(actor: MegatronActor, path: str | os.PathLike) -> None:
+def load_checkpoint(actor: CheckpointedActor, path: str | os.PathLike) -> None:
     """Resume from :func:`save_checkpoint`'s folder (same world size and layout)."""
     path = Path(path)
     meta = json.loads((path / "actor.json").read_text())

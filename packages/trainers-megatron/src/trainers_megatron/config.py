@@ -28,7 +28,8 @@ class MegatronConfig:
     names.
 
     Fields with a help text are a launcher's settings (`rl_runtime.parse_config`);
-    :meth:`for_run` fills in the rest for one run, and :meth:`build` makes the actor.
+    :meth:`for_run` fills in the rest for one run. Each trainer rank builds the actor
+    from it (``actor_class()(config)``, :mod:`trainers_megatron.build`); this module imports no actor.
     """
 
     model: Any = "qwen3-vl-tiny"
@@ -189,13 +190,6 @@ class MegatronConfig:
             return True
         return self.recompute == "selective" and "moe" in (self.recompute_modules or ())
 
-    def actor_class(self) -> type:
-        """The actor this config builds (importing it loads megatron-core, so a launcher
-        parses the config without it)."""
-        from trainers_megatron.actor import MegatronActor
-
-        return MegatronActor
-
     def machine_refusal(self, *, use_gpu: bool) -> str | None:
         """Why a setting cannot work here (see ``rl_runtime.protocols.TrainerConfig``)."""
         if self.linear_attention_kernels != "fla":
@@ -211,10 +205,6 @@ class MegatronConfig:
                 "(uv sync --extra gpu, or pip install fla-core==0.6.0); auto picks torch"
             )
         return None
-
-    def build(self) -> Any:
-        """The actor, built in each trainer rank's process."""
-        return self.actor_class()(self)
 
     def supports(self, layout: ParallelLayout, world_size: int | None = None) -> str | None:
         """Megatron runs every split (a CLI check already refuses sequence parallel without

@@ -41,17 +41,15 @@ from vlm_models.megatron.config import (
     transformer_config,
 )
 from vlm_models.megatron.convert import (
-    ParamMap,
-    StageLayout,
-    from_file_layout,
     fuse_qkv,
     hf_state_dict_to_megatron,
     hf_to_megatron_stage,
     megatron_shards_to_hf,
     megatron_to_hf_stage,
     split_qkv,
-    stage_layouts,
-    stage_param_maps,
+)
+from vlm_models.megatron.file_layout import (
+    from_file_layout,
     to_checkpoint_tensors,
     to_file_layout,
 )
@@ -75,6 +73,7 @@ from vlm_models.megatron.model import (
     build_megatron_model,
     rope_position_ids,
 )
+from vlm_models.megatron.name_map import ParamMap, StageLayout, stage_layouts, stage_param_maps
 from vlm_models.megatron.parallel import destroy_model_parallel, initialize_model_parallel
 from vlm_models.megatron.rope import InterleavedMRoPE, interleaved_mrope_angles
 from vlm_models.megatron.weights import iter_hf_weights, load_hf_weights, param_maps, stage_layout

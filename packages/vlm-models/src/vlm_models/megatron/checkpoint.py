@@ -32,20 +32,17 @@ from torch import Tensor
 from transformers import AutoConfig, PretrainedConfig
 
 from vlm_models.megatron.config import text_arch
-from vlm_models.megatron.convert import (
-    _EXPERT_STACKS,
-    StageLayout,
+from vlm_models.megatron.convert import hf_to_megatron_stage, megatron_to_hf_stage
+from vlm_models.megatron.file_layout import (
+    EXPERT_STACKS,
     from_file_layout,
-    hf_to_megatron_stage,
     is_released_expert_layout,
-    megatron_to_hf_stage,
     per_expert_names,
     split_experts,
     stack_experts,
-    stage_layouts,
     to_file_layout,
-    vision_names_from,
 )
+from vlm_models.megatron.name_map import StageLayout, stage_layouts, vision_names_from
 from weight_sync.files import save_safetensors
 
 logger = logging.getLogger(__name__)
@@ -102,12 +99,12 @@ class SafetensorsReader:
         handle = self._where.get(name)
         if handle is not None:
             tensor = from_file_layout(name, handle.get_tensor(name), self.arch)  # type: ignore[attr-defined]
-        elif self.per_expert_layout() and name.endswith(_EXPERT_STACKS):
+        elif self.per_expert_layout() and name.endswith(EXPERT_STACKS):
             parts = per_expert_names(name, self.arch.num_experts or 0)
             tensor = stack_experts([[self._raw(n) for n in names] for names in parts])
         else:
             raise KeyError(f"tensor {name!r} is not in the checkpoint")
-        if name.endswith(_EXPERT_STACKS):
+        if name.endswith(EXPERT_STACKS):
             layer = name.rsplit(".mlp.experts.", 1)[0]
             self._stacks = {n: t for n, t in self._stacks.items() if n.startswith(layer + ".")}
             self._stacks[name] = tensor
@@ -300,7 +297,7 @@ def megatron_to_hf_checkpoint(
 
     def file_tensors() -> Iterator[tuple[str, Tensor]]:
         for name, tensor in _iter_hf_tensors(megatron_dir, config):
-            if meta.get("per_expert_layout") and name.endswith(_EXPERT_STACKS):
+            if meta.get("per_expert_layout") and name.endswith(EXPERT_STACKS):
                 yield from split_experts(name, tensor)
             else:
                 yield name, to_file_layout(name, tensor, released=released)

@@ -17,16 +17,10 @@ from megatron.core import parallel_state
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from torch import Tensor
 
-from vlm_models.megatron.convert import (
-    ExpertStacker,
-    ParamMap,
-    StageLayout,
-    shard,
-    stage_param_maps,
-    to_checkpoint_tensors,
-    unshard,
-)
+from vlm_models.megatron.convert import ExpertStacker, shard, unshard
+from vlm_models.megatron.file_layout import to_checkpoint_tensors
 from vlm_models.megatron.model import Qwen3VLMegatronModel
+from vlm_models.megatron.name_map import ParamMap, StageLayout, stage_param_maps
 from weight_sync import iter_weight_buckets
 
 logger = logging.getLogger(__name__)
@@ -115,7 +109,7 @@ def iter_hf_weights(
     :func:`weight_sync.iter_weight_buckets` (at most ``bucket_bytes``; a single larger tensor
     makes a bucket of its own), as for the FSDP trainer. Tensors are
     in transformers' in-memory layout, or with ``file_layout`` in the model type's checkpoint
-    layout (:func:`~vlm_models.megatron.convert.to_checkpoint_tensors`: Qwen3-VL-MoE experts
+    layout (:func:`~vlm_models.megatron.file_layout.to_checkpoint_tensors`: Qwen3-VL-MoE experts
     transposed, Qwen3.5-MoE experts one tensor each), the wire layout of weight sync, which is
     what engines loading the checkpoint files expect.
     """
