@@ -11,8 +11,10 @@ the same response tokens go through every path:
   attention (``decode-sdpa``) and dense MoE experts (``decode-dense-moe``);
 * ``forward``: transformers' forward over prompt + response, one sample (the engine's prefill
   path), and on a machine with fla also through the torch reference delta rule
-  (``forward-torch-gdn``) or given float32 inputs (``forward-f32-gdn``, and the decode
-  replaying its routing, ``decode-replay-f32``);
+  (``forward-torch-gdn``); for MoE models also the decode replaying the forward's routing
+  (``decode-replay``). The chunked delta rule runs on float32 inputs as every side now runs it
+  (``vlm_models.linear_attention.use_float32_delta_rule``); ``--delta-rule inputs`` runs it in
+  the model's dtype instead, as the engine and the trainers did before 2026-12-06;
 * ``fsdp`` / ``megatron``: each trainer's ``compute_logprobs`` over the packed batch.
 
 It prints, per dtype, the mean |gap| of every path against ``forward`` and against ``engine``,
@@ -131,21 +133,6 @@ def _resolved(fn: Any) -> Any:
     return fn
 
 
-def _float32_inputs(kernel: Any) -> Any:
-    """The chunked delta rule given float32 q, k, v and beta (fla keeps its chunk states and
-    dots in the inputs' dtype), its output cast back: the trainer's side of the engine's
-    float32 recurrence."""
-
-    def run(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
-        dtype = value.dtype
-        if "beta" in kwargs:
-            kwargs["beta"] = kwargs["beta"].float()
-        out, state = kernel(query.float(), key.float(), value.float(), *args, **kwargs)
-        return out.to(dtype), state
-
-    return run
-
-
 def _note(paths: dict[str, list[Any]], name: str) -> None:
     """Log a path's mean gap as soon as it is run, so a call cut short still tells it."""
     gaps = {
@@ -169,8 +156,10 @@ def engine_paths(
     from rollout_sglang.hf.engine import ENGINE_MODEL_OPTIONS, HFEngine
     from rollout_sglang.types import SamplingParams
     from vlm_models.build import build_model
+    from vlm_models.linear_attention import float32_inputs, use_float32_delta_rule
 
     model = build_model(str(folder), dtype=dtype, device=str(device), **ENGINE_MODEL_OPTIONS)
+    use_float32_delta_rule(model, on=args.delta_rule == "float32")
     config = model.config
     requests = requests_for(args, folder, config)
     engine = HFEngine(model, device=device, max_batch_size=max(len(requests), 1))
@@ -241,29 +230,20 @@ def engine_paths(
         for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
             impl = _resolved(getattr(module, name))
             kernels[name] = f"{getattr(impl, '__module__', '?')}.{getattr(impl, '__name__', '?')}"
-        reference = _torch_delta_rule(kernel)
-        if device.type == "cuda" and "fla" in kernels["torch_chunk_gated_delta_rule"]:
-            for name, swap in (
-                ("forward-torch-gdn", reference),
-                ("forward-f32-gdn", _float32_inputs(kernel)),
-            ):
-                if name in skip:
-                    continue
-                module.torch_chunk_gated_delta_rule = swap
-                try:
-                    paths[name] = [
-                        ms.forward_trace(engine, r, t)
-                        for r, t in zip(requests, responses, strict=True)
-                    ]
-                finally:
-                    module.torch_chunk_gated_delta_rule = kernel
-                _note(paths, name)
-            if (
-                "decode-replay" in paths and "forward-f32-gdn" in paths
-            ):  # what a trainer replaying the engine's routes sees
-                paths["decode-replay-f32"] = ms.decode_trace(
-                    engine, requests, responses, replay=paths["forward-f32-gdn"]
-                )
+        reference = float32_inputs(_torch_delta_rule(kernel))
+        if (
+            device.type == "cuda"
+            and "fla" in kernels["torch_chunk_gated_delta_rule"]
+            and "forward-torch-gdn" not in skip
+        ):
+            module.torch_chunk_gated_delta_rule = reference
+            try:
+                paths["forward-torch-gdn"] = [
+                    ms.forward_trace(engine, r, t) for r, t in zip(requests, responses, strict=True)
+                ]
+            finally:
+                module.torch_chunk_gated_delta_rule = kernel
+            _note(paths, "forward-torch-gdn")
     logger.info("kernels: %s", kernels)
     engine.shutdown()
     del engine, model
@@ -337,16 +317,6 @@ def report(paths: dict[str, list[Any]], part_at: float) -> dict[str, Any]:
                 for k, v in compare(traces, paths["engine"], part_at=part_at).items()
                 if k not in ("layers", "parts_at")
             }
-    if "decode-replay-f32" in paths:  # the pair a float32-kernel trainer would see
-        out["pairs"] = {
-            "decode-replay-f32 vs forward-f32-gdn": {
-                k: v
-                for k, v in compare(
-                    paths["decode-replay-f32"], paths["forward-f32-gdn"], part_at=part_at
-                ).items()
-                if k not in ("layers", "parts_at")
-            }
-        }
     for result in out["against_forward"].values():
         if not result["layers"]:
             result.pop("layers")
@@ -422,6 +392,13 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="relative difference that counts as parted (default: 1e-5 in float32, "
         "5e-2 in 16-bit dtypes)",
+    )
+    ap.add_argument(
+        "--delta-rule",
+        choices=("float32", "inputs"),
+        default="float32",
+        help="the engine side's chunked delta rule: on float32 inputs (what every side runs), "
+        "or in the model's dtype (inputs: the engine and trainers before 2026-12-06)",
     )
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", help="JSON file")

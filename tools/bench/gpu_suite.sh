@@ -4,7 +4,7 @@
 # (fill it with ../shared/tools/device-wheels). Each benchmark's JSON and one log go to $OUT.
 #
 #   bash tools/bench/gpu_suite.sh [logprobs] [patch_embed] [hf_engine] [fsdp_train] [fsdp_accum] [megatron_parity] [weight_sync] [qwen35]
-#     [hf_dense] [hf_families] [microscope] [megatron_train] [megatron_compiled] [megatron_profile] [megatron_accum] [megatron_flat] [hf_geo3k] [ipc_probe] [e2e] [model_load] ...
+#     [hf_dense] [hf_families] [microscope] [delta_rule] [megatron_train] [megatron_compiled] [megatron_profile] [megatron_accum] [megatron_flat] [hf_geo3k] [ipc_probe] [e2e] [model_load] ...
 #
 # Wheels past the carry limit together (Ray in .whl/ and fla + tilelang in .wq35/, 91 MB) go in
 # two calls on one warm machine (it is kept 30 s after a call; /tmp/site stays): first
@@ -143,6 +143,11 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
             --prompts "${MICRO_PROMPTS:-4}" --samples 2 --max-new-tokens "${MICRO_TOKENS:-128}" \
             --out "$OUT/microscope_${shape}${layers:+_${layers}l}${MICRO_TAG:+_$MICRO_TAG}.json" ${MICRO_ARGS:-}
         done ;;
+      delta_rule)  # fla's chunked delta rule on float32 against bf16 inputs, forward and backward,
+        # each against the float64 rule (vlm_models' use_float32_delta_rule); needs fla-core (and
+        # on Hopper with Triton < 3.7.1 tilelang) in WHEEL_DIR
+        run delta_rule 300 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+          packages/vlm-models/tests/hf/test_gpu.py -k delta_rule ;;
       gpu_tests) run gpu_tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider -o log_level=WARNING packages ;;
       setup) ;;  # only install WHEEL_DIR into /tmp/site (see the header)
       *) echo "unknown benchmark $w" >>"$log" ;;

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConf
 
 from vlm_models.classes import select_classes
 from vlm_models.hub import resolve_model_source
+from vlm_models.linear_attention import use_float32_delta_rule
 from vlm_models.presets import PRESETS, apply_overrides, preset_config
 
 logger = logging.getLogger(__name__)
@@ -195,6 +196,7 @@ def build_model(
         packed_linear_attention=packed_linear_attention,
         routing_replay=routing_replay,
     )
+    use_float32_delta_rule(model)  # Qwen3.5: the engine's and the trainers' rule alike
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False

@@ -200,3 +200,62 @@ class PackedGatedDeltaNet(Ours, nn.Module):
         """Whether the decoder layer holding it hands on the forward's keywords (else
         ``packed_seq_info`` would never arrive and the state would not reset)."""
         return parent is not None and _call_passes_keywords(parent, name)
+
+
+def float32_inputs(kernel: Any) -> Any:
+    """``kernel`` (transformers' chunked delta rule: fla's on a GPU that has it, else the torch
+    reference) given float32 q, k, v and beta, its output cast back to v's dtype."""
+
+    @functools.wraps(kernel)
+    def run(query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Any:
+        dtype = value.dtype
+        if dtype == torch.float32:
+            return kernel(query, key, value, *args, **kwargs)
+        if kwargs.get("beta") is not None:
+            kwargs["beta"] = kwargs["beta"].float()
+        out, state = kernel(query.float(), key.float(), value.float(), *args, **kwargs)
+        return out.to(dtype), state
+
+    run.float32_inputs = True  # type: ignore[attr-defined]
+    return run
+
+
+def delta_rule_modules(model: nn.Module) -> list[Any]:
+    """The transformers modules whose chunked delta rule (``torch_chunk_gated_delta_rule``,
+    called by name at each forward) ``model``'s gated-delta-net layers run."""
+    names = {
+        _transformers_class(type(layer)).__module__
+        for layer in model.modules()
+        if is_linear_attention(layer)
+    }
+    found = [sys.modules.get(name) for name in sorted(names)]
+    return [m for m in found if m is not None and hasattr(m, "torch_chunk_gated_delta_rule")]
+
+
+def use_float32_delta_rule(model: nn.Module, on: bool = True) -> list[str]:
+    """Run the chunked delta rule of ``model``'s gated-delta-net layers on float32 inputs (``on``
+    False: in the inputs' dtype again); returns the names of the modules changed.
+
+    Why: fla's ``chunk_gated_delta_rule`` keeps its per-chunk states and runs its dots in the
+    inputs' dtype, so bf16 q/k/v round the recurrence at every chunk, while the engine's decode
+    step (``rollout_sglang.hf.linear_attention_decode``) carries a float32 state. On the H100
+    that rounding parted the Qwen3.5 cut's forward from the engine's decode at layer 0
+    (relative 4.2e-3 in bf16; docs/benchmarks/2026-12-05-logprob-microscope.md). The torch
+    reference computes in float32 already but L2-normalises q/k in the inputs' dtype first.
+    Every side builds through :func:`~vlm_models.build.build_model`, which calls this, so the
+    engine's prefill and the FSDP trainer run the same rule (the Megatron layer gives fla
+    float32 inputs itself). The change is the module's: every model of that class in the
+    process runs it."""
+    changed = []
+    for module in delta_rule_modules(model):
+        kernel = module.torch_chunk_gated_delta_rule
+        if getattr(kernel, "float32_inputs", False) == on:
+            continue
+        module.torch_chunk_gated_delta_rule = float32_inputs(kernel) if on else kernel.__wrapped__
+        changed.append(module.__name__)
+        logger.info(
+            "%s: the chunked delta rule runs on %s",
+            module.__name__,
+            "float32 q, k, v" if on else "the inputs' dtype",
+        )
+    return changed

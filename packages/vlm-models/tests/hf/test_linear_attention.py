@@ -115,3 +115,48 @@ def test_a_layer_that_would_not_get_the_boundaries_is_not_packed(qwen3_vl_ids):
     decoder.__class__ = WithoutKeywords
     assert select_classes(model, packed_linear_attention=True)["packed_linear_attention"] == 2
     assert not linear_attention_packs(model) and not supports_packed_forward(model)
+
+
+def test_the_chunked_delta_rule_gets_float32_inputs_on_every_model_built(qwen3_vl_ids):
+    """build_model hands the gated delta net's chunked rule float32 q, k, v and beta (fla keeps
+    its chunk states in the inputs' dtype; the engine's decode carries a float32 state), casts
+    its output back, and the switch is reversible. The CPU's torch reference computes in float32
+    already, so there the outputs are bit-identical with it on and off."""
+    from vlm_models.linear_attention import (
+        delta_rule_modules,
+        float32_inputs,
+        use_float32_delta_rule,
+    )
+
+    torch.manual_seed(0)
+    model = build_model("qwen3.5-moe-tiny", dtype=torch.bfloat16, **qwen3_vl_ids).eval()
+    (module,) = delta_rule_modules(model)
+    wrapped = module.torch_chunk_gated_delta_rule
+    assert getattr(wrapped, "float32_inputs", False)
+    assert use_float32_delta_rule(model) == []  # already on: nothing wrapped twice
+
+    seen: list[tuple[torch.dtype, ...]] = []
+
+    def spy(query, key, value, *args, **kwargs):
+        seen.append((query.dtype, key.dtype, value.dtype, kwargs["beta"].dtype))
+        return wrapped.__wrapped__(query, key, value, *args, **kwargs)
+
+    module.torch_chunk_gated_delta_rule = float32_inputs(spy)
+    ids = torch.randint(0, 1000, (1, 70))  # two chunks of 64
+    try:
+        with torch.no_grad():
+            on = model.model.language_model(input_ids=ids).last_hidden_state
+    finally:
+        module.torch_chunk_gated_delta_rule = wrapped
+    assert seen and set(seen) == {(torch.float32,) * 4}
+    assert on.dtype == torch.bfloat16
+
+    assert use_float32_delta_rule(model, on=False) == [module.__name__]
+    try:
+        assert not getattr(module.torch_chunk_gated_delta_rule, "float32_inputs", False)
+        with torch.no_grad():
+            off = model.model.language_model(input_ids=ids).last_hidden_state
+    finally:
+        use_float32_delta_rule(model)
+    torch.testing.assert_close(on, off, rtol=0, atol=0)
+    assert getattr(module.torch_chunk_gated_delta_rule, "float32_inputs", False)

@@ -271,18 +271,21 @@ class PackedGatedDeltaNet(GatedDeltaNet):
         if params is not None and params.qkv_format == "thd":
             padded = params.cu_seqlens_q_padded
             cu = (padded if padded is not None else params.cu_seqlens_q).long()
+        # float32 inputs: fla keeps its chunk states and dots in the inputs' dtype, and the
+        # engine's decode carries a float32 state (vlm_models.linear_attention's
+        # use_float32_delta_rule does the same for the transformers model)
         core, _ = _fla_chunk_rule()(
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
+            q.float().contiguous(),
+            k.float().contiguous(),
+            v.float().contiguous(),
             g=g,
-            beta=beta,
+            beta=beta.float(),
             initial_state=None,
             output_final_state=False,
             use_qk_l2norm_in_kernel=True,
             cu_seqlens=cu,
         )
-        return core
+        return core.to(v.dtype)
 
     @staticmethod
     def _torch_rule(
