@@ -112,3 +112,22 @@ def test_stop_zero_never_stops_but_still_warns_once(caplog):
             guard.check(step, _row(gap))
     [message] = _warnings(caplog)
     assert message.startswith("step 1: ") and "the run never stops" in message
+
+
+def test_linear_attention_models_are_judged_in_their_familys_band():
+    """Qwen3.5's healthy bf16 gap (0.0165 on the H200 with routing replay) warns no more; a
+    gap a fault makes still stops; other models keep the dtype's band."""
+    from rl_runtime.logprob_guard import LINEAR_ATTENTION
+
+    band = band_of("bfloat16", LINEAR_ATTENTION)
+    assert band.family == LINEAR_ATTENTION and band.warn > 0.0165 * 2
+    assert band_of("bfloat16", "no-such-family") is band_of("bfloat16")
+    assert band_of("float32", LINEAR_ATTENTION) is band_of("float32")  # no family band there
+    guard = LogprobGapGuard("bfloat16", family=LINEAR_ATTENTION)
+    guard.check(1, {"rollout_logprob_abs_diff": 0.0165})
+    assert not guard.warned
+    dense = LogprobGapGuard("bfloat16")
+    dense.check(1, {"rollout_logprob_abs_diff": 0.0165})
+    assert dense.warned
+    with pytest.raises(LogprobMismatch, match="bfloat16 band of linear-attention models"):
+        guard.check(2, {"rollout_logprob_abs_diff": 0.5})

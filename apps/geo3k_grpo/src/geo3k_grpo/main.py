@@ -123,6 +123,7 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
         to_dict,
         write_config,
     )
+    from rl_runtime.logprob_guard import LINEAR_ATTENTION
     from rl_runtime.loop_config import routing_replay_on
 
     actor_class = ACTORS[cfg.run.backend]
@@ -162,7 +163,10 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
     # the transformers engine's KV cache in tokens: the plan's, unless --rollout-cache-tokens
     cache_from = "planned" if cfg.rollout.cache_tokens is None else "--rollout-cache-tokens"
     # MoE: the trainer routes each token to the engine's experts (--routing-replay)
-    moe = (vlm_models.sources.shape_of(cfg.model, load=load) or {}).get("expert_params", 0) > 0
+    shape = vlm_models.sources.shape_of(cfg.model, load=load) or {}
+    moe = shape.get("expert_params", 0) > 0
+    # Qwen3.5's gated delta net: the log-prob gap is judged in its family's band
+    family = LINEAR_ATTENTION if shape.get("state_bytes_per_sequence", 0) > 0 else None
     replay = routing_replay_on(cfg.loop.routing_replay, moe)
     engine_cfg = dataclasses.replace(rollout_config(cfg, plan), return_routed_experts=replay)
     cfg = dataclasses.replace(cfg, rollout=engine_cfg)
@@ -276,6 +280,7 @@ def run(cfg: Geo3kGrpoConfig) -> list[dict[str, Any]]:
             engines_released=engines_first,
             forbidden_token_ids=frozenset(vlm_data.tokens.vision_token_ids(processor)),
             compute_dtype=compute_dtype(cfg, lay.use_gpu),
+            gap_family=family,
         )
         rows = run_grpo(loop_cfg, parts)
         if parts.offload_between_phases and plan.offload_train:

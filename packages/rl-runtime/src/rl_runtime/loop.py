@@ -65,6 +65,8 @@ class GrpoParts:
     # (the trainers push bfloat16 by default): the band of the log-prob gap between engine and
     # trainer (rl_runtime.logprob_guard.coarsest_dtype).
     compute_dtype: str = "bfloat16"
+    # the model family whose own band the gap is judged in (logprob_guard.FAMILY_BANDS)
+    gap_family: str | None = None
     extra_loop_state: dict[str, Any] = field(default_factory=dict)
 
 
@@ -137,7 +139,9 @@ def _run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
     # the next step's prompts are built while this step computes log-probs, trains and syncs
     prompts_ahead = PromptPrefetch(sampler, cfg.rollout_batch_size)
     nonfinite_in_row = 0
-    gap_guard = LogprobGapGuard(p.compute_dtype, cfg.logprob_gap_warn, cfg.logprob_gap_stop)
+    gap_guard = LogprobGapGuard(
+        p.compute_dtype, cfg.logprob_gap_warn, cfg.logprob_gap_stop, family=p.gap_family
+    )
     with (
         closing(prompts_ahead),
         step_progress(cfg.num_rollout, start, "GRPO") as advance,
