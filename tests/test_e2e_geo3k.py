@@ -343,6 +343,52 @@ def test_ctrl_c_stops_naming_the_checkpoint_to_resume_from(app: str, tmp_path: P
     ).stdout
 
 
+#: where a terminal's Ctrl-C lands: (app, the log line that says the phase is under way)
+CTRL_C_PHASES = {
+    "start-up": ("geo3k_sft", "geo3k_sft configuration:"),  # before Ray and the model
+    "trainer start": ("geo3k_sft", "placement plan:"),  # Ray up, the trainer rank building
+    "SFT warm-up": ("geo3k_grpo", "step 2 "),  # the GRPO preset's warm-up steps
+}
+
+
+@pytest.mark.parametrize("when", sorted(CTRL_C_PHASES))
+def test_ctrl_c_from_a_terminal_exits_130_in_each_phase(when: str, tmp_path: Path) -> None:
+    """A terminal's Ctrl-C signals the launcher's whole process group, and `uv run` without a
+    terminal passes on the SIGINT its group got: the launcher gets two. Whatever the phase:
+    exit 130, the interrupted line, no phase "failed", no traceback, no process left."""
+    app, under_way = CTRL_C_PHASES[when]
+    run, log_path = tmp_path / "run", tmp_path / "log.txt"
+    argv = [*_cmd(app), "--preset", "tiny", "--ray-num-cpus", "2", "--output-dir", str(run)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env=_env() | {"COLUMNS": "500"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+        try:
+            deadline = time.monotonic() + 600
+            while under_way not in log_path.read_text():
+                assert proc.poll() is None, log_path.read_text()[-3000:]
+                assert time.monotonic() < deadline, f"no {under_way!r} within 10 minutes"
+                time.sleep(0.1)
+            os.killpg(proc.pid, signal.SIGINT)
+            returncode = proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    text = log_path.read_text()
+    assert returncode == 130, text[-3000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert " failed after " not in text, text[-3000:]
+    assert "interrupted" in text.strip().splitlines()[-1], text[-3000:]
+    assert not _group_left(proc.pid)
+
+
 @pytest.fixture(scope="module")
 def kl_runs(from_sft: Path) -> dict[str, list[dict]]:
     """The KL runs' rows, by backend."""

@@ -23,6 +23,7 @@ from rich.progress import (
 )
 
 from rl_runtime.faults import Interrupted
+from rl_runtime.interrupts import interrupted
 
 _console = Console(stderr=True)
 log = logging.getLogger(__name__)
@@ -129,8 +130,8 @@ def phase(
     samples: int | None = None,
 ) -> Iterator[Phase]:
     """``<name> ...`` when the block starts, ``<name> done in S s: <figures>`` when it ends (or
-    ``failed after S s``, or ``interrupted after S s`` for Ctrl-C), and a heartbeat while it
-    runs (at INFO; none below it)."""
+    ``failed after S s``, or ``interrupted after S s`` for Ctrl-C and for what fails after it),
+    and a heartbeat while it runs (at INFO; none below it)."""
     current = Phase(name, tokens, samples)
     logger.log(level, "%s ...", name)
     start = time.perf_counter()
@@ -138,7 +139,8 @@ def phase(
         with heartbeat(name, heartbeat_s if level >= logging.INFO else 0.0, logger):
             yield current
     except BaseException as err:
-        how = "interrupted" if isinstance(err, KeyboardInterrupt | Interrupted) else "failed"
+        stopped = isinstance(err, KeyboardInterrupt | Interrupted) or interrupted()
+        how = "interrupted" if stopped else "failed"
         logger.log(level, "%s %s after %s", name, how, seconds(time.perf_counter() - start))
         raise
     current.seconds = time.perf_counter() - start
