@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -132,6 +133,18 @@ def test_sft_learns_the_answer_format(sft_run: Path) -> None:
     assert (sft_run / "hf" / "config.json").is_file()
     assert (sft_run / "hf" / "tokenizer.json").is_file()  # the processor travels along
     assert _checkpoints(sft_run)[-1][0] == rows[-1]["step"] == 36
+
+
+def test_a_log_into_a_file_is_one_plain_line_per_record(sft_run: Path) -> None:
+    """The SFT run's log, written into a file: each line a record in one layout, Ray's and its
+    workers' too, no colour codes, no line wrapped or padded to 80 columns, no token notice."""
+    text = (sft_run.parent / f"{sft_run.name}.txt").read_text()
+    layout = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR|CRITICAL) \S"
+    odd = [line for line in text.splitlines() if not re.match(layout, line) or line.endswith(" ")]
+    assert not odd, odd[:10]
+    assert "\x1b" not in text and "RAY_AUTH_MODE" not in text
+    assert " INFO (TrainWorker pid=" in text and " INFO Started a local Ray instance." in text
+    assert re.search(r" INFO geo3k_sft configuration: \{ .{300,}\}\n", text)  # one line
 
 
 def _checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
@@ -311,7 +324,7 @@ def test_ctrl_c_stops_naming_the_checkpoint_to_resume_from(app: str, tmp_path: P
         proc = subprocess.Popen(
             [*argv, "--output-dir", str(run)],
             cwd=ROOT,
-            env=_env() | {"COLUMNS": "500"},  # one log record on one line
+            env=_env(),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -363,7 +376,7 @@ def test_ctrl_c_from_a_terminal_exits_130_in_each_phase(when: str, tmp_path: Pat
         proc = subprocess.Popen(
             argv,
             cwd=ROOT,
-            env=_env() | {"COLUMNS": "500"},
+            env=_env(),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -620,7 +633,7 @@ def test_a_cache_too_small_for_the_prompts_exits_1_before_any_update(tmp_path: P
     proc = subprocess.run(
         argv,
         cwd=ROOT,
-        env=_env() | {"COLUMNS": "5000"},  # one log record on one line
+        env=_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
