@@ -311,18 +311,13 @@ def _group_left(pgid: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("app", sorted(INTERRUPTED))
-def test_ctrl_c_stops_naming_the_checkpoint_to_resume_from(app: str, tmp_path: Path) -> None:
-    """Ctrl-C once a checkpoint exists: the step under way is abandoned, Ray and its actors shut
-    down, the launcher exits 130 and its last line names the checkpoint `--resume` continues
-    from; no traceback. The SIGINT goes to `uv run`, which passes it on: the launcher gets one,
-    as from a terminal's Ctrl-C (`uv run` without a terminal would forward a SIGINT sent to its
-    whole group a second time; test_fault_messages covers a second one)."""
-    run, log_path = tmp_path / "run", tmp_path / "log.txt"
-    argv = [*_cmd(app), "--preset", "tiny", "--ray-num-cpus", "2", *INTERRUPTED[app]]
+def _ctrl_c(argv: list[str], log_path: Path, ready, *, group: bool) -> int:
+    """Start a launcher in a process group of its own, its output into ``log_path``; once
+    ``ready()``, SIGINT to it (``group``: to the whole group, as a terminal's Ctrl-C does, else
+    to `uv run` alone, which passes it on); the exit status."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [*argv, "--output-dir", str(run)],
+            argv,
             cwd=ROOT,
             env=_env(),
             stdout=log,
@@ -333,16 +328,32 @@ def test_ctrl_c_stops_naming_the_checkpoint_to_resume_from(app: str, tmp_path: P
         )
         try:
             deadline = time.monotonic() + 600
-            while not _checkpoints(run):
+            while not ready():
                 assert proc.poll() is None, log_path.read_text()[-3000:]
-                assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
-                time.sleep(0.2)
-            os.kill(proc.pid, signal.SIGINT)
+                assert time.monotonic() < deadline, "not ready within 10 minutes"
+                time.sleep(0.1)
+            (os.killpg if group else os.kill)(proc.pid, signal.SIGINT)
             returncode = proc.wait(timeout=300)
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+    assert not _group_left(proc.pid), subprocess.run(
+        ["ps", "-o", "pid,args", "-g", str(proc.pid)], capture_output=True, text=True
+    ).stdout
+    return returncode
+
+
+@pytest.mark.parametrize("app", sorted(INTERRUPTED))
+def test_ctrl_c_stops_naming_the_checkpoint_to_resume_from(app: str, tmp_path: Path) -> None:
+    """Ctrl-C once a checkpoint exists: the step under way is abandoned, Ray and its actors shut
+    down, the launcher exits 130 and its last line names the checkpoint `--resume` continues
+    from; no traceback. The SIGINT goes to `uv run`, which passes it on: the launcher gets one,
+    as from a terminal's Ctrl-C (a terminal's, to the whole group: the next test)."""
+    run, log_path = tmp_path / "run", tmp_path / "log.txt"
+    argv = [*_cmd(app), "--preset", "tiny", "--ray-num-cpus", "2", *INTERRUPTED[app]]
+    argv += ["--output-dir", str(run)]
+    returncode = _ctrl_c(argv, log_path, lambda: _checkpoints(run), group=False)
     text = log_path.read_text()
     assert returncode == 130, text[-3000:]
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
@@ -351,9 +362,6 @@ def test_ctrl_c_stops_naming_the_checkpoint_to_resume_from(app: str, tmp_path: P
     assert f"interrupted: the step under way was abandoned; the last checkpoint {latest}" in last
     assert "(--resume continues from it)" in last, last
     assert not (run / "hf").exists()  # it stopped mid-way: no final weights
-    assert not _group_left(proc.pid), subprocess.run(
-        ["ps", "-o", "pid,args", "-g", str(proc.pid)], capture_output=True, text=True
-    ).stdout
 
 
 #: where a terminal's Ctrl-C lands: (app, the log line that says the phase is under way)
@@ -370,36 +378,15 @@ def test_ctrl_c_from_a_terminal_exits_130_in_each_phase(when: str, tmp_path: Pat
     terminal passes on the SIGINT its group got: the launcher gets two. Whatever the phase:
     exit 130, the interrupted line, no phase "failed", no traceback, no process left."""
     app, under_way = CTRL_C_PHASES[when]
-    run, log_path = tmp_path / "run", tmp_path / "log.txt"
-    argv = [*_cmd(app), "--preset", "tiny", "--ray-num-cpus", "2", "--output-dir", str(run)]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            argv,
-            cwd=ROOT,
-            env=_env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-        )
-        try:
-            deadline = time.monotonic() + 600
-            while under_way not in log_path.read_text():
-                assert proc.poll() is None, log_path.read_text()[-3000:]
-                assert time.monotonic() < deadline, f"no {under_way!r} within 10 minutes"
-                time.sleep(0.1)
-            os.killpg(proc.pid, signal.SIGINT)
-            returncode = proc.wait(timeout=300)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    log_path = tmp_path / "log.txt"
+    argv = [*_cmd(app), "--preset", "tiny", "--ray-num-cpus", "2"]
+    argv += ["--output-dir", str(tmp_path / "run")]
+    returncode = _ctrl_c(argv, log_path, lambda: under_way in log_path.read_text(), group=True)
     text = log_path.read_text()
     assert returncode == 130, text[-3000:]
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
     assert " failed after " not in text, text[-3000:]
     assert "interrupted" in text.strip().splitlines()[-1], text[-3000:]
-    assert not _group_left(proc.pid)
 
 
 @pytest.fixture(scope="module")
