@@ -28,11 +28,12 @@ slower than the same configuration built after it, so a shared process makes the
 Steps run back to back, as in a training loop (no device sync between them: the host may
 prepare the next step while the GPU finishes this one), with Python's garbage collection
 between steps as the trainer does it (``--python-gc``) and with torch's CPU threads as the
-launchers give the trainer (``--threads``); the step time is the run's wall time
-over its steps. MFU = 6 * params * tokens / time / 989e12 (H200 dense bf16 peak), per GPU;
-``mfu_flops`` counts the model FLOPs of :mod:`vlm_models.flops` instead (the routed experts a
-token uses, attention over its sample, the vision tower on its images): the MFU of an MoE
-model, where 6 * params would count every expert for every token. World size comes from
+launchers give the trainer (``--threads``); the step time is the run's wall time over its
+steps. MFU = 6 * params * tokens / time / 989e12 (the H100 / H200 dense bf16 peak,
+``harness.PEAK_BF16_FLOPS``), per GPU; ``mfu_flops`` counts the model FLOPs of
+:mod:`vlm_models.flops` instead (the routed experts a token uses, attention over its sample,
+the vision tower on its images): the MFU of an MoE model, where 6 * params would count every
+expert for every token. World size comes from
 the environment, so ``torchrun --nproc-per-node N`` measures N GPUs (the baseline then runs on
 every GPU independently with the same per-GPU batch; ours shards one global batch of
 ``N * --batch`` samples). Prints both and the ratio; rank 0 writes ``--out`` JSON.
@@ -47,30 +48,17 @@ H200:         PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python tools/bench
 from __future__ import annotations
 
 import argparse
-import gc
-import itertools
-import json
 import logging
 import os
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
-from train_profile import (
-    count_ops,
-    log_host_phases,
-    profile_step,
-    report_syncs,
-    timeline_steps,
-    watch_host_phases,
-)
+from harness import device_name, emit, in_fresh_process, release, write_json
+from train_measure import make_batch, measure, measure_actor, model_overrides
+from train_profile import count_ops, profile_step, report_syncs
 
 log = logging.getLogger("bench_fsdp_train")
-
-H200_BF16_PEAK = 989e12
 
 # --variants: FsdpConfig changes from the "ours" configuration, each measured on its own.
 VARIANTS = {
@@ -202,103 +190,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def model_overrides(args) -> dict:
-    """Tiny presets get a small vocabulary so the CPU run stays small; ``--layers`` cuts the
-    shape (the config of ``preset_config(preset, num_hidden_layers=N)``)."""
-    from trainers_fsdp.synthetic import TINY_OVERRIDES
-
-    out = dict(TINY_OVERRIDES) if args.preset.endswith("tiny") else {}
-    if args.layers:
-        out["num_hidden_layers"] = args.layers
-    return out
-
-
-def model_flops_per_token(args, config) -> float:
-    """Training FLOPs per token of one bench sample (:mod:`vlm_models.flops`: the language
-    model's active matmuls and attention over the sample, plus the vision tower on its image),
-    averaged over the sample's tokens."""
-    from vlm_models.flops import flops_per_token, vision_flops
-
-    side = args.image_size // config.vision_config.patch_size
-    vision = vision_flops(config, [[1, side, side]]) / args.seq_len
-    return flops_per_token(config, args.seq_len) + vision
-
-
-def make_batch(args, config, n_samples: int, seed: int):
-    from trainers_fsdp.synthetic import synthetic_batch
-
-    patch = config.vision_config.patch_size
-    side = args.image_size // patch
-    return synthetic_batch(
-        config,
-        [args.seq_len] * n_samples,
-        image_patches=[(side, side)] * n_samples,
-        seed=seed,
-        grpo=args.loss == "grpo",
-    )
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_steps(step_fn, args, device) -> list[float]:
-    """Seconds of each timed step, back to back as a training loop runs them: the device is
-    synchronised only before the first and after the last, so the host may pack and launch
-    step i+1 while the GPU finishes step i (each step's own host reads still wait). Each
-    interval is host time between step starts; the last one runs to the final sync, so the
-    intervals sum to the wall time of the whole run."""
-    for _ in range(args.warmup):
-        step_fn()
-    periodic = args.python_gc == "periodic"
-    if periodic:  # as rl_runtime.PeriodicGC runs the trainer: collect between steps only
-        gc.collect()
-        gc.freeze()
-        gc.disable()
-    sync(device)
-    marks = [time.perf_counter()]
-    for _ in range(args.steps):
-        step_fn()
-        marks.append(time.perf_counter())
-    sync(device)
-    marks[-1] = time.perf_counter()
-    if periodic:
-        gc.unfreeze()
-        gc.enable()
-    return [b - a for a, b in itertools.pairwise(marks)]
-
-
-def tokens_per_step(args) -> int:
-    """Tokens one GPU trains per optimizer step."""
-    return args.accum * args.batch * args.seq_len
-
-
-def summarize(
-    name: str, times: list[float], tokens_per_gpu: int, params: int, device, flops_per_token: float
-) -> dict:
-    step = statistics.fmean(times)  # wall time of the run over its steps
-    tps = tokens_per_gpu / step
-    out = {
-        "step_time_s": step,
-        "step_times_s": times,
-        "tokens_per_s_per_gpu": tps,
-        "mfu": 6 * params * tps / H200_BF16_PEAK,
-        "mfu_flops": flops_per_token * tps / H200_BF16_PEAK,
-    }
-    if device.type == "cuda":
-        out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    log.info(
-        "%-8s step %.3f s  %.0f tokens/s/GPU  MFU %.1f%% (model FLOPs %.1f%%)",
-        name,
-        step,
-        tps,
-        100 * out["mfu"],
-        100 * out["mfu_flops"],
-    )
-    return out
-
-
 def run_baseline(args, device: torch.device) -> tuple[dict, int]:
     """Plain transformers: bf16 model, padded batch + mask, labels loss, AdamW."""
     from vlm_models.build import build_model
@@ -340,13 +231,9 @@ def run_baseline(args, device: torch.device) -> tuple[dict, int]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    times = time_steps(step, args, device)
-    flops = model_flops_per_token(args, model.config)
-    result = summarize("baseline", times, tokens_per_step(args), params, device, flops)
+    result = measure("baseline", step, args, device, params, model.config)
     if args.profile:
         profile_step(step, args.profile / "profile_baseline.txt", device, model)
-    model = optimizer = micro = None  # free before building ours
-    free(device)
     return result, params
 
 
@@ -375,50 +262,19 @@ def run_ours(args, device: torch.device, name: str = "ours", **changes) -> tuple
     from trainers_fsdp.actor import FsdpActor
 
     actor = FsdpActor(ours_config(args, device, **changes))
-    params = sum(p.numel() for p in actor.model.parameters())
-    batch = make_batch(args, actor.model.config, args.batch * args.accum, seed=1 + actor.rank)
-    metrics = {}
-    held = {"actor": actor, "batch": batch}  # cleared below so the next variant has the memory
-
-    def step():
-        metrics.update(held["actor"].train_step(held["batch"], loss=args.loss))
-
-    phases = watch_host_phases(actor) if args.host_phases else None
-    times = time_steps(step, args, device)
-    flops = model_flops_per_token(args, actor.model.config)
-    result = summarize(name, times, tokens_per_step(args), params, device, flops)
+    result, step, params = measure_actor(name, args, device, actor, actor.model, actor.model.config)
     # transformers' experts kernel of an MoE model ("grouped_mm": one grouped GEMM per projection)
     result["experts_implementation"] = getattr(
         actor.model.config.get_text_config(), "_experts_implementation", None
     )
-    if phases is not None:
-        result["host_phases_ms"] = log_host_phases(phases[-args.steps :])
-    result["last_metrics"] = metrics
     if changes:
         result["config_changes"] = changes
     if args.count_ops:
         result["aten_ops_per_step"] = count_ops(step)
         log.info("%-8s %d aten ops per step", name, result["aten_ops_per_step"])
-    if args.profile and actor.rank == 0:
-        profile_step(step, args.profile / f"profile_{name}.txt", device, held["actor"].model)
-        if device.type == "cuda":
-            timeline_steps(step, args.profile / f"timeline_{name}.txt")
     if args.sync_debug and actor.rank == 0 and device.type == "cuda":
         report_syncs(step, args.sync_debug / f"syncs_{name}.txt")
-    world = actor.world_size
-    del actor, batch
-    held.clear()
-    free(device)
-    return result, params, world
-
-
-def free(device: torch.device) -> None:
-    """Release the last configuration's memory (compiled graphs hold their modules too)."""
-    torch._dynamo.reset()
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    return result, params, actor.world_size
 
 
 def run_megatron(args, device: torch.device, name: str) -> tuple[dict, int, int]:
@@ -439,25 +295,8 @@ def run_megatron(args, device: torch.device, name: str) -> tuple[dict, int, int]
             **MEGATRON[name],
         )
     )
-    params = sum(p.numel() for p in actor.model.parameters())
-    batch = make_batch(args, actor.hf_config, args.batch * args.accum, seed=1 + actor.rank)
-    metrics: dict = {}
-
-    def step():
-        metrics.update(actor.train_step(batch, loss=args.loss))
-
-    phases = watch_host_phases(actor) if args.host_phases else None
-    times = time_steps(step, args, device)
-    flops = model_flops_per_token(args, actor.hf_config)
-    result = summarize(name, times, tokens_per_step(args), params, device, flops)
+    result, _, params = measure_actor(name, args, device, actor, actor.model, actor.hf_config)
     result["config_changes"] = MEGATRON[name]
-    if phases is not None:
-        result["host_phases_ms"] = log_host_phases(phases[-args.steps :])
-    result["last_metrics"] = metrics
-    if args.profile and actor.rank == 0:
-        profile_step(step, args.profile / f"profile_{name}.txt", device, actor.model)
-        if device.type == "cuda":
-            timeline_steps(step, args.profile / f"timeline_{name}.txt")
     return result, params, 1
 
 
@@ -475,19 +314,19 @@ MEGATRON = {
 def run_config(name: str, args, device: torch.device) -> tuple[dict, int, int]:
     """One configuration in this process: ``baseline``, ``ours``, ``megatron`` or a variant."""
     if name == "baseline":
-        result, params = run_baseline(args, device)
-        return result, params, 1
-    if name in MEGATRON:
-        return run_megatron(args, device, name)
-    return run_ours(args, device, name, **({} if name == "ours" else VARIANTS[name]))
+        measured = (*run_baseline(args, device), 1)
+    elif name in MEGATRON:
+        measured = run_megatron(args, device, name)
+    else:
+        measured = run_ours(args, device, name, **({} if name == "ours" else VARIANTS[name]))
+    release(device, compiled=True)  # the next configuration starts with the memory free
+    return measured
 
 
 def run_isolated(name: str) -> tuple[dict, int, int]:
     """One configuration in a fresh process (this script with ``--only name``), so that no
     configuration inherits another's allocator, compile or library state."""
-    cmd = [sys.executable, __file__, *sys.argv[1:], "--only", name]
-    done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
-    record = json.loads(done.stdout.strip().splitlines()[-1])
+    record = in_fresh_process(__file__, [*sys.argv[1:], "--only", name])
     return record["result"], record["params"], record["world"]
 
 
@@ -510,7 +349,7 @@ def main() -> None:
     if args.only:  # worker of run_isolated: one configuration, one JSON line
         result, params, world = run_config(args.only, args, device)
         if rank == 0:
-            print(json.dumps({"result": result, "params": params, "world": world}))
+            emit({"result": result, "params": params, "world": world})
         return
     names = ([] if args.skip_baseline else ["baseline"]) + ["ours"] + names
     isolate = not args.same_process and "WORLD_SIZE" not in os.environ
@@ -519,7 +358,7 @@ def main() -> None:
     ours, params, world = measured["ours"]
     variants = {n: measured[n][0] for n in names if n not in ("baseline", "ours")}
     result = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device": device_name(device),
         "torch": torch.__version__,
         "world_size": world,
         "preset": args.preset,
@@ -558,8 +397,7 @@ def main() -> None:
                 f"x{v['tokens_per_s_per_gpu'] / ours['tokens_per_s_per_gpu']:.2f} vs ours"
             )
         if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=2))
+            write_json(args.out, result)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
