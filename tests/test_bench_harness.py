@@ -4,6 +4,7 @@ every bench still starts (its ``--help``)."""
 
 from __future__ import annotations
 
+import argparse
 import gc
 import importlib.util
 import json
@@ -148,6 +149,12 @@ def test_the_cpu_described() -> None:
     assert harness.peak_memory_gib("cpu") is None and harness.release("cpu") is None
     rate = harness.copy_bandwidth_gb_s("cpu", gib=1 / 64, repeats=2)
     assert 0.05 < rate < 10_000  # GB/s of a 16 MiB host copy, read and write counted
+
+
+def test_fill_unset_keeps_what_was_given() -> None:
+    args = argparse.Namespace(batch=None, steps=0, preset="given")
+    harness.fill_unset(args, batch=8, steps=10, preset="default")
+    assert vars(args) == {"batch": 8, "steps": 0, "preset": "given"}  # only None is unset
 
 
 def test_paths(monkeypatch, tmp_path) -> None:

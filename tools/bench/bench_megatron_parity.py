@@ -24,7 +24,7 @@ import logging
 from pathlib import Path
 
 import torch
-from harness import time_calls, write_json
+from harness import fill_unset, time_calls, write_json
 
 log = logging.getLogger("bench_megatron_parity")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -43,7 +43,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="JSON result path")
     args = p.parse_args()
     cuda = args.device.startswith("cuda")
-    defaults = dict(
+    fill_unset(
+        args,
         preset="qwen3-vl-2b" if cuda else "qwen3-vl-tiny",
         dtype="bfloat16" if cuda else "float32",
         batch=4 if cuda else 2,
@@ -51,9 +52,6 @@ def parse_args() -> argparse.Namespace:
         image_size=512 if cuda else 64,
         repeats=5 if cuda else 1,
     )
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
     return args
 
 

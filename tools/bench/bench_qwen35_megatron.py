@@ -38,7 +38,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import peak_memory_gib, reset_peak_memory, sync, time_steps, write_json
+from harness import (
+    fill_unset,
+    peak_memory_gib,
+    reset_peak_memory,
+    sync,
+    time_steps,
+    write_json,
+)
 
 log = logging.getLogger("bench_qwen35_megatron")
 
@@ -62,7 +69,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="JSON result path")
     args = p.parse_args()
     big = not args.tiny
-    defaults = dict(
+    fill_unset(
+        args,
         samples=16 if big else 4,
         prompt_len=400 if big else 48,
         response_len=1024 if big else 16,
@@ -70,9 +78,6 @@ def parse_args() -> argparse.Namespace:
         max_tokens_per_gpu=8192 if big else 256,
         steps=3 if big else 1,
     )
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
     if args.layers < 4:
         p.error("--layers must be >= 4 (the fourth layer is the first full-attention one)")
     return args

@@ -12,7 +12,8 @@
   them). What a model must move or compute per step is in ``roofline.py``.
 - **Results**: :func:`write_json`; :func:`in_fresh_process` and :func:`emit` (one measurement
   in a process of its own, its record on the last line of its output).
-- **Paths**: :data:`ROOT`, :func:`shared_dir`, :func:`workspace_paths`.
+- **Flags and paths**: :func:`fill_unset` (defaults that depend on the device), :data:`ROOT`,
+  :func:`shared_dir`, :func:`workspace_paths`.
 
 Only the standard library is imported here; torch is imported where it is used, so a bench that
 drives other processes (``bench_grpo_e2e``) or never touches torch (``bench_rewards``) starts
@@ -347,7 +348,15 @@ def in_fresh_process(script: str | Path, argv: list[str]) -> Any:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-# ------------------------------------------------------------------------------------ paths
+# -------------------------------------------------------------------------- flags and paths
+
+
+def fill_unset(args: Any, **defaults: Any) -> None:
+    """Each of ``args``' ``defaults`` left None (its flag not given) takes the value here: the
+    defaults that depend on the device or on another flag."""
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
 
 
 def shared_dir() -> Path:
