@@ -138,7 +138,7 @@ OTHER_TOOLS = {
 @cache
 def launcher_help(app: str) -> str:
     """`app`'s --help (nothing runs)."""
-    parse = importlib.import_module(f"{app}.config").parse
+    parse = importlib.import_module(f"{app}.main").parse
     help_text = io.StringIO()
     with contextlib.redirect_stdout(help_text), pytest.raises(SystemExit):
         parse(["--help"], env={})
