@@ -107,7 +107,10 @@ class EngineLauncher(Protocol):
     """What a GRPO run asks of a rollout engine package before its engines start
     (`rollout_sglang.launch`; `tools/typecheck.py` holds the module to this protocol). `cfg`
     is the package's own section of the recipe's config (`RolloutConfig`); a setting that
-    cannot work raises `ValueError` naming the flag."""
+    cannot work raises `ValueError` naming the flag. The GRPO entry point reads its `backend`,
+    `tp_size`, `dtype`, `max_batch_size`, `kv_cache_fraction`, `weights_cpu_backup` and
+    `cache_tokens`, and sets `cache_tokens` (the colocation plan's) and `return_routed_experts`
+    (routing replay) with `dataclasses.replace`."""
 
     def uses_sglang(self, cfg: Any, use_gpu: bool) -> bool:
         """Whether the engines size their KV cache once, at start (SGLang): colocated, they
