@@ -583,9 +583,12 @@ def moe_runs(saved_moe: Path, tmp_path_factory) -> dict[str, Path]:
 def test_tiny_moe_grpo_from_a_saved_folder(moe_runs: dict[str, Path], backend: str) -> None:
     """Two GRPO steps from the folder (issue #35): both trainers load it, their weights reach
     the transformers engine (its decode step, not the legacy loop) in the checkpoint's layout.
-    2026-12-04, CPU: 27-45 s a run."""
+    2026-12-04, CPU: 27-45 s a run. Routing replay is on (`--routing-replay auto`, an MoE
+    model): the entry point turned it on for the engines and the trainers, and said so."""
     rows = _rows(moe_runs[backend])
     assert [r["step"] for r in rows] == [1, 2]
+    log = (moe_runs[backend].parent / f"{backend}.txt").read_text()
+    assert "routing replay: the trainer routes each token to the engine's experts" in log
     assert all(r["rollout_decode_steps"] > 0 for r in rows)
     assert all(r["time_sync_push_s"] > 0 for r in rows)
 

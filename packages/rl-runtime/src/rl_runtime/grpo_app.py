@@ -260,8 +260,8 @@ def run(cfg: Any, recipe: GrpoRecipe) -> list[dict[str, Any]]:
         )
         if cfg.rollout.cache_tokens is not None:
             log.info("engine KV cache: %s tokens (%s)", f"{cfg.rollout.cache_tokens:,}", cache_from)
-        if replay:
-            log.info("routing replay: the trainer routes each token to the engine's experts")
+    if replay:  # on any layout (docs/reliability.md: the log says so when it is on)
+        log.info("routing replay: the trainer routes each token to the engine's experts")
     loop_cfg = dataclasses.replace(
         cfg.loop, use_ref_logprobs=cfg.loss.kl_coef > 0, offload_train=plan.offload_train
     )
