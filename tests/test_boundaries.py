@@ -144,7 +144,7 @@ def test_parsing_loads_no_model_code(app: str) -> None:
     bad flag and --print-config of a CPU run neither wait for transformers or megatron-core
     nor print megatron-core's warnings."""
     code = (
-        f"import sys; from {app}.config import parse\n"
+        f"import sys; from {app}.main import parse\n"
         "cfg = parse(['--preset', 'tiny'], env={})\n"
         "heavy = [m for m in ('transformers', 'megatron.core', 'sglang') if m in sys.modules]\n"
         "assert not heavy, heavy\n"

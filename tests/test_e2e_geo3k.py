@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -132,6 +133,18 @@ def test_sft_learns_the_answer_format(sft_run: Path) -> None:
     assert (sft_run / "hf" / "config.json").is_file()
     assert (sft_run / "hf" / "tokenizer.json").is_file()  # the processor travels along
     assert _checkpoints(sft_run)[-1][0] == rows[-1]["step"] == 36
+
+
+def test_a_log_into_a_file_is_one_plain_line_per_record(sft_run: Path) -> None:
+    """The SFT run's log, written into a file: each line a record in one layout, Ray's and its
+    workers' too, no colour codes, no line wrapped or padded to 80 columns, no token notice."""
+    text = (sft_run.parent / f"{sft_run.name}.txt").read_text()
+    layout = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR|CRITICAL) \S"
+    odd = [line for line in text.splitlines() if not re.match(layout, line) or line.endswith(" ")]
+    assert not odd, odd[:10]
+    assert "\x1b" not in text and "RAY_AUTH_MODE" not in text
+    assert " INFO (TrainWorker pid=" in text and " INFO Started a local Ray instance." in text
+    assert re.search(r" INFO geo3k_sft configuration: \{ .{300,}\}\n", text)  # one line
 
 
 def _checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
@@ -298,20 +311,15 @@ def _group_left(pgid: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("app", sorted(INTERRUPTED))
-def test_ctrl_c_stops_naming_the_checkpoint_to_resume_from(app: str, tmp_path: Path) -> None:
-    """Ctrl-C once a checkpoint exists: the step under way is abandoned, Ray and its actors shut
-    down, the launcher exits 130 and its last line names the checkpoint `--resume` continues
-    from; no traceback. The SIGINT goes to `uv run`, which passes it on: the launcher gets one,
-    as from a terminal's Ctrl-C (`uv run` without a terminal would forward a SIGINT sent to its
-    whole group a second time; test_fault_messages covers a second one)."""
-    run, log_path = tmp_path / "run", tmp_path / "log.txt"
-    argv = [*_cmd(app), "--preset", "tiny", "--ray-num-cpus", "2", *INTERRUPTED[app]]
+def _ctrl_c(argv: list[str], log_path: Path, ready, *, group: bool) -> int:
+    """Start a launcher in a process group of its own, its output into ``log_path``; once
+    ``ready()``, SIGINT to it (``group``: to the whole group, as a terminal's Ctrl-C does, else
+    to `uv run` alone, which passes it on); the exit status."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [*argv, "--output-dir", str(run)],
+            argv,
             cwd=ROOT,
-            env=_env() | {"COLUMNS": "500"},  # one log record on one line
+            env=_env(),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -320,16 +328,32 @@ def test_ctrl_c_stops_naming_the_checkpoint_to_resume_from(app: str, tmp_path: P
         )
         try:
             deadline = time.monotonic() + 600
-            while not _checkpoints(run):
+            while not ready():
                 assert proc.poll() is None, log_path.read_text()[-3000:]
-                assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
-                time.sleep(0.2)
-            os.kill(proc.pid, signal.SIGINT)
+                assert time.monotonic() < deadline, "not ready within 10 minutes"
+                time.sleep(0.1)
+            (os.killpg if group else os.kill)(proc.pid, signal.SIGINT)
             returncode = proc.wait(timeout=300)
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+    assert not _group_left(proc.pid), subprocess.run(
+        ["ps", "-o", "pid,args", "-g", str(proc.pid)], capture_output=True, text=True
+    ).stdout
+    return returncode
+
+
+@pytest.mark.parametrize("app", sorted(INTERRUPTED))
+def test_ctrl_c_stops_naming_the_checkpoint_to_resume_from(app: str, tmp_path: Path) -> None:
+    """Ctrl-C once a checkpoint exists: the step under way is abandoned, Ray and its actors shut
+    down, the launcher exits 130 and its last line names the checkpoint `--resume` continues
+    from; no traceback. The SIGINT goes to `uv run`, which passes it on: the launcher gets one,
+    as from a terminal's Ctrl-C (a terminal's, to the whole group: the next test)."""
+    run, log_path = tmp_path / "run", tmp_path / "log.txt"
+    argv = [*_cmd(app), "--preset", "tiny", "--ray-num-cpus", "2", *INTERRUPTED[app]]
+    argv += ["--output-dir", str(run)]
+    returncode = _ctrl_c(argv, log_path, lambda: _checkpoints(run), group=False)
     text = log_path.read_text()
     assert returncode == 130, text[-3000:]
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
@@ -338,9 +362,31 @@ def test_ctrl_c_stops_naming_the_checkpoint_to_resume_from(app: str, tmp_path: P
     assert f"interrupted: the step under way was abandoned; the last checkpoint {latest}" in last
     assert "(--resume continues from it)" in last, last
     assert not (run / "hf").exists()  # it stopped mid-way: no final weights
-    assert not _group_left(proc.pid), subprocess.run(
-        ["ps", "-o", "pid,args", "-g", str(proc.pid)], capture_output=True, text=True
-    ).stdout
+
+
+#: where a terminal's Ctrl-C lands: (app, the log line that says the phase is under way)
+CTRL_C_PHASES = {
+    "start-up": ("geo3k_sft", "geo3k_sft configuration:"),  # before Ray and the model
+    "trainer start": ("geo3k_sft", "placement plan:"),  # Ray up, the trainer rank building
+    "SFT warm-up": ("geo3k_grpo", "step 2 "),  # the GRPO preset's warm-up steps
+}
+
+
+@pytest.mark.parametrize("when", sorted(CTRL_C_PHASES))
+def test_ctrl_c_from_a_terminal_exits_130_in_each_phase(when: str, tmp_path: Path) -> None:
+    """A terminal's Ctrl-C signals the launcher's whole process group, and `uv run` without a
+    terminal passes on the SIGINT its group got: the launcher gets two. Whatever the phase:
+    exit 130, the interrupted line, no phase "failed", no traceback, no process left."""
+    app, under_way = CTRL_C_PHASES[when]
+    log_path = tmp_path / "log.txt"
+    argv = [*_cmd(app), "--preset", "tiny", "--ray-num-cpus", "2"]
+    argv += ["--output-dir", str(tmp_path / "run")]
+    returncode = _ctrl_c(argv, log_path, lambda: under_way in log_path.read_text(), group=True)
+    text = log_path.read_text()
+    assert returncode == 130, text[-3000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert " failed after " not in text, text[-3000:]
+    assert "interrupted" in text.strip().splitlines()[-1], text[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -537,9 +583,12 @@ def moe_runs(saved_moe: Path, tmp_path_factory) -> dict[str, Path]:
 def test_tiny_moe_grpo_from_a_saved_folder(moe_runs: dict[str, Path], backend: str) -> None:
     """Two GRPO steps from the folder (issue #35): both trainers load it, their weights reach
     the transformers engine (its decode step, not the legacy loop) in the checkpoint's layout.
-    2026-12-04, CPU: 27-45 s a run."""
+    2026-12-04, CPU: 27-45 s a run. Routing replay is on (`--routing-replay auto`, an MoE
+    model): the entry point turned it on for the engines and the trainers, and said so."""
     rows = _rows(moe_runs[backend])
     assert [r["step"] for r in rows] == [1, 2]
+    log = (moe_runs[backend].parent / f"{backend}.txt").read_text()
+    assert "routing replay: the trainer routes each token to the engine's experts" in log
     assert all(r["rollout_decode_steps"] > 0 for r in rows)
     assert all(r["time_sync_push_s"] > 0 for r in rows)
 
@@ -574,7 +623,7 @@ def test_a_cache_too_small_for_the_prompts_exits_1_before_any_update(tmp_path: P
     proc = subprocess.run(
         argv,
         cwd=ROOT,
-        env=_env() | {"COLUMNS": "5000"},  # one log record on one line
+        env=_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

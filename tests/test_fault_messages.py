@@ -12,19 +12,26 @@ import pytest
 
 import geo3k_grpo.main as grpo_app
 import geo3k_sft.main as sft_app
+import rl_runtime.grpo_app
+import rl_runtime.recipe
+import rl_runtime.sft_app
 from rl_runtime import WorkerDied
 from rl_runtime.faults import Interrupted
+
+#: The entry point each launcher's `main` runs: `run(cfg, recipe)`.
+ENTRY = {grpo_app: rl_runtime.grpo_app, sft_app: rl_runtime.sft_app}
 
 LINE = "trainer rank 1 died during train_step (ActorDiedError: ...); the last checkpoint is intact"
 
 
 @pytest.mark.parametrize("app", [grpo_app, sft_app], ids=["grpo", "sft"])
 def test_stopped_run_prints_one_line_and_exits_1(app, monkeypatch, caplog, tmp_path):
-    def run(cfg):
+    def run(cfg, recipe):
         raise WorkerDied(LINE, [1])
 
-    monkeypatch.setattr(app, "run", run)
-    monkeypatch.setattr(app, "setup_logging", lambda level: None)  # keep caplog's handler
+    monkeypatch.setattr(ENTRY[app], "run", run)
+    # the launcher's logging setup would replace caplog's handler
+    monkeypatch.setattr(rl_runtime.recipe, "setup_logging", lambda level: None)
     with caplog.at_level(logging.INFO), pytest.raises(SystemExit) as exit_:
         app.main(["--preset", "tiny", "--output-dir", str(tmp_path)])
     assert exit_.value.code == 1
@@ -57,8 +64,9 @@ def test_ctrl_c_prints_one_line_and_exits_130(app, run, monkeypatch, caplog, tmp
     """Ctrl-C: 130 as a shell gives, and one warning line (in a loop: what to resume from, also
     when a second Ctrl-C cuts the shutdown short; while starting or finishing: that it was
     interrupted), never a traceback."""
-    monkeypatch.setattr(app, "run", lambda cfg: run())
-    monkeypatch.setattr(app, "setup_logging", lambda level: None)  # keep caplog's handler
+    monkeypatch.setattr(ENTRY[app], "run", lambda cfg, recipe: run())
+    # the launcher's logging setup would replace caplog's handler
+    monkeypatch.setattr(rl_runtime.recipe, "setup_logging", lambda level: None)
     with caplog.at_level(logging.INFO), pytest.raises(SystemExit) as exit_:
         app.main(["--preset", "tiny", "--output-dir", str(tmp_path)])
     assert exit_.value.code == 130

@@ -12,13 +12,21 @@ from pathlib import Path
 
 import pytest
 
-from geo3k_grpo.config import colocation_plan, rollout_config
+from geo3k_grpo.main import RECIPE as GRPO
 from geo3k_grpo.main import parse as parse_grpo
 from geo3k_grpo.main import run as run_grpo
 from geo3k_sft.main import parse as parse_sft
 from rl_runtime import ConfigError, ParallelLayout, PreflightError, ResumeError, RunContext
+from rl_runtime.grpo_plan import compute_dtype, rollout_config
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def colocation_plan(cfg, fractions=()):
+    """The geo3k launcher's colocation plan (`rl_runtime.grpo_plan`, with its engines)."""
+    from rl_runtime.grpo_plan import colocation_plan
+
+    return colocation_plan(cfg, fractions, engines=GRPO.engines().launch)
 
 
 def test_recipe_defaults():
@@ -768,8 +776,6 @@ def test_the_logprob_gap_is_judged_by_the_coarsest_dtype(backend):
     in float32, but the engine holds the weights the trainer pushes in bfloat16 (the tiny
     preset's gap after step 1 is bfloat16-sized, docs/reliability.md). Its levels are settings,
     and 0 turns the stop off."""
-    from geo3k_grpo.config import compute_dtype
-
     cfg = parse_grpo(["--preset", "tiny", "--backend", backend], env={})
     assert compute_dtype(cfg, use_gpu=False) == "bfloat16"
     assert compute_dtype(cfg, use_gpu=True) == "bfloat16"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -48,6 +49,19 @@ def test_liftable_package_pins_no_exact_version(package: str) -> None:
 
 
 @pytest.mark.parametrize("package", LIFTABLE)
+def test_liftable_package_on_torch_declares_numpy_and_names_the_cpu_index(package: str) -> None:
+    """rl-algos' README example in a fresh venv pulled PyPI's torch with 2.5 GB of CUDA wheels
+    and printed torch's "Failed to initialize NumPy" (numpy was not declared)."""
+    names = {canonicalize_name(req.name) for req in _requirements(package)}
+    if "torch" not in names:
+        return
+    assert "numpy" in names, f"{package} takes torch but not numpy"
+    readme = (ROOT / "packages" / package / "README.md").read_text()
+    assert "--index-url https://download.pytorch.org/whl/cpu" in readme
+    assert f"uv pip install --torch-backend cpu ./packages/{package}" in readme
+
+
+@pytest.mark.parametrize("package", LIFTABLE)
 def test_liftable_package_needs_no_workspace_package(package: str) -> None:
     names = {canonicalize_name(req.name) for req in _requirements(package)}
     assert not names & WORKSPACE, f"{package} depends on {names & WORKSPACE}"
@@ -74,6 +88,13 @@ print(json.dumps({"torch": torch.__version__, "rewards": rewards.tolist(),
 """
 
 
+def _readme_examples(package: str) -> list[str]:
+    """The runnable ```python blocks of a package's README (not those marked no-run)."""
+    text = (ROOT / "packages" / package / "README.md").read_text()
+    blocks = re.findall(r"^(<!-- no-run[^\n]*\n)?```python\n(.*?)^```", text, re.M | re.S)
+    return [code for skip, code in blocks if not skip]
+
+
 def _run(cmd: list, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, **kwargs)
 
@@ -91,8 +112,10 @@ def _older_torch_wheel(pip: list, tmp: Path) -> str | None:
 
 @pytest.mark.slow
 def test_rl_algos_and_rewards_math_install_beside_an_older_torch(tmp_path: Path) -> None:
-    """A fresh venv holding torch 2.13.0 takes rl-algos and rewards-math without touching its
-    torch, and a reward, GRPO advantages and a GRPO loss's backward run there."""
+    """A fresh venv holding torch 2.13.0 (a CPU build, as PyTorch's CPU index serves it) takes
+    rl-algos and rewards-math without touching its torch, and a reward, GRPO advantages and a
+    GRPO loss's backward run there; so do the two READMEs' examples, as scripts, and print no
+    warning (rl-algos' printed torch's "Failed to initialize NumPy": numpy was undeclared)."""
     venv = tmp_path / "venv"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"  # as activated: uv-build
@@ -123,5 +146,12 @@ def test_rl_algos_and_rewards_math_install_beside_an_older_torch(tmp_path: Path)
         assert result["rewards"] == [1.0, 1.0, 0.0, 0.0]
         assert result["grad"]
         assert all(str(venv) in f for f in result["files"]), result["files"]  # not the checkout's
+        for package in ("rl-algos", "rewards-math"):
+            for i, code in enumerate(_readme_examples(package)):
+                script = tmp_path / f"{package}_{i}.py"
+                script.write_text(code)
+                out = _run([python, script], cwd=tmp_path, env=env)
+                assert out.returncode == 0, f"{package} README: {out.stderr[-3000:]}"
+                assert "Warning" not in out.stderr, f"{package} README: {out.stderr[-3000:]}"
     finally:
         shutil.rmtree(venv, ignore_errors=True)  # about 1 GB; pytest keeps its last 3 tmp folders

@@ -88,7 +88,7 @@ def test_both_backends_name_each_shared_setting_alike():
     """A flag a user learned on one backend sets the same setting on the other: every setting
     of one trainer section whose short name the other has too sits at the same dotted path
     (`--trainer.optim.lr` on both, never `--trainer.lr` on one of them)."""
-    from geo3k_grpo.config import parse
+    from geo3k_grpo.main import parse
     from rl_runtime.config_fields import leaves
 
     def trainer_settings(backend: str) -> dict[str | None, str]:
@@ -104,7 +104,7 @@ def test_both_backends_name_each_shared_setting_alike():
 
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 def test_dotted_optimizer_flags_set_the_same_setting_on_both_backends(backend):
-    from geo3k_grpo.config import parse
+    from geo3k_grpo.main import parse
     from rl_runtime import ConfigError
 
     cfg = parse(["--preset", "tiny", "--backend", backend, "--trainer.optim.lr", "0.001"], env={})
@@ -120,14 +120,15 @@ def _warmup_trainer(backend: str, monkeypatch) -> tuple[object, object]:
     """The trainer config geo3k_grpo's warm-up hands the SFT run (the run itself not started),
     and the parsed config, under a GRPO schedule of cosine with a warm-up and a floor."""
     import geo3k_grpo.main as app
-    import rl_runtime
+    import rl_runtime.sft
+    from rl_runtime.grpo_app import warm_up
 
     cfg = app.parse(["--preset", "tiny", "--backend", backend, *GRPO_SCHEDULE], env={})
     got = {}
-    # warm_up imports it from rl_runtime when it runs (the launcher parses before torch)
+    # warm_up imports it from rl_runtime.sft when it runs (the launcher parses before torch)
     fake = lambda w, *, trainer, **kw: got.setdefault("t", trainer)  # noqa: E731
-    monkeypatch.setattr(rl_runtime, "sft_warmup", fake, raising=False)
-    app.warm_up(cfg)
+    monkeypatch.setattr(rl_runtime.sft, "sft_warmup", fake)
+    warm_up(cfg, app.RECIPE)
     return got["t"], cfg
 
 
@@ -165,7 +166,7 @@ def test_the_sft_warmup_steps_at_its_constant_rate(monkeypatch):
 def test_a_floor_above_the_peak_is_refused_at_parse():
     """--min-lr above --lr (megatron-core's scheduler asserts it; FSDP's cosine would rise) is
     one line naming both flags, on either backend, before anything starts."""
-    from geo3k_sft.config import parse
+    from geo3k_sft.main import parse
     from rl_runtime import ConfigError
 
     for backend in ("fsdp", "megatron"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import io
 import json
 import os
@@ -30,6 +31,8 @@ DOCS = [
 ]
 LAUNCHERS = {"geo3k_grpo": "geo3k_grpo", "geo3k-grpo": "geo3k_grpo", "geo3k_sft": "geo3k_sft",
              "geo3k-sft": "geo3k_sft"}  # fmt: skip
+#: The example recipes (`examples/<name>/recipe.py`), launchers too: `RECIPE.parse`.
+EXAMPLES = {p.parent.name: p for p in sorted(ROOT.glob("examples/*/recipe.py"))}
 NO_RUN = re.compile(r"^\s*<!--\s*no-run:\s*(.+?)\s*-->\s*$")  # a line of its own
 
 
@@ -138,7 +141,15 @@ OTHER_TOOLS = {
 @cache
 def launcher_help(app: str) -> str:
     """`app`'s --help (nothing runs)."""
-    parse = importlib.import_module(f"{app}.config").parse
+    if app in EXAMPLES:
+        spec = importlib.util.spec_from_file_location(f"example_{app}", EXAMPLES[app])
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
+        parse = module.RECIPE.parse
+    else:
+        parse = importlib.import_module(f"{app}.main").parse
     help_text = io.StringIO()
     with contextlib.redirect_stdout(help_text), pytest.raises(SystemExit):
         parse(["--help"], env={})
@@ -176,7 +187,11 @@ def _flags(text: str) -> list[str]:
 
 
 def _launcher(text: str) -> str | None:
-    """The launcher a command line runs (`uv run apps/geo3k_grpo ...`, `geo3k-sft ...`)."""
+    """The launcher a command line runs (`uv run apps/geo3k_grpo ...`, `geo3k-sft ...`,
+    `uv run python examples/jsonl_math/recipe.py ...`)."""
+    example = re.search(r"examples/(\w+)/recipe\.py", text)
+    if example and example.group(1) in EXAMPLES:
+        return example.group(1)
     found = re.search(r"(?:apps/|^|\s)(geo3k[_-](?:grpo|sft))\b", text)
     return LAUNCHERS[found.group(1)] if found else None
 

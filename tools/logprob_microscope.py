@@ -61,7 +61,8 @@ def model_folder(args: argparse.Namespace) -> Path:
     real Qwen3-VL processor, as ``bench_grpo_e2e.py`` builds it)."""
     if args.model:
         return Path(args.model)
-    from bench_grpo_e2e import build_hf_folder, shared_dir
+    from bench_grpo_e2e import build_hf_folder
+    from harness import shared_dir
 
     overrides = dict(item.split("=", 1) for item in args.override)
     overrides = {k: _value(v) for k, v in overrides.items()}
@@ -85,7 +86,7 @@ def requests_for(args: argparse.Namespace, folder: Path, config: Any) -> list[An
         ]
         return [GenerateRequest(input_ids=h) for h in heads for _ in range(args.samples)]
     import pyarrow.parquet as pq
-    from bench_grpo_e2e import shared_dir
+    from harness import shared_dir
     from transformers import AutoProcessor
 
     from vlm_data.prompts import PromptBuilder

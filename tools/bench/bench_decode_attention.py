@@ -12,7 +12,7 @@ of the kernel's split count and tiles (``triton s=N`` / ``triton n=BLOCK_N w=WAR
 
 Reported per side: microseconds per call (one layer), GB/s over the bytes of the *live* K/V
 (what a step must read; the same numerator for every side, so GB/s ranks them), and that as a
-fraction of the HBM bandwidth measured in the same run (``roofline.measure_hbm_bandwidth``, a
+fraction of the HBM bandwidth measured in the same run (``harness.measure_hbm_bandwidth``, a
 4 GiB device copy); beside it the model's attention time per decode step (a call times its
 attention layers) and the largest difference from SDPA.
 
@@ -23,15 +23,13 @@ attention layers) and the largest difference from SDPA.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from roofline import measure_hbm_bandwidth
+from harness import describe, event_seconds, fraction, time_calls, write_json
 
 from rollout_sglang.hf import decode_attention as da
 
@@ -48,10 +46,7 @@ def time_graph(calls: list[Callable[[], Any]], iters: int) -> float:
     """Seconds per call: ``calls`` (one per cache layer) captured in one CUDA graph, replayed
     (on CPU, a smoke run under Triton's interpreter: the calls in turn, wall time)."""
     if not torch.cuda.is_available():
-        start = time.perf_counter()
-        for call in calls:
-            call()
-        return (time.perf_counter() - start) / len(calls)
+        return time_calls(lambda: [call() for call in calls]).total / len(calls)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up: builds kernels, picks SDPA's backend
@@ -63,13 +58,8 @@ def time_graph(calls: list[Callable[[], Any]], iters: int) -> float:
         for call in calls:
             call()
     graph.replay()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) / 1e3 / (iters * len(calls))
+    seconds = event_seconds(lambda: [graph.replay() for _ in range(iters)])
+    return seconds / (iters * len(calls))
 
 
 def bench_shape(
@@ -134,7 +124,7 @@ def bench_shape(
         row.update(
             us=seconds * 1e6,
             gb_s=gb_s,
-            hbm_fraction=gb_s / bandwidth if bandwidth else None,
+            hbm_fraction=fraction(gb_s, bandwidth),
             step_attention_ms=seconds * layers * 1e3,
             max_abs_diff=diff,
             splits=policy if side == "triton" else None,
@@ -172,9 +162,9 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cpu" and not da.interpreted():
         raise SystemExit("on cpu, run with TRITON_INTERPRET=1 (a smoke run: tiny shapes)")
-    bandwidth = measure_hbm_bandwidth(device)
-    gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"{gpu}: HBM {f'{bandwidth:.0f} GB/s measured (device copy)' if bandwidth else 'n/a'}")
+    chip = describe(device, hbm_gib=4.0)
+    bandwidth = chip.hbm_gb_s
+    print(chip)
     rows: list[dict[str, Any]] = []
     for name in args.shapes.split(","):
         for batch in (int(b) for b in args.batch_sizes.split(",")):
@@ -206,7 +196,7 @@ def main() -> None:
                 )
     result = {
         "bench": "bench_decode_attention",
-        "device": gpu,
+        "device": chip.name,
         "torch": torch.__version__,
         "hbm_gb_s": bandwidth,
         "kv_len": args.kv_len,
@@ -215,9 +205,7 @@ def main() -> None:
         "rows": rows,
     }
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.out}")
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -19,14 +19,11 @@ H200:         PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python tools/bench
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import logging
-import statistics
-import time
 from pathlib import Path
 
 import torch
+from harness import device_name, release, time_calls, write_json
 
 log = logging.getLogger("bench_flat_adamw")
 
@@ -88,51 +85,31 @@ def time_config(args, device: torch.device, flat: bool) -> dict:
         step_with_scaled_grads(optimizer, clip_coefficient(float(norm), cfg.max_grad_norm))
         masters.zero_grad()
 
-    times = []
-    for i in range(args.warmup + args.steps):
-        backward()
-        sync(device)
-        start = time.perf_counter()
-        step()
-        sync(device)
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
+    timing = time_calls(step, device, warmup=args.warmup, repeats=args.steps, before=backward)
     name = "ours" if flat else "baseline"
-    ms = 1e3 * statistics.median(times)
+    ms = 1e3 * timing.median
     log.info(
         "%-8s %.2f ms per optimizer step (%.1fM params)", name, ms, masters.num_trainable / 1e6
     )
-    out = {"step_ms": ms, "step_times_ms": [1e3 * t for t in times]}
-    return out
+    return {"step_ms": ms, "step_times_ms": [1e3 * t for t in timing.times]}
 
 
-def free(device: torch.device) -> dict:
-    """Peak memory of the configuration just timed, then its memory released."""
-    out = {}
-    gc.collect()
-    if device.type == "cuda":
-        out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    return out
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def measure(args, device: torch.device, flat: bool) -> dict:
+    """One configuration's times and, on CUDA, its peak memory (then released for the next)."""
+    out = time_config(args, device, flat)
+    peak = release(device)
+    return out if peak is None else out | {"peak_memory_gib": peak}
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args()
     device = torch.device(args.device)
-    baseline = time_config(args, device, flat=False)
-    baseline.update(free(device))
-    ours = time_config(args, device, flat=True)
-    ours.update(free(device))
+    baseline = measure(args, device, flat=False)
+    ours = measure(args, device, flat=True)
     ratio = baseline["step_ms"] / ours["step_ms"]
     result = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device": device_name(device),
         "torch": torch.__version__,
         "preset": args.preset,
         "baseline": baseline,
@@ -144,7 +121,7 @@ def main() -> None:
         f"speedup {ratio:.2f}x"
     )
     if args.out:
-        args.out.write_text(json.dumps(result, indent=2))
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ colocated, once per backend, in fresh processes. While each run goes, a thread s
 GPU's used memory (``nvidia-smi``, every process together: trainer, engine, Ray). Prints each
 backend's per-phase times (median over the steps after the first), the optimizer step's time
 (``perf/optimizer_s``), the train phase's MFU (6 x parameters x tokens / time / 989 TFLOP/s,
-the H200's dense bf16 peak), peak GPU memory and peak host memory (the resident set of the
+``harness.PEAK_BF16_FLOPS``), peak GPU memory and peak host memory (the resident set of the
 launcher's whole process tree: Ray, trainer, engine, sampled with psutil; pinned buffers
 count), and writes them as JSON.
 
@@ -44,8 +44,8 @@ import time
 from pathlib import Path
 from typing import Any, Self
 
-ROOT = Path(__file__).resolve().parents[2]
-PEAK_FLOPS = 989e12  # H200 dense bf16, as docs/performance.md counts MFU
+from harness import ROOT, device_name, mfu, shared_dir, write_json
+
 PHASES = ("rollout", "reward", "onload", "logprobs", "train", "sync")
 #: The sync phase's parts (colocated): the engine's memory back, the weights, the trainer's offload.
 SYNC_PARTS = ("sync_resume", "sync_push", "sync_offload")
@@ -58,10 +58,6 @@ GRPO_STEP = "perf/grpo_step_s"
 TRANSFER_KEYS = tuple(
     f"perf/{d}_{u}" for d in ("onload", "offload", "sync") for u in ("gb", "s", "gbps")
 )
-
-
-def shared_dir() -> Path:
-    return Path(os.environ.get("GLIMPSE_SHARED", ROOT.parent / "shared")).resolve()
 
 
 def build_hf_folder(
@@ -345,9 +341,7 @@ def run_backend(args: argparse.Namespace, backend: str, model: Path) -> dict[str
     params = model_params(model)
     if params and "train_tokens_per_s" in result:
         gpus = max(1, args.num_gpus)
-        result["train_mfu"] = round(
-            6 * params * result["train_tokens_per_s"] / gpus / PEAK_FLOPS, 4
-        )
+        result["train_mfu"] = round(mfu(6 * params * result["train_tokens_per_s"] / gpus), 4)
     result["first_step_s"] = round(rows[0][GRPO_STEP], 2) if rows else None
     first_row = seen.get("first_row")
     result["launch_to_first_step_s"] = round(first_row, 1) if first_row is not None else None
@@ -417,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     for backend in (b for b in args.backends.split(",") if b):
         results.append(run_backend(args, backend, model))
         if args.out:  # written after each backend, so a cut-short call keeps what finished
-            write_json(Path(args.out), args, results)
+            write_results(Path(args.out), args, results)
     header = f"{'backend':<9} {'rc':>3} {'steps':>5} {'step_s':>7} " + " ".join(
         f"{ph:>9}" for ph in PHASES
     )
@@ -458,7 +452,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"    {r['backend']} step {i}: {parts}")
 
 
-def write_json(path: Path, args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+def write_results(path: Path, args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
     meta = {
         "shape": args.shape,
         "layers": args.layers,
@@ -471,10 +465,10 @@ def write_json(path: Path, args: argparse.Namespace, results: list[dict[str, Any
 
         meta["torch"] = torch.__version__
         if torch.cuda.is_available():
-            meta["gpu"] = torch.cuda.get_device_name()
+            meta["gpu"] = device_name("cuda")
     except ImportError:
         pass
-    path.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    write_json(path, {"meta": meta, "results": results})
 
 
 if __name__ == "__main__":

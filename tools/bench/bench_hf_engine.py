@@ -49,24 +49,23 @@ decode steps).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
-import platform
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from roofline import (
-    decode_step_bytes,
-    format_table,
-    mean_live_tokens,
-    measure_hbm_bandwidth,
-    prefill_flops,
+from harness import (
+    PEAK_BF16_FLOPS,
+    describe,
+    peak_memory_gib,
+    reset_peak_memory,
     roofline,
+    shared_dir,
+    timed,
+    write_json,
 )
+from roofline import decode_step_bytes, format_table, mean_live_tokens, prefill_flops
 
 from rollout_sglang.hf.engine import ENGINE_MODEL_OPTIONS, HFEngine
 from rollout_sglang.types import GenerateRequest, SamplingParams
@@ -148,11 +147,6 @@ def geo3k_requests(
     return requests[:n]
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 # Engine settings a run can compare (--variants), on top of the engine's defaults.
 VARIANTS: dict[str, dict[str, Any]] = {
     "eager": {"cuda_graphs": False},
@@ -164,12 +158,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "graph-compile-matmul": {"compile": True, "decode_attention": "matmul"},
     "legacy": {"legacy_decode": True},  # the transformers loop: the engine's old decode
 }
-H200_BF16_TFLOPS = 989.0  # dense, no sparsity
 
 
 def processor_dir(args: argparse.Namespace) -> Path:
-    shared = Path(os.environ.get("GLIMPSE_SHARED", Path(__file__).parents[3] / "shared"))
-    return Path(args.processor or shared / "models" / "Qwen3-VL-4B-Instruct")
+    return Path(args.processor or shared_dir() / "models" / "Qwen3-VL-4B-Instruct")
 
 
 def bench_config(args: argparse.Namespace, preset: str) -> Any:
@@ -208,11 +200,7 @@ def limits(
 
 def run_ours(engine: HFEngine, requests, new_tokens: int, device) -> tuple[float, list]:
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
-    sync(device)
-    start = time.perf_counter()
-    out = engine.generate(requests, params)
-    sync(device)
-    elapsed = time.perf_counter() - start
+    elapsed, out = timed(lambda: engine.generate(requests, params), device)
     bad = [c.error for c in out if not c.ok or c.response_length != new_tokens]
     if bad:
         raise RuntimeError(f"HF engine: {len(bad)} incomplete completions, e.g. {bad[0]}")
@@ -254,20 +242,14 @@ def run_generate(model, requests, new_tokens: int, device) -> float:
         "mm_token_type_ids": torch.stack([r.mm_token_type_ids for r in requests]).to(device),
     }
     torch.manual_seed(0)
-    sync(device)
-    start = time.perf_counter()
-    out = model.generate(
-        **inputs,
-        do_sample=True,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,  # no early EOS, as ignore_eos on our side
-        pad_token_id=0,
+    sample = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
+    # min_new_tokens: no early EOS, as ignore_eos on our side
+    elapsed, out = timed(
+        lambda: model.generate(
+            **inputs, **sample, max_new_tokens=new_tokens, min_new_tokens=new_tokens
+        ),
+        device,
     )
-    sync(device)
-    elapsed = time.perf_counter() - start
     if out.shape[1] != requests[0].prompt_length + new_tokens:
         raise RuntimeError(f"model.generate returned {tuple(out.shape)}")
     return elapsed
@@ -346,8 +328,8 @@ def main() -> None:
         "--peak-tflops",
         type=float,
         default=None,
-        help=f"peak TFLOP/s for the prefill MFU (default {H200_BF16_TFLOPS:g} on cuda: H200 bf16 "
-        "dense; none on cpu)",
+        help=f"peak TFLOP/s for the prefill MFU (default {PEAK_BF16_FLOPS / 1e12:g} on cuda: "
+        "H100 / H200 bf16 dense; none on cpu)",
     )
     parser.add_argument(
         "--bandwidth-gib", type=float, default=4.0, help="buffer of the HBM bandwidth copy"
@@ -428,13 +410,11 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown --variants {unknown}: {', '.join(VARIANTS)}")
 
-    peak_tflops = args.peak_tflops or (H200_BF16_TFLOPS if gpu else None)
-    # before the model: the copy's buffers need twice --bandwidth-gib free
-    bandwidth = measure_hbm_bandwidth(device, gib=args.bandwidth_gib)
-    if bandwidth is None:
-        print("HBM bandwidth: not measured on cpu (bandwidth fractions n/a)", flush=True)
-    else:
-        print(f"HBM bandwidth: {bandwidth:.0f} GB/s measured (device copy)", flush=True)
+    # before the model: the bandwidth copy's buffers need twice --bandwidth-gib free
+    chip = describe(device, hbm_gib=args.bandwidth_gib)
+    print(chip, flush=True)
+    bandwidth = chip.hbm_gb_s
+    peak_tflops = args.peak_tflops or (chip.peak_flops and chip.peak_flops / 1e12)
 
     torch.manual_seed(0)
     config = bench_config(args, preset)
@@ -453,7 +433,7 @@ def main() -> None:
         return
     results: dict[str, Any] = {
         "bench": "bench_hf_engine",
-        "device": torch.cuda.get_device_name(device) if gpu else platform.processor() or "cpu",
+        "device": chip.name,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "preset": preset,
@@ -550,8 +530,8 @@ def main() -> None:
                     torch.cuda.empty_cache()
             row[variant] = ours
         if gpu:
-            row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-            torch.cuda.reset_peak_memory_stats(device)
+            row["peak_mem_gib"] = peak_memory_gib(device)
+            reset_peak_memory(device)
         results["runs"].append(row)
         if "generate" in row:
             g = row["generate"]
@@ -591,9 +571,7 @@ def main() -> None:
         print(format_table([{"batch": batch, **t} for t in table]), flush=True)
 
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"wrote {args.out}")
+        write_json(args.out, results)
 
 
 if __name__ == "__main__":

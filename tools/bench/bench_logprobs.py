@@ -15,23 +15,28 @@ the RSS after the inputs were created, so one run cannot inherit the other's pea
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+from harness import (
+    device_name,
+    emit,
+    in_fresh_process,
+    reset_peak_memory,
+    sync,
+    time_calls,
+    workspace_paths,
+    write_json,
+)
 
-try:
-    from rl_algos import logprobs_from_logits
-except ImportError:  # run from a checkout without the workspace installed
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "packages" / "rl-algos" / "src"))
-    from rl_algos import logprobs_from_logits
+sys.path.extend(workspace_paths())  # a checkout without the workspace installed
+from rl_algos import logprobs_from_logits
 
 
 def baseline_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -60,22 +65,6 @@ def run_once(impl: str, logits, labels, weights, args) -> None:
     logits.grad = None
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -86,32 +75,19 @@ def measure(impl: str, args) -> dict:
     # Pay one-time start-up costs (thread pools, kernels) on a tiny input, outside the figures.
     run_once(impl, *make_inputs(4, 64, args.device), args)
     logits, labels, weights = make_inputs(args.tokens, args.vocab, args.device)
-    _sync(args.device)
     for _ in range(args.warmup):
         run_once(impl, logits, labels, weights, args)
-    _sync(args.device)
-    if args.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        base = _rss_bytes()
-    times = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        run_once(impl, logits, labels, weights, args)
-        _sync(args.device)
-        times.append(time.perf_counter() - start)
+    sync(args.device)
+    reset_peak_memory(args.device)
+    base = torch.cuda.memory_allocated() if args.device == "cuda" else _rss_bytes()
+    timing = time_calls(
+        lambda: run_once(impl, logits, labels, weights, args), args.device, repeats=args.repeats
+    )
     if args.device == "cuda":
         peak = torch.cuda.max_memory_allocated() - base
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    return {"impl": impl, "peak_extra_bytes": max(int(peak), 0), "time_s": sum(times) / len(times)}
-
-
-def measure_in_subprocess(impl: str, argv: list[str]) -> dict:
-    cmd = [sys.executable, __file__, *argv, "--worker", impl]
-    done = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return {"impl": impl, "peak_extra_bytes": max(int(peak), 0), "time_s": timing.mean}
 
 
 def parity_check(args) -> float:
@@ -145,15 +121,17 @@ def main() -> None:
         args.warmup = 2 if args.device == "cuda" else 0
 
     if args.worker:  # one measurement in a fresh process (CPU peak RSS)
-        print(json.dumps(measure(args.worker, args)))
+        emit(measure(args.worker, args))
         return
 
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda but torch.cuda.is_available() is False")
     max_diff = parity_check(args)
     if args.device == "cpu":
-        argv = sys.argv[1:]
-        results = {impl: measure_in_subprocess(impl, argv) for impl in ("baseline", "ours")}
+        results = {
+            impl: in_fresh_process(__file__, [*sys.argv[1:], "--worker", impl])
+            for impl in ("baseline", "ours")
+        }
     else:
         results = {impl: measure(impl, args) for impl in ("baseline", "ours")}
         torch.cuda.empty_cache()
@@ -180,11 +158,10 @@ def main() -> None:
     )
 
     if args.out:
-        device_name = torch.cuda.get_device_name() if args.device == "cuda" else _cpu_name()
         record = {
             "bench": "logprobs_from_logits",
             "device": args.device,
-            "device_name": device_name,
+            "device_name": device_name(args.device),
             "cpu_count": os.cpu_count(),
             "torch": torch.__version__,
             "python": platform.python_version(),
@@ -201,8 +178,7 @@ def main() -> None:
             "time_ratio": time_ratio,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(record, indent=2) + "\n")
+        write_json(args.out, record)
 
 
 if __name__ == "__main__":

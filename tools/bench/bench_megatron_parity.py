@@ -20,12 +20,11 @@ H200 (2B, bfloat16):   PYTHONPATH=$(ls -d packages/*/src | paste -sd:) \\
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import time
 from pathlib import Path
 
 import torch
+from harness import fill_unset, time_calls, write_json
 
 log = logging.getLogger("bench_megatron_parity")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -44,7 +43,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="JSON result path")
     args = p.parse_args()
     cuda = args.device.startswith("cuda")
-    defaults = dict(
+    fill_unset(
+        args,
         preset="qwen3-vl-2b" if cuda else "qwen3-vl-tiny",
         dtype="bfloat16" if cuda else "float32",
         batch=4 if cuda else 2,
@@ -52,9 +52,6 @@ def parse_args() -> argparse.Namespace:
         image_size=512 if cuda else 64,
         repeats=5 if cuda else 1,
     )
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
     return args
 
 
@@ -79,15 +76,9 @@ def synthetic_batch(config, batch: int, seq_len: int, image_size: int, device, s
 
 
 def timed(fn, repeats: int, device: str) -> tuple[torch.Tensor, float]:
-    out = fn()  # warm-up
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        out = fn()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return out, (time.perf_counter() - start) / repeats
+    """The output of a warm-up call, and the mean seconds of ``repeats`` more."""
+    out = fn()
+    return out, time_calls(fn, device, repeats=repeats).mean
 
 
 def main() -> None:
@@ -163,8 +154,7 @@ def main() -> None:
         f"{t_ours * 1e3:.1f} ms, ratio {result['speed_ratio_hf_over_megatron']:.2f}"
     )
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -23,36 +23,19 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import platform
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench_grpo_e2e import build_hf_folder
+from harness import copy_bandwidth_gb_s, device_name, shared_dir, write_json
+
 #: host memory traffic per parameter, reads and writes: the checkpoint read (2, bf16), the
 #: float32 masters written (4), the bf16 compute weights and zeroed gradient written (2 + 2);
 #: widened first, the float32 model is also written (4) and read again by the masters (4, in
 #: place of the 2-byte read)
 BYTES_PER_PARAM = {"as_stored": 2 + 4 + 2 + 2, "widened": 2 + 4 + 4 + 4 + 2 + 2}
-
-
-def copy_rate_gb_s(gib: int = 2, repeats: int = 3) -> float:
-    """A large host copy's rate, read and write bytes counted: what the traffic is held to."""
-    import torch
-
-    src = torch.ones(gib << 28, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * src.numel() * 4 / best / 1e9
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def _one(folder: str, narrow: bool, device: str, host_fraction: float, queue) -> None:
@@ -102,8 +85,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
-    from bench_grpo_e2e import build_hf_folder, shared_dir
-
     name = f"model_{args.shape}" + (f"_{args.layers}l" if args.layers else "")
     tokenizer = shared_dir() / "models" / "Qwen3-VL-4B-Instruct"
     folder = build_hf_folder(args.shape, tokenizer, args.work_dir / name, 0, args.layers)
@@ -112,7 +93,7 @@ def main() -> None:
         for key, narrow in (("widened", False), ("as_stored", True)):
             runs[key].append(run(folder, narrow, args.device, args.host_fraction))
             print(key, json.dumps(runs[key][-1]), flush=True)
-    rate = copy_rate_gb_s()
+    rate = copy_bandwidth_gb_s("cpu", gib=2, repeats=3)  # what host traffic is held to
     median = {
         key: {m: statistics.median(r[m] for r in rows) for m in rows[0]}
         for key, rows in runs.items()
@@ -133,21 +114,17 @@ def main() -> None:
         f"as stored {ratio:.2f}x the widened load"
     )
     if args.out:
-        args.out.write_text(
-            json.dumps(
-                {
-                    "shape": name,
-                    "device": args.device,
-                    "host": platform.processor() or platform.machine(),
-                    "host_fraction": args.host_fraction,
-                    "host_copy_gb_s": rate,
-                    "runs": runs,
-                    "median": median,
-                    "ratio": ratio,
-                },
-                indent=1,
-            )
-        )
+        record = {
+            "shape": name,
+            "device": args.device,
+            "host": device_name("cpu"),
+            "host_fraction": args.host_fraction,
+            "host_copy_gb_s": rate,
+            "runs": runs,
+            "median": median,
+            "ratio": ratio,
+        }
+        write_json(args.out, record)
 
 
 if __name__ == "__main__":

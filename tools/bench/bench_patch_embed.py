@@ -19,22 +19,16 @@ finishes in seconds; pass the flags to override.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from harness import device_name, time_calls, workspace_paths, write_json
 
-try:
-    import vlm_models
-except ImportError:  # run from a checkout without the workspace installed
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "packages" / "vlm-models" / "src"))
-    import vlm_models
-
+sys.path.extend(workspace_paths())  # a checkout without the workspace installed
+import vlm_models
 from vlm_models.classes import select_classes
 from vlm_models.patch_embed import Conv3dPatchEmbed, LinearPatchEmbed
 from vlm_models.presets import preset_config
@@ -42,23 +36,9 @@ from vlm_models.presets import preset_config
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
     """Median wall time of ``fn`` in milliseconds (synchronised on CUDA)."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return 1e3 * time_calls(fn, device, warmup=warmup, repeats=iters).median
 
 
 def bench_pair(
@@ -185,7 +165,7 @@ def environment(device: torch.device) -> dict:
         "cpu_threads": torch.get_num_threads(),
     }
     if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
+        env["gpu"] = device_name(device)
         env["cudnn"] = torch.backends.cudnn.version()
         env["cuda"] = torch.version.cuda
     return env
@@ -229,9 +209,7 @@ def main() -> None:
     if not args.skip_tower:
         results["vision_tower"] = bench_vision_tower(args, device, dtype)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2))
-        print(f"wrote {args.out}")
+        write_json(args.out, results)
 
 
 if __name__ == "__main__":

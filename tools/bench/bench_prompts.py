@@ -17,21 +17,16 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
+from harness import shared_dir, time_rounds, write_json
 from PIL import Image
 
 from vlm_data.processor import build_processor
 from vlm_data.prompts import PromptBuilder
-
-ROOT = Path(__file__).resolve().parents[2]
-SHARED = ROOT.parent / "shared"
 
 
 def read_rows(path: Path, limit: int) -> list[dict]:
@@ -64,24 +59,11 @@ def ours(processor, rows: list[dict], device: str | None, workers: int = 0) -> i
     return built
 
 
-def timed_rounds(variants: dict, repeats: int, sync: bool) -> dict[str, float]:
-    """Median seconds per variant; the variants take turns in every round, so a burst of load
-    from other jobs on a shared machine hits them alike instead of one of them."""
-    seconds: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(repeats):
-        for name, run in variants.items():
-            start = time.perf_counter()
-            run()
-            if sync:
-                torch.cuda.synchronize()
-            seconds[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in seconds.items()}
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", type=Path, default=SHARED / "data/geo3k/validation.parquet")
-    parser.add_argument("--model", type=Path, default=SHARED / "models/Qwen3-VL-4B-Instruct")
+    shared = shared_dir()
+    parser.add_argument("--data", type=Path, default=shared / "data/geo3k/validation.parquet")
+    parser.add_argument("--model", type=Path, default=shared / "models/Qwen3-VL-4B-Instruct")
     parser.add_argument("--rows", type=int, default=0, help="rows to use (0: all)")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes of each (median)")
     parser.add_argument("--device", default="cpu", help="where images are processed: cpu | cuda")
@@ -102,14 +84,14 @@ def main() -> int:
     # Warm-up (template compilation, kernel caches), then the timed passes.
     baseline(processor, rows[:4], device)
     ours(processor, rows[:4], device)
-    sync = device is not None and device.startswith("cuda")
     variants = {
         "baseline": lambda: baseline(processor, rows, device),
         "ours": lambda: ours(processor, rows, device),
     }
     if args.workers > 0 and device is None:  # CUDA image processing stays in the main process
         variants["workers"] = lambda: ours(processor, rows, device, args.workers)
-    times = timed_rounds(variants, args.repeats, sync)
+    # the variants take turns in every round; the median of each
+    times = {k: t.median for k, t in time_rounds(variants, device, args.repeats).items()}
     t_base, t_ours, t_workers = times["baseline"], times["ours"], times.get("workers")
     result = {
         "benchmark": "prompt building (geo3k)",
@@ -136,8 +118,7 @@ def main() -> int:
             f" rows/s, ratio {result['speedup_workers']:.2f}x"
         )
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+        write_json(args.out, result)
     return 0
 
 

@@ -30,7 +30,6 @@ H200 (about 2 minutes):
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import socket
@@ -39,9 +38,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from harness import (
+    fill_unset,
+    peak_memory_gib,
+    reset_peak_memory,
+    sync,
+    time_steps,
+    write_json,
+)
 
 log = logging.getLogger("bench_qwen35_megatron")
-GiB = 1 << 30
 
 
 def parse_args() -> argparse.Namespace:
@@ -63,7 +69,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="JSON result path")
     args = p.parse_args()
     big = not args.tiny
-    defaults = dict(
+    fill_unset(
+        args,
         samples=16 if big else 4,
         prompt_len=400 if big else 48,
         response_len=1024 if big else 16,
@@ -71,9 +78,6 @@ def parse_args() -> argparse.Namespace:
         max_tokens_per_gpu=8192 if big else 256,
         steps=3 if big else 1,
     )
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
     if args.layers < 4:
         p.error("--layers must be >= 4 (the fourth layer is the first full-attention one)")
     return args
@@ -144,29 +148,22 @@ def set_path(module: torch.nn.Module, path: str) -> int:
     return len(layers)
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def timed_steps(actor: Any, batch: Any, steps: int, device: str) -> dict[str, float]:
     """One warm-up GRPO step, then ``steps`` timed: tokens/s, seconds per step, peak memory."""
     tokens = sum(batch.lengths)
     actor.train_step(batch, loss="grpo")
-    _sync(device)
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
+    sync(device)
+    reset_peak_memory(device)
     metrics: dict[str, float] = {}
-    for _ in range(steps):
-        metrics = actor.train_step(batch, loss="grpo")
-    _sync(device)
-    seconds = (time.perf_counter() - start) / steps
-    peak = torch.cuda.max_memory_allocated() / GiB if device == "cuda" else None
+
+    def step() -> None:
+        metrics.update(actor.train_step(batch, loss="grpo"))
+
+    seconds = time_steps(step, device, steps=steps).mean
     return {
         "tokens_per_s": tokens / seconds,
         "step_s": seconds,
-        "peak_memory_gib": peak,
+        "peak_memory_gib": peak_memory_gib(device),
         "num_micro_batches": metrics.get("num_micro_batches"),
         "grad_norm": metrics.get("grad_norm"),
     }
@@ -307,8 +304,7 @@ def main() -> None:
             )
     print("\n".join(lines))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ reported, since a fast scorer that disagrees is no use.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -25,8 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "packages" / "rewards-math" / "src"))
+from harness import Timing, shared_dir, workspace_paths, write_json
+
+sys.path.extend(workspace_paths())  # a checkout without the workspace installed
 
 FILLER = [
     "Let the unknown side be $x$. ",
@@ -113,24 +113,22 @@ def run_ours(items, cold: bool):
 
 
 def summary(times: list[float]) -> dict:
-    total = sum(times)
-    ordered = sorted(times)
+    t = Timing.of(times)
     return {
-        "responses_per_s": len(times) / total,
-        "mean_ms": 1e3 * statistics.fmean(times),
-        "p50_ms": 1e3 * ordered[len(ordered) // 2],
-        "p99_ms": 1e3 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
-        "max_ms": 1e3 * ordered[-1],
+        "responses_per_s": len(t.times) / t.total,
+        "mean_ms": 1e3 * t.mean,
+        "p50_ms": 1e3 * t.percentile(0.5),
+        "p99_ms": 1e3 * t.percentile(0.99),
+        "max_ms": 1e3 * t.max,
     }
 
 
 def main() -> None:
-    shared = Path(os.environ.get("GLIMPSE_SHARED", ROOT.parent / "shared"))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--data",
         type=Path,
-        default=shared / "data" / "geo3k" / "validation.parquet",
+        default=shared_dir() / "data" / "geo3k" / "validation.parquet",
         help="Geometry3K parquet with answer and choices columns",
     )
     parser.add_argument("--n", type=int, default=600, help="number of responses")
@@ -209,7 +207,7 @@ def main() -> None:
             f"baseline {row['baseline_mean_ms']:6.2f} ms"
         )
     if args.out:
-        args.out.write_text(json.dumps(result, indent=2))
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

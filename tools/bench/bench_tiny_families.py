@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_grpo_e2e import build_hf_folder, model_params, run_backend, shared_dir
+from bench_grpo_e2e import build_hf_folder, model_params, run_backend
+from harness import shared_dir, write_json
 
 SLOW, DENSE = "qwen3.5-tiny", "qwen3-vl-tiny"
 #: the step's phases (`rl_runtime.loop`), then the engine's split of the rollout
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     slow = [r["phase"] for r in table if r["slow"]]
     print(f"slow phases: {', '.join(slow)}" if slow else f"no phase past {args.limit:g}x")
     if args.out:
-        Path(args.out).write_text(json.dumps({"table": table, "runs": raw}, indent=2))
+        write_json(args.out, {"table": table, "runs": raw})
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import logging
 import platform
 import statistics
@@ -29,9 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_grpo_e2e import build_hf_folder, shared_dir
+from bench_grpo_e2e import build_hf_folder
+from harness import device_name, shared_dir, write_json
 
 logger = logging.getLogger("bench_weight_sync")
 
@@ -221,8 +219,8 @@ def main(argv: list[str] | None = None) -> None:
             "argv": sys.argv,
         }
         if torch.cuda.is_available():
-            meta["gpu"] = torch.cuda.get_device_name()
-        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+            meta["gpu"] = device_name("cuda")
+        write_json(args.out, {"meta": meta, "results": results})
     ray.shutdown()
 
 

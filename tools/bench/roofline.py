@@ -1,10 +1,12 @@
-"""The physical limits a rollout benchmark is measured against, for ``bench_hf_engine.py``.
+"""What a rollout must move and compute, for ``bench_hf_engine.py``'s roofline.
 
 A speed-up over ``model.generate`` says little on its own (the baseline is host-bound and moves
 from day to day), so the bench also reports how far each decode step is from the memory
 bandwidth it needs and how far the prefill is from the chip's peak FLOPs. The byte and FLOP
-counts come from the model config alone (no model needed), following `vlm_models.flops`'
-conventions; norms, biases and rotary tables (well under 0.1% of the bytes) are left out.
+counts here come from the model config alone (no model needed), following `vlm_models.flops`'
+conventions; norms, biases and rotary tables (well under 0.1% of the bytes) are left out. The
+limits they are held to (the bandwidth measured in the run, the peak) and the fractions
+(``harness.roofline``) are in ``harness.py``; :func:`format_table` prints them.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import torch
 from transformers import PretrainedConfig
 
 from vlm_models.flops import lm_matmul_params, vision_flops
@@ -131,52 +132,6 @@ def prefill_flops(
     return total
 
 
-def measure_hbm_bandwidth(device: torch.device, gib: float = 4.0, repeats: int = 5) -> float | None:
-    """Device-memory bandwidth in GB/s (1e9 bytes) measured now, on this chip: the best of
-    ``repeats`` copies of a ``gib`` GiB buffer (each reads and writes it), timed by CUDA events.
-    The best, so a step's fraction of it is never flattered by a slow measurement. None off
-    CUDA (a host copy measures caches and NUMA, not the memory a CPU decode step streams)."""
-    if device.type != "cuda":
-        return None
-    n = int(gib * 2**30)
-    src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # warm
-    best = float("inf")
-    for _ in range(repeats):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        best = min(best, begin.elapsed_time(end) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * n / best / 1e9
-
-
-def roofline(
-    step_bytes: float,
-    step_s: float | None,
-    bandwidth_gb_s: float | None,
-    flops: float,
-    prefill_s: float | None,
-    peak_tflops: float | None,
-) -> dict[str, Any]:
-    """One side's distance to the limits: achieved GB/s of a decode step and its fraction of
-    the measured bandwidth; prefill TFLOP/s and MFU (None where a time or a limit is missing)."""
-    gb_s = step_bytes / step_s / 1e9 if step_s else None
-    tflops = flops / prefill_s / 1e12 if prefill_s else None
-    return {
-        "step_gb": step_bytes / 1e9,
-        "gb_s": gb_s,
-        "bw_frac": gb_s / bandwidth_gb_s if gb_s and bandwidth_gb_s else None,
-        "prefill_tflop": flops / 1e12,
-        "prefill_tflops": tflops,
-        "mfu": tflops / peak_tflops if tflops and peak_tflops else None,
-    }
-
-
 def _cell(value: float | None, fmt: str) -> str:
     return "n/a" if value is None else format(value, fmt)
 
@@ -184,7 +139,7 @@ def _cell(value: float | None, fmt: str) -> str:
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """The roofline columns, one line per (batch, side): ``rows`` hold ``batch``, ``side``,
     ``step_ms`` (wall), ``device_ms`` (None where unknown), ``time`` (which of the two the
-    bandwidth figures use) and a :func:`roofline` dict under ``roof``."""
+    bandwidth figures use) and a ``harness.roofline`` dict under ``roof``."""
     head = (
         f"{'batch':>5} {'side':<20} {'ms/step':>8} {'dev ms':>7} {'GB/step':>8} "
         f"{'GB/s':>8} {'%BW':>6} {'time':>6} {'pf TFLOP/s':>10} {'MFU':>6}"

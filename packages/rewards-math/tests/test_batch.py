@@ -1,6 +1,8 @@
 """score_batch / BatchScorer: in-process for small batches, worker processes for large ones, and
 the scorer is usable from threads (where math-verify's signal-based timeouts would raise)."""
 
+import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,14 +36,21 @@ def test_small_batch_in_process():
     assert score_batch(responses, answers) == expected
 
 
-def test_large_batch_in_worker_processes():
-    """One pool start only (spawned workers import sympy: seconds on a small machine)."""
+def test_large_batch_in_worker_processes(capfd):
+    """One pool start only (spawned workers import sympy: seconds on a small machine). Ctrl-C
+    is the parent's to handle: a terminal sends SIGINT to the whole foreground group, workers
+    included, which died each with a KeyboardInterrupt traceback."""
     responses, answers, expected = _expected(4)
     with BatchScorer("math", num_workers=2, min_pool_batch=8) as scorer:
         assert scorer(responses, answers) == expected
         assert scorer._pool is not None  # it really went through worker processes
+        workers = [w.pid for w in scorer._pool._pool]
+        for pid in workers:
+            os.kill(pid, signal.SIGINT)
         assert scorer(responses[:8], answers[:8]) == expected[:8]  # the pool is reused
+        assert [w.pid for w in scorer._pool._pool] == workers  # the same workers
     assert scorer._pool is None
+    assert "KeyboardInterrupt" not in capfd.readouterr().err
 
 
 def test_length_mismatch_is_an_error():

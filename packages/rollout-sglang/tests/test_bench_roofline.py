@@ -1,5 +1,6 @@
 """The byte and FLOP counts of ``tools/bench/roofline.py`` against hand-computed values for tiny
-configs (vocabulary cut to 1000 so the sums stay readable), and against built models' weights."""
+configs (vocabulary cut to 1000 so the sums stay readable), and against built models' weights.
+The fractions of the limits (``harness.roofline``) and the table: ``tests/test_bench_harness.py``."""
 
 from __future__ import annotations
 
@@ -106,15 +107,3 @@ def test_weights_match_built_model(preset: str) -> None:
     batch = 10_000  # routing hits every expert
     counted = roofline.decode_weight_params(config, batch) - batch * config.text_config.hidden_size
     assert counted == pytest.approx(matrices)
-
-
-def test_roofline_and_table() -> None:
-    roof = roofline.roofline(2e9, 1e-3, 4000.0, 5e12, 0.01, 989.0)
-    assert roof["gb_s"] == pytest.approx(2000.0)
-    assert roof["bw_frac"] == pytest.approx(0.5)
-    assert roof["mfu"] == pytest.approx(500 / 989)
-    cpu = roofline.roofline(2e9, 1e-3, None, 5e12, 0.01, None)
-    assert cpu["bw_frac"] is None and cpu["mfu"] is None
-    row = {"batch": 2, "side": "eager", "step_ms": 1.0, "device_ms": None, "time": "wall"}
-    table = roofline.format_table([{**row, "roof": cpu}])
-    assert "n/a" in table and "%BW" in table

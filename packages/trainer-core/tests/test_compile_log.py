@@ -46,3 +46,59 @@ def test_each_compile_logs_the_region_and_its_seconds(caplog):
     here = r"\(test_compile_log\.py:\d+\)"
     assert re.fullmatch(rf"torch\.compile: Block\.forward {here} compiled in [\d.]+ s", lines[0])
     assert re.fullmatch(rf"torch\.compile: _scale {here} compiled in [\d.]+ s", lines[1])
+
+
+# Triton's autotuner on a CPU: a jitted kernel whose launch does nothing, timed by a stand-in
+# benchmark, as fla's kernels are tuned on a GPU (its CachedAutotuner runs Triton's autotuner).
+AUTOTUNE = """
+import logging, sys
+import triton
+from triton.runtime.autotuner import Autotuner
+from trainer_core.compile_log import log_compiles
+
+logging.basicConfig(level=logging.INFO, format="LOG %(name)s %(message)s", stream=sys.stdout)
+log_compiles(triton_autotune=True)  # as the trainers and the engine do on a GPU
+
+def kernel(x, T):
+    pass
+
+configs = [
+    triton.Config({"BT": bt, "BK": bk}, num_warps=w, num_stages=s)
+    for bt in (16, 32, 64, 128, 256) for bk in (32, 64, 128, 256, 512, 1024, 2048) for (w, s) in [(4, 2)]
+]
+for name in ("chunk_fwd_kernel_h", "chunk_bwd_kernel_dv", "fused_recurrent_fwd_kernel",
+             "l2norm_fwd_kernel", "chunk_local_cumsum_kernel"):
+    kernel.__name__ = kernel.__qualname__ = name
+    jitted = triton.jit(kernel)
+    jitted.run = lambda *args, **kwargs: None
+    tuner = Autotuner(jitted, ["x", "T"], configs, key=["T"], reset_to_zero=None,
+                      restore_value=None, do_bench=lambda call, quantiles: (call(), [1.0] * 3)[1])
+    tuner.run(None, 4096)
+    tuner.run(None, 4096)  # the same key again: tuned already, nothing to say
+"""
+
+
+@pytest.mark.slow  # a fresh process that imports torch and triton: about 10 s of CPU
+def test_a_triton_autotune_is_one_line_naming_the_kernel_and_its_seconds(tmp_path):
+    """Before: Triton's own print, one line per config timed and four for the result: 195
+    lines for these five kernels of 35 configs (175 in one GPU run of fla's kernels)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_PRINT_AUTOTUNING"}
+    script = tmp_path / "autotune.py"  # a file: triton.jit reads the kernel's source
+    script.write_text(AUTOTUNE)
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert len(lines) == 5, lines[:10]
+    for line, name in zip(lines, ("chunk_fwd_kernel_h", "chunk_bwd_kernel_dv"), strict=False):
+        assert re.fullmatch(
+            rf"LOG glimpse\.progress Triton autotune: {name} \(key \(4096,\)\) timed 35 "
+            r"config\(s\) in [\d.]+ s, chose BT: 16, BK: 32, num_warps: 4, .*",
+            line,
+        ), line

@@ -1,5 +1,6 @@
-"""geo3k_sft's configuration: the packages' own configs as one tree, the recipe's values and
-the presets. Nothing is declared here a second time: each setting is its package's field.
+"""geo3k_sft's configuration: the packages' own configs as one tree (`SftConfig`'s sections
+with this app's trainers), the recipe's values and the presets. Nothing is declared here a
+second time: each setting is its package's field.
 
 Every setting has a dotted flag (`--trainer.optim.lr`, `--sft.sft-num-steps`) and a short one
 (`--lr`, `--sft-num-steps`); `--backend` picks the trainer section. The environment names
@@ -9,32 +10,15 @@ Every setting has a dotted flag (`--trainer.optim.lr`, `--sft.sft-num-steps`) an
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import trainers_fsdp.build
 import trainers_megatron.build
-from rl_runtime import (
-    ActorClass,
-    ClusterConfig,
-    ParallelConfig,
-    RunConfig,
-    SftLoopConfig,
-    TrainerConfig,
-    check_parallel,
-    choice,
-    layout,
-    layout_report,
-    parse_config,
-    recipe_env_aliases,
-    section,
-)
+from rl_runtime import ActorClass, choice, recipe_env_aliases
+from rl_runtime.sft_app import SftConfig
 from trainers_fsdp import FsdpConfig
 from trainers_megatron import MegatronConfig
-from vlm_data import DataConfig
-from vlm_models import ModelConfig
 
 DESCRIPTION = """Supervised fine-tuning on Geometry3K-style rows, `uv run apps/geo3k_sft`.
 The assistant reply is the recipe's `Answer: \\boxed{<answer>}` (or the row's own `messages`);
@@ -51,29 +35,15 @@ ACTORS: dict[str, ActorClass] = {
 ENV_ALIASES = recipe_env_aliases("GEO3K")
 
 
-def other_trainers(backend: str) -> list[TrainerConfig]:
-    """The backends not picked, in their defaults: where a layout refusal looks for a layout
-    that fits."""
-    return [config() for name, config in TRAINERS.items() if name != backend]
-
-
 @dataclass
-class Geo3kSftConfig:
-    run: RunConfig = section(RunConfig)
-    cluster: ClusterConfig = section(ClusterConfig)
-    parallel: ParallelConfig = section(ParallelConfig)
-    model: ModelConfig = section(ModelConfig)
-    data: DataConfig = section(DataConfig)
-    trainer: MegatronConfig | FsdpConfig = choice(TRAINERS, by="backend")
-    sft: SftLoopConfig = section(SftLoopConfig)
+class Geo3kSftConfig(SftConfig):
+    """`SftConfig`'s sections, with this app's trainers."""
 
-    def check(self) -> None:
-        self.run = self.run.with_wandb_names(self.model.model_name)  # shown by --print-config
-        check_parallel(self.trainer, self.parallel, self.cluster, with_engines=False)
+    trainer: MegatronConfig | FsdpConfig = choice(TRAINERS, by="backend")
 
 
 #: The recipe's values where a package's default is not the recipe's (the rest are).
-RECIPE: dict[str, Any] = {
+DEFAULTS: dict[str, Any] = {
     "backend": "megatron",
     "output_dir": "runs/geo3k_sft",
     "wandb_project": "glimpse-geo3k-sft",
@@ -108,41 +78,3 @@ PRESETS: dict[str, dict[str, Any]] = {
         "sft_save_interval": 12,
     },
 }
-
-
-def print_layout(cfg: Geo3kSftConfig) -> dict[str, Any]:
-    """`--print-config`'s training layout and its memory estimate (no engines)."""
-    from vlm_models.sources import shape_of  # transformers: only when asked
-
-    report = layout_report(
-        cfg.parallel,
-        cfg.cluster,
-        backend=cfg.run.backend,
-        trainer=cfg.trainer,
-        others=other_trainers(cfg.run.backend),
-        shape=shape_of(cfg.model, load=cfg.run.load) if cfg.cluster.use_gpu else None,
-        model_name=cfg.model.model_name,
-        with_engines=False,
-    )
-    if cfg.cluster.ray_to_join is None:  # where each actor goes: only on a cluster
-        return {"layout": report}
-    from rl_runtime import placement_preview  # Ray
-
-    lay = layout(cfg.cluster, with_engines=False)
-    return {"layout": report, "placement": placement_preview(cfg.cluster, lay)}
-
-
-def parse(
-    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
-) -> Geo3kSftConfig:
-    return parse_config(
-        Geo3kSftConfig,
-        argv,
-        env=os.environ if env is None else env,
-        env_aliases=ENV_ALIASES,
-        presets=PRESETS,
-        defaults=RECIPE,
-        description=DESCRIPTION,
-        prog="geo3k_sft",
-        print_extra=print_layout,
-    )

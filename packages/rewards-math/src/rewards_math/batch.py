@@ -61,7 +61,10 @@ def _score_pairs(
 
 
 def _warm_up() -> None:
-    """Import sympy and math-verify in each worker before the first batch arrives."""
+    """Import sympy and math-verify in each worker before the first batch arrives. Ctrl-C is
+    the parent's: a terminal signals the whole foreground group, and a worker would die of it
+    with a traceback; the parent stops the pool (`BatchScorer.close`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from rewards_math.equivalence import is_equivalent
 
     is_equivalent("\\sqrt{8}", "2\\sqrt{2}")

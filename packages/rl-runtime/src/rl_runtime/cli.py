@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 from rl_runtime.config_fields import ConfigError
 from rl_runtime.faults import Interrupted, RunStopped
+from rl_runtime.interrupts import interrupted, watch_sigint
 from rl_runtime.preflight import PreflightError
 
 log = logging.getLogger(__name__)
@@ -49,16 +50,25 @@ def user_errors(
 ) -> Iterator[None]:
     """Turn a `USER_ERRORS` (or `extra`) exception into `prog: error: <one line>`, exit 2, a
     `RunStopped` fault into its one line (logged; the checkpoint it names is kept), exit 1, and
-    Ctrl-C into one line (what `--resume` continues from, where the loop knows it), exit 130."""
+    Ctrl-C into one line (what `--resume` continues from, where the loop knows it), exit 130.
+    Ctrl-C is counted once (`rl_runtime.interrupts`); whatever fails after it (an actor that
+    died of the same signal) ends as an interrupt too: exit 130, never a fault's 1."""
     try:
-        yield
+        with watch_sigint():
+            try:
+                yield
+            except Exception as err:
+                if not interrupted() or isinstance(err, Interrupted):
+                    raise
+                log.debug("failed after Ctrl-C", exc_info=True)
+                raise KeyboardInterrupt from err
     except Interrupted as err:
         log.debug("interrupted", exc_info=True)
         log.warning("%s", err)
         raise SystemExit(130) from None
     except KeyboardInterrupt as err:
-        # a second Ctrl-C that cut the shutdown after the first short (`uv run` without a
-        # terminal forwards the one SIGINT its process group got): the first one's line
+        # a second Ctrl-C that cut the shutdown after the first short, or a failure that
+        # followed the first: the first one's line where the loop gave one
         first = _interrupted(err)
         if first is not None:
             log.warning("%s", first)
@@ -81,8 +91,8 @@ def user_errors(
 
 
 def _interrupted(err: BaseException) -> Interrupted | None:
-    """The `Interrupted` that `err` was raised while handling, if any."""
-    seen: BaseException | None = err.__context__
+    """The `Interrupted` that `err` was raised while handling (or from), if any."""
+    seen: BaseException | None = err.__context__ or err.__cause__
     while seen is not None and not isinstance(seen, Interrupted):
-        seen = seen.__context__
+        seen = seen.__context__ or seen.__cause__
     return seen

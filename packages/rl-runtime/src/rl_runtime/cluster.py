@@ -15,6 +15,7 @@ from typing import Any
 
 from rl_runtime.actor_group import RolloutGroup, TrainGroup
 from rl_runtime.cluster_config import ClusterConfig, Layout
+from rl_runtime.interrupts import shielded
 from rl_runtime.placement import Placement, create_placement, init_ray, shutdown_ray
 from rl_runtime.placement_plan import actor_nodes, format_plan, plan_rows
 from rl_runtime.progress import phase
@@ -128,15 +129,18 @@ class Cluster:
         return group
 
     def close(self) -> None:
-        for group in self.groups:
-            try:
-                group.shutdown()
-            except Exception:  # shutting down is best effort
-                log.debug("group shutdown failed", exc_info=True)
-        self.groups = []
-        self.placement.remove()
-        if self.owns_ray:
-            shutdown_ray()
+        """Shut the groups down, free the placement, stop a Ray started here; a second Ctrl-C
+        does not cut it short (`rl_runtime.interrupts.shielded`)."""
+        with shielded():
+            for group in self.groups:
+                try:
+                    group.shutdown()
+                except Exception:  # shutting down is best effort
+                    log.debug("group shutdown failed", exc_info=True)
+            self.groups = []
+            self.placement.remove()
+            if self.owns_ray:
+                shutdown_ray()
 
 
 def build_actor(actor_class: ActorClass, trainer: TrainerConfig) -> TrainActor:

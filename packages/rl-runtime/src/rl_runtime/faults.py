@@ -214,19 +214,31 @@ def last_checkpoint_note(checkpoints: Any) -> str:
 @contextmanager
 def stop_with_checkpoint_note(checkpoints: Any) -> Iterator[None]:
     """Add the kept checkpoint to the message of a :class:`RunStopped` raised inside, and turn
-    Ctrl-C into an :class:`Interrupted` whose one line says what ``--resume`` continues from."""
+    Ctrl-C into an :class:`Interrupted` whose one line says what ``--resume`` continues from;
+    also a failure that follows Ctrl-C (an actor that died of the same signal: the stop is the
+    user's, not a fault)."""
+    from rl_runtime.interrupts import interrupted
+
     try:
         yield
-    except RunStopped as err:
-        note = last_checkpoint_note(checkpoints)
-        if note not in str(err):
-            err.args = (f"{err}; {note}",)
-        raise
     except KeyboardInterrupt:
-        note = last_checkpoint_note(checkpoints)
-        if checkpoints.latest() is None:
-            note += "; the same command without --resume starts over"
-        raise Interrupted(f"interrupted: the step under way was abandoned; {note}") from None
+        raise _interrupted_note(checkpoints) from None
+    except Exception as err:
+        if interrupted() and not isinstance(err, Interrupted):
+            log.debug("failed after Ctrl-C", exc_info=True)
+            raise _interrupted_note(checkpoints) from None
+        if isinstance(err, RunStopped):
+            note = last_checkpoint_note(checkpoints)
+            if note not in str(err):
+                err.args = (f"{err}; {note}",)
+        raise
+
+
+def _interrupted_note(checkpoints: Any) -> Interrupted:
+    note = last_checkpoint_note(checkpoints)
+    if checkpoints.latest() is None:
+        note += "; the same command without --resume starts over"
+    return Interrupted(f"interrupted: the step under way was abandoned; {note}")
 
 
 class RestartingRollout:

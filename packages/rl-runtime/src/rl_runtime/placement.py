@@ -13,6 +13,7 @@ anything else that needs a CPU.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -25,7 +26,9 @@ from typing import Any
 from rl_runtime import ray_reaper
 from rl_runtime.placement_plan import check_fits, nodes
 from rl_runtime.preflight import PreflightError
+from rl_runtime.progress import plain_logs
 from rl_runtime.ray_join import check_cluster
+from rl_runtime.ray_logs import quiet_token_notice, route_ray_logs, route_worker_lines
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +48,17 @@ def init_ray(
     On a busy machine Ray's start can time out ("The current node timed out during startup"):
     it is tried `attempts` times, `retry_wait_s` apart (growing), then a `PreflightError` says
     what failed in one line. A local Ray gets a reaper process (`ray_reaper.py`) that removes
-    every process of its session once this driver is gone, even after a SIGKILL."""
+    every process of its session once this driver is gone, even after a SIGKILL.
+
+    Where the log is plain lines (`rl_runtime.progress.setup_logging`), Ray's own records and
+    its workers' lines are logged in that layout (`rl_runtime.ray_logs`)."""
     import ray
 
     if ray.is_initialized():
         return
     _no_uv_runtime_env()
+    if plain_logs():
+        route_ray_logs()
     kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": log_to_driver}
     if address:
         log.info("connecting to the Ray cluster at %s", address)
@@ -64,7 +72,8 @@ def init_ray(
     for attempt in range(1, attempts + 1):
         before = ray_reaper.descendants(os.getpid())
         try:
-            ray.init(**kwargs)
+            with contextlib.nullcontext() if address else quiet_token_notice():
+                ray.init(**kwargs)
             break
         except Exception as err:  # Ray raises bare Exceptions for start-up time-outs
             # Stop what half-started (a GCS, a raylet and its agents stay up otherwise, and
@@ -88,6 +97,8 @@ def init_ray(
             time.sleep(retry_wait_s * attempt)
     if not address:
         _start_reaper()
+    if plain_logs() and log_to_driver:
+        route_worker_lines()
     log.info("Ray resources: %s", ray.cluster_resources())
 
 

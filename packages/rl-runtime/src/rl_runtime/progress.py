@@ -1,10 +1,19 @@
 """What a run shows while it goes: a progress bar over the steps (rich, sharing the console with
 `logging`), and each phase's start, end and figures, with a line every few seconds while one
-runs (`phase`), so that a long rollout, compile or weight push is never a silent console."""
+runs (`phase`), so that a long rollout, compile or weight push is never a silent console.
+
+A log that is not a terminal (a file, a pipe, a CI job) gets one plain line per record
+instead: ``2026-12-05 14:06:40 INFO step 1: rollout done in 8.92 s: ...``, no wrapping or
+padding to a width, no colour codes, no progress bars (ours, transformers' and the hub's,
+in the workers too), and Ray's own lines and its workers' in the same layout
+(`rl_runtime.ray_logs`)."""
 
 from __future__ import annotations
 
 import logging
+import os
+import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -23,6 +32,7 @@ from rich.progress import (
 )
 
 from rl_runtime.faults import Interrupted
+from rl_runtime.interrupts import interrupted
 
 _console = Console(stderr=True)
 log = logging.getLogger(__name__)
@@ -35,15 +45,59 @@ def console() -> Console:
     return _console
 
 
-def setup_logging(level: int | str = logging.INFO) -> None:
-    """Log through rich on the same console as the progress bar (for the apps)."""
-    logging.basicConfig(
-        level=level,
-        format="%(message)s",
-        datefmt="[%X]",
-        handlers=[RichHandler(console=_console, show_path=False, rich_tracebacks=True)],
-        force=True,
-    )
+_plain = False  # setup_logging chose plain lines (read by rl_runtime.placement.init_ray)
+
+
+def setup_logging(level: int | str = logging.INFO, *, plain: bool | None = None) -> None:
+    """Log through rich on the same console as the progress bar (for the apps), or, where
+    stderr is not a terminal (``plain`` unset) or ``plain``, one plain line per record
+    (`PlainFormatter`), with the progress bars of the libraries turned off."""
+    global _plain
+    _plain = not _console.is_terminal if plain is None else plain
+    handler: logging.Handler
+    if _plain:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(PlainFormatter())
+        no_progress_bars()
+    else:
+        handler = RichHandler(console=_console, show_path=False, rich_tracebacks=True)
+        handler.setFormatter(logging.Formatter("%(message)s", datefmt="[%X]"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+def plain_logs() -> bool:
+    """Whether `setup_logging` chose plain lines."""
+    return _plain
+
+
+class PlainFormatter(logging.Formatter):
+    """``2026-12-05 14:06:40 INFO <message>``: the message on one line (each line break, with
+    the indentation after it, becomes one space: a configuration dump is one line of JSON);
+    a traceback, where a record has one, follows on lines of its own."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = re.sub(r"\s*\n\s*", " ", record.message.strip())
+        return super().formatMessage(record)
+
+
+def no_progress_bars() -> None:
+    """Turn off tqdm's bars (transformers' "Loading weights", the hub's downloads): for this
+    process and, through the environment, the Ray workers it starts (the libraries' own
+    switches, read as they are imported); the hub's and transformers' own switches where they
+    are imported already."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
 
 
 @contextmanager
@@ -129,8 +183,8 @@ def phase(
     samples: int | None = None,
 ) -> Iterator[Phase]:
     """``<name> ...`` when the block starts, ``<name> done in S s: <figures>`` when it ends (or
-    ``failed after S s``, or ``interrupted after S s`` for Ctrl-C), and a heartbeat while it
-    runs (at INFO; none below it)."""
+    ``failed after S s``, or ``interrupted after S s`` for Ctrl-C and for what fails after it),
+    and a heartbeat while it runs (at INFO; none below it)."""
     current = Phase(name, tokens, samples)
     logger.log(level, "%s ...", name)
     start = time.perf_counter()
@@ -138,7 +192,8 @@ def phase(
         with heartbeat(name, heartbeat_s if level >= logging.INFO else 0.0, logger):
             yield current
     except BaseException as err:
-        how = "interrupted" if isinstance(err, KeyboardInterrupt | Interrupted) else "failed"
+        stopped = isinstance(err, KeyboardInterrupt | Interrupted) or interrupted()
+        how = "interrupted" if stopped else "failed"
         logger.log(level, "%s %s after %s", name, how, seconds(time.perf_counter() - start))
         raise
     current.seconds = time.perf_counter() - start

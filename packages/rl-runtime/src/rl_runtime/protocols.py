@@ -103,6 +103,49 @@ WEIGHTS: tuple[str, ...] = ("weights",)
 KV_CACHE: tuple[str, ...] = ("kv_cache", "cuda_graph")
 
 
+class EngineLauncher(Protocol):
+    """What a GRPO run asks of a rollout engine package before its engines start
+    (`rollout_sglang.launch`; `tools/typecheck.py` holds the module to this protocol). `cfg`
+    is the package's own section of the recipe's config (`RolloutConfig`); a setting that
+    cannot work raises `ValueError` naming the flag. The GRPO entry point reads its `backend`,
+    `tp_size`, `dtype`, `max_batch_size`, `kv_cache_fraction`, `weights_cpu_backup` and
+    `cache_tokens`, and sets `cache_tokens` (the colocation plan's) and `return_routed_experts`
+    (routing replay) with `dataclasses.replace`."""
+
+    def uses_sglang(self, cfg: Any, use_gpu: bool) -> bool:
+        """Whether the engines size their KV cache once, at start (SGLang): colocated, they
+        start before the trainers, and the colocation plan keeps the recipes' offload."""
+        ...
+
+    def check_engines(self, cfg: Any, *, use_gpu: bool) -> None: ...
+
+    def weight_transport(
+        self,
+        cfg: Any,
+        *,
+        colocate: bool,
+        use_gpu: bool,
+        num_trainers: int,
+        disk_folder: str | None = None,
+    ) -> Any | None:
+        """The `weight_sync.TransportFactory` for the layout (None: Ray's object store)."""
+        ...
+
+    def engine_factory(
+        self,
+        cfg: Any,
+        *,
+        source: Any,
+        use_gpu: bool,
+        eos_token_ids: Sequence[int],
+        pad_token_id: int,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+    ) -> Callable[[], Any]:
+        """A picklable `factory()` that builds one engine of `source` inside its Ray actor."""
+        ...
+
+
 class PromptSource(Protocol):
     """Indexable prompts. `get(i)` returns a prompt (a `vlm_data.PromptSample`-like object with
     `input_ids`, `pixel_values`, `image_grid_thw`, `mm_token_type_ids`, `answer`) or None when

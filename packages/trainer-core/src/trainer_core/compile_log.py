@@ -5,9 +5,12 @@ engine's decode blocks, the log-prob kernels), forward when first called and bac
 first backward; Triton's autotuner times its configs for each new key (fla's kernels). On an
 H200 that took minutes with nothing in the log to say so (issue 49). :func:`log_compiles` logs
 each ``torch.compile`` compilation as it ends (dynamo's compile callbacks), naming the region
-(its module or function, file and line) and its seconds, and turns on Triton's own line for
-each autotune (``triton.knobs.autotuning.print``: kernel, key, seconds, chosen config). Lines go
-to the ``glimpse.progress`` logger, which rl-runtime's workers show at INFO.
+(its module or function, file and line) and its seconds, and one line for each Triton autotune
+(Triton's autotune listener, ``triton.knobs.autotuning.listener``: kernel, key, configs timed,
+seconds, the config chosen). Triton's own print (``TRITON_PRINT_AUTOTUNING=1``) writes a line
+for every config it times and four for the result: 175 lines in one GPU run of fla's kernels,
+stays off unless asked for. Lines go to the ``glimpse.progress`` logger, which rl-runtime's
+workers show at INFO.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ _names: dict[str, str] = {}  # compile id -> the region it compiled
 
 def log_compiles(*, triton_autotune: bool = False) -> None:
     """Log every ``torch.compile`` compilation of this process from now on (once per process;
-    later calls do nothing). ``triton_autotune``: also print Triton's line for each autotune
-    (where Triton is installed and ``TRITON_PRINT_AUTOTUNING`` does not say otherwise)."""
+    later calls do nothing). ``triton_autotune``: also one line for each Triton autotune
+    (where Triton is installed, has the listener, and ``TRITON_PRINT_AUTOTUNING`` does not ask
+    for Triton's own lines instead)."""
     global _installed
     with _lock:
         if _installed:
@@ -46,9 +50,35 @@ def log_compiles(*, triton_autotune: bool = False) -> None:
             import triton
         except ImportError:
             return
-        knobs = getattr(triton, "knobs", None)
-        if knobs is not None:
-            knobs.autotuning.print = True
+        autotuning = getattr(getattr(triton, "knobs", None), "autotuning", None)
+        if autotuning is not None and hasattr(autotuning, "listener") and not autotuning.listener:
+            autotuning.listener = log_autotune
+
+
+def log_autotune(
+    *,
+    fn: Any,
+    key: Any,
+    best_config: Any,
+    configs_timings: dict[Any, Any] | None,
+    duration: float | None,
+    cache_hit: bool,
+    **_: Any,
+) -> None:
+    """Triton's autotune listener: one line for an autotune that timed its configs (a result
+    read from a cache costs nothing and says nothing)."""
+    if cache_hit or duration is None:
+        return
+    name = getattr(fn, "__name__", None) or getattr(getattr(fn, "fn", None), "__name__", str(fn))
+    timed = len(configs_timings or {})
+    logger.info(
+        "Triton autotune: %s (key %s) timed %d config(s) in %.2f s, chose %s",
+        name,
+        key,
+        timed,
+        duration,
+        best_config,
+    )
 
 
 def _on_start(args: Any) -> None:

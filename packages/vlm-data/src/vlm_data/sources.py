@@ -67,11 +67,9 @@ def load_split(
         return load_rows(data.dataset, split="validation", **keys)
 
 
-def prompt_source(
-    data: DataConfig, processor: Any, split: str, *, eval_split: bool = False, seed: int = 0
-) -> RowSource:
-    """The rollout prompts of `split`."""
-    builder = PromptBuilder(
+def prompt_builder(data: DataConfig, processor: Any) -> PromptBuilder:
+    """Row -> rollout prompt as `data` says (template, length limit, columns)."""
+    return PromptBuilder(
         processor,
         template=data.template,
         max_prompt_length=data.max_prompt_length,
@@ -79,13 +77,11 @@ def prompt_source(
         answer_key=data.answer_key,
         image_key=data.image_key,
     )
-    rows = load_split(data, split, eval_split=eval_split, seed=seed, stats=builder.stats)
-    return RowSource(rows, builder)
 
 
-def sft_source(data: DataConfig, processor: Any, *, seed: int = 0) -> RowSource:
-    """The SFT samples of the training split (loss on the reply)."""
-    builder = SftSampleBuilder(
+def sft_builder(data: DataConfig, processor: Any) -> SftSampleBuilder:
+    """Row -> SFT sample (loss on the reply) as `data` says."""
+    return SftSampleBuilder(
         processor,
         template=data.template,
         max_length=data.max_prompt_length,
@@ -93,6 +89,20 @@ def sft_source(data: DataConfig, processor: Any, *, seed: int = 0) -> RowSource:
         answer_key=data.answer_key,
         image_key=data.image_key,
     )
+
+
+def prompt_source(
+    data: DataConfig, processor: Any, split: str, *, eval_split: bool = False, seed: int = 0
+) -> RowSource:
+    """The rollout prompts of `split`."""
+    builder = prompt_builder(data, processor)
+    rows = load_split(data, split, eval_split=eval_split, seed=seed, stats=builder.stats)
+    return RowSource(rows, builder)
+
+
+def sft_source(data: DataConfig, processor: Any, *, seed: int = 0) -> RowSource:
+    """The SFT samples of the training split (loss on the reply)."""
+    builder = sft_builder(data, processor)
     rows = load_split(data, data.train_split, seed=seed, stats=builder.stats)
     return RowSource(rows, builder)
 
