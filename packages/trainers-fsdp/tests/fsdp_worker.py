@@ -1,12 +1,16 @@
 """One rank of the multi-process tests: run as a script with torchrun-style env variables.
 
-Builds the tiny actor, takes this rank's shard of a fixed batch, accumulates the gradient of
-the global-batch loss and writes the full gradients and metrics (rank 0) to ``--out``.
+For each scenario of ``--case`` (a JSON object: name -> the scenario's flags, as the command
+line below takes them), builds the tiny actor, takes this rank's shard of a fixed batch,
+accumulates the gradient of the global-batch loss and keeps the full gradients and metrics;
+rank 0 writes them, by scenario name, to ``--out``. One launch runs every scenario of a world
+size, in one process group (the processes' imports cost more than a scenario).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -17,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import mixed_batch, tiny_actor_config
 from trainers_fsdp import FsdpConfig, OptimConfig
 from trainers_fsdp.actor import FsdpActor
+from trainers_fsdp.distributed import init_distributed
 
 
 def shard(n: int, rank: int, world: int) -> list[int]:
@@ -33,9 +38,8 @@ CASES = [
 ]
 
 
-def main() -> None:
+def scenario_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
     parser.add_argument("--replicate", action="store_true", help="FsdpConfig.replicate")
     parser.add_argument("--bf16", action="store_true", help="bf16 compute (float32 masters)")
     parser.add_argument("--reduce-dtype", default="float32", help="FsdpConfig.reduce_dtype")
@@ -44,7 +48,11 @@ def main() -> None:
     parser.add_argument(
         "--routing-replay", action="store_true", help="an MoE preset routed to random experts"
     )
-    args = parser.parse_args()
+    return parser
+
+
+def run(args: argparse.Namespace) -> dict:
+    """One scenario; rank 0's results (every rank's log-probs, its gradients and parameters)."""
     # fused AdamW: the optimizer step below takes the no-host-sync path (sharded grad norm,
     # device-side clip), which must agree across world sizes too
     optim = OptimConfig(lr=1e-2, weight_decay=0.0)
@@ -91,9 +99,25 @@ def main() -> None:
         resumed = fresh.train_step(part, loss="sft")["loss"]
         after = (actor.full_parameters(), fresh.full_parameters())
         results["resume"] = {"losses": (expected, resumed), "params": after}
-    if actor.rank == 0:
-        torch.save(results, args.out)
     actor.close()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--case", required=True, help="JSON: scenario name -> its flags")
+    args = parser.parse_args()
+    scenarios = json.loads(args.case)
+    # the group every scenario's actors share (an actor that finds one does not own it)
+    init_distributed(torch.device("cpu"))
+    results = {}
+    for name, flags in scenarios.items():
+        results[name] = run(scenario_parser().parse_args(flags))
+    if torch.distributed.get_rank() == 0:
+        torch.save(results, args.out)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,13 @@
-"""Real multi-process FSDP on CPU (gloo): two ranks give the one-rank gradients."""
+"""Real multi-process FSDP on CPU (gloo): two ranks give the one-rank gradients.
+
+Two launches serve every test: one rank running each one-rank scenario, two ranks running
+each two-rank scenario in turn (``fsdp_worker.py``; the processes' imports cost more than a
+scenario's work).
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -12,6 +18,8 @@ import pytest
 import torch
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
+# The first test waits for a launch of every scenario (on 2 busy cores, minutes).
+pytestmark = pytest.mark.timeout(900)
 
 
 def _free_port() -> int:
@@ -20,8 +28,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(world: int, out: Path, *flags: str, timeout: float = 300.0) -> dict:
-    """Run ``fsdp_worker.py`` as ``world`` processes with torchrun's environment variables."""
+def _launch(world: int, out: Path, scenarios: dict, timeout: float = 600.0) -> dict:
+    """Run ``fsdp_worker.py`` as ``world`` processes with torchrun's environment variables:
+    every scenario (name -> the worker's flags) in turn; rank 0's results by name."""
     port = _free_port()
     procs = []
     for rank in range(world):
@@ -36,7 +45,7 @@ def _launch(world: int, out: Path, *flags: str, timeout: float = 300.0) -> dict:
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(WORKER), "--out", str(out), *flags],
+                [sys.executable, str(WORKER), "--out", str(out), "--case", json.dumps(scenarios)],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -80,18 +89,40 @@ def _assert_same_logprobs_and_grads(one: dict, two: dict) -> None:
             torch.testing.assert_close(g2[name], g1[name], atol=1e-6, rtol=1e-4, msg=name)
 
 
+MOE_REPLAY = ["--model", "qwen3-vl-moe-tiny", "--routing-replay"]
+#: the scenarios run on one rank, the references of the two-rank runs of the same name
+ONE_RANK = {"fsdp": [], "qwen3_5": ["--model", "qwen3.5-tiny"], "moe_replay": MOE_REPLAY}
+TWO_RANKS = {
+    **ONE_RANK,
+    "replicate": ["--replicate"],
+    **{
+        f"bf16_{reduce}{suffix}": ["--bf16", "--reduce-dtype", reduce, *flags]
+        for reduce in ("float32", "bfloat16")
+        for suffix, flags in (("", []), ("_replicate", ["--replicate"]))
+    },
+    # "checkpoint": ["--replicate", "--checkpoint", folder], added by the fixture
+}
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> dict:
-    return _launch(1, tmp_path_factory.mktemp("one") / "one.pt")
+    return _launch(1, tmp_path_factory.mktemp("one") / "one.pt", ONE_RANK)
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("two")
+    checkpoint = ["--replicate", "--checkpoint", str(tmp / "ckpt")]
+    return _launch(2, tmp / "two.pt", TWO_RANKS | {"checkpoint": checkpoint})
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [(), ("--replicate",)], ids=["fsdp", "replicate"])
-def test_two_processes_match_one_process(tmp_path, one_process, flags):
+@pytest.mark.parametrize("name", ["fsdp", "replicate"])
+def test_two_processes_match_one_process(one_process, two_processes, name):
     """Uneven shards (rank 1 has no image, fewer micro-batches) still give the same gradient,
     sharded by FSDP or replicated and averaged by one all-reduce."""
-    one = dict(one_process)
-    two = _launch(2, tmp_path / "two.pt", *flags)
+    one = dict(one_process["fsdp"])
+    two = dict(two_processes[name])
     _assert_same_logprobs_and_grads(one, two)
     step1, step2 = one.pop("train_step"), two.pop("train_step")
     assert step2["grad_norm"] == pytest.approx(step1["grad_norm"], rel=1e-5)
@@ -103,34 +134,28 @@ def test_two_processes_match_one_process(tmp_path, one_process, flags):
 
 
 @pytest.mark.slow
-def test_qwen3_5_two_processes_match_one_process(tmp_path):
+def test_qwen3_5_two_processes_match_one_process(one_process, two_processes):
     """Qwen3.5 sharded over two ranks: rows packed differently than on one rank (and rank 1's
     text-only rows with the dummy image sample) give the same log-probs and gradients, so the
     gated delta net's state stays inside each sample under FSDP too."""
-    one = _launch(1, tmp_path / "one.pt", "--model", "qwen3.5-tiny")
-    two = _launch(2, tmp_path / "two.pt", "--model", "qwen3.5-tiny")
-    _assert_same_logprobs_and_grads(one, two)
+    _assert_same_logprobs_and_grads(one_process["qwen3_5"], two_processes["qwen3_5"])
 
 
 @pytest.mark.slow
-def test_routing_replay_two_processes_match_one_process(tmp_path):
+def test_routing_replay_two_processes_match_one_process(one_process, two_processes):
     """MoE routed to the engine's experts under FSDP: sharded layers, rows packed otherwise
     and rank 1's dummy image sample (its filler ids) give one rank's log-probs and gradients."""
-    flags = ("--model", "qwen3-vl-moe-tiny", "--routing-replay")
-    one = _launch(1, tmp_path / "one.pt", *flags)
-    two = _launch(2, tmp_path / "two.pt", *flags)
-    _assert_same_logprobs_and_grads(one, two)
+    _assert_same_logprobs_and_grads(one_process["moe_replay"], two_processes["moe_replay"])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("reduce_dtype", ["float32", "bfloat16"])
-def test_replicated_bf16_masters_match_fsdp(tmp_path, reduce_dtype):
+def test_replicated_bf16_masters_match_fsdp(two_processes, reduce_dtype):
     """Two ranks in bf16 over float32 masters: replicated (flat buffers, one all-reduce of the
     float32 accumulator, or of the bf16 gradient itself) gives FSDP's gradients, grad norm and
     updated parameters under the same reduce dtype."""
-    flags = ("--bf16", "--reduce-dtype", reduce_dtype)
-    fsdp = _launch(2, tmp_path / "fsdp.pt", *flags)
-    replicated = _launch(2, tmp_path / "replicated.pt", *flags, "--replicate")
+    fsdp = dict(two_processes[f"bf16_{reduce_dtype}"])
+    replicated = dict(two_processes[f"bf16_{reduce_dtype}_replicate"])
     for a, b in zip(fsdp["logprobs"], replicated["logprobs"], strict=True):
         torch.testing.assert_close(b, a, atol=0, rtol=0)
     tol = dict(atol=1e-7, rtol=1e-5)
@@ -153,10 +178,10 @@ def test_replicated_bf16_masters_match_fsdp(tmp_path, reduce_dtype):
 
 
 @pytest.mark.slow
-def test_replicated_checkpoint_resumes_exactly(tmp_path):
+def test_replicated_checkpoint_resumes_exactly(two_processes):
     """Two replicated ranks save (DCP keeps one copy of what they both hold); a fresh actor
     resumed from it takes the same next step to the bit."""
-    out = _launch(2, tmp_path / "ckpt.pt", "--replicate", "--checkpoint", str(tmp_path / "ckpt"))
+    out = two_processes["checkpoint"]
     expected, resumed = out["resume"]["losses"]
     assert resumed == expected
     kept, fresh = out["resume"]["params"]
