@@ -312,6 +312,34 @@ def test_the_plan_sizes_the_engines_kv_cache_in_tokens(capsys, qwen35_cut):
     assert rollout_config(apart, plan).cache_tokens is None
 
 
+def _printed_layout(parse, argv, capsys) -> dict:
+    with pytest.raises(SystemExit):
+        parse([*argv, "--print-config"], env={})
+    return json.loads(capsys.readouterr().out)["layout"]
+
+
+def test_a_colocated_train_step_leaves_the_released_engine_its_gpu_memory(capsys, tmp_path):
+    """The Qwen3.5-35B-A3B cut to 4 layers on one H100 (79.2 GiB), Megatron: the plan gave the
+    step the whole GPU (76.8 GiB, no recompute) and the step ran out of memory beside the
+    released engine's 3 GiB (2026-12-06). Colocated, the step's budget is the GPU less
+    ENGINE_IDLE_BYTES, and the plan recomputes to fit it; an SFT run (no engine) and a trainer
+    on GPUs of its own keep the whole GPU."""
+    from vlm_models.presets import preset_config
+
+    preset_config("qwen3.5-35b-a3b", num_hidden_layers=4).save_pretrained(tmp_path)
+    argv = ["--model-name", str(tmp_path), "--backend", "megatron", "--num-gpus", "1"]
+    argv += ["--gpu-memory-gib", "79.2", "--host-memory-gib", "125.8", "--rollout-engine", "hf"]
+    colocated = _printed_layout(parse_grpo, [*argv, *ISSUE_STEP], capsys)
+    assert (colocated["gpu_gib"], colocated["engine_idle_gib"]) == (79.2, 3.0), colocated
+    assert colocated["total_gib"] <= 76.2 and "recompute" in colocated["description"], colocated
+    assert "no recompute" not in colocated["description"], colocated
+
+    alone = _printed_layout(parse_sft, argv[:-2], capsys)
+    assert alone["gpu_gib"] == 79.2 and "engine_idle_gib" not in alone, alone
+    apart = [*argv[:5], "2", *argv[6:], *ISSUE_STEP, "--no-colocate"]
+    assert _printed_layout(parse_grpo, apart, capsys)["gpu_gib"] == 79.2
+
+
 ONE_H200_8B = ["--model-name", "qwen3-vl-8b", "--num-gpus", "1", "--gpu-memory-gib", "140.4"]
 ONE_H200_8B += ["--host-memory-gib", "128", "--rollout-engine", "hf", *ISSUE_STEP]
 

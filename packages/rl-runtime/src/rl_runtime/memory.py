@@ -40,6 +40,7 @@ from rl_runtime.preflight import PreflightError
 from rl_runtime.protocols import TrainerConfig
 
 __all__ = [
+    "ENGINE_IDLE_BYTES",
     "HOST_CAP",
     "HOST_RESERVE_BYTES",
     "OFFLOAD_FRACTIONS",
@@ -63,6 +64,12 @@ __all__ = [
 
 GiB = 1 << 30
 RESERVE_BYTES = 3 * GiB
+#: What a colocated engine keeps on its GPU while the trainer steps, its weights and KV cache
+#: released: the CUDA context, loaded kernels (fla, Triton, tilelang), cuBLAS workspaces. The
+#: trainer's step has the GPU less this. At least 3.0 GiB on an H100 (2026-12-06, the Qwen3.5
+#: cut to 4 layers on Megatron: the GPU's peak less the trainer's, 80,459 - 77,376 MiB, during
+#: the train step, where the trainer ran out of memory under a plan that gave it the whole GPU).
+ENGINE_IDLE_BYTES = 3 * GiB
 #: The share of a node's memory the plan lets everything on it take at its peak. Ray's memory
 #: monitor kills a worker once the node's used memory passes 95 % (``RAY_memory_usage_threshold``'s
 #: default), as it killed the 8B trainers on the H200 (2026-12-04); the ten points between are
@@ -472,7 +479,9 @@ def plan_colocation(
         option = estimate_at(f)
         # (a layout whose backend keeps the optimizer on the GPU whatever the fraction, as
         # sharded FSDP does, gains nothing: its host part does not grow)
-        if option.host <= estimate.host or not option.fits(gpu_bytes, host_bytes):
+        # (its train step has the GPU less what the released engine keeps)
+        fits = option.fits(gpu_bytes - ENGINE_IDLE_BYTES, host_bytes)
+        if option.host <= estimate.host or not fits:
             continue
         best = f
         keep, why = beside(option)

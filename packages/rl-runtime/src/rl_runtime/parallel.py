@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from rl_algos.run_context import TrainLayout
 from rl_runtime.cluster_config import ClusterConfig, layout
 from rl_runtime.memory import (
+    ENGINE_IDLE_BYTES,
     HOST_CAP,
     HOST_RESERVE_BYTES,
     PROCESS_HOST_BYTES,
@@ -147,6 +148,17 @@ def node_host_plan(
     )
 
 
+def train_gpu_bytes(
+    parallel: ParallelConfig, cluster: ClusterConfig, *, with_engines: bool
+) -> float | None:
+    """What a trainer rank's step may take of its GPU: all of it, less what a colocated engine
+    keeps there while released (``ENGINE_IDLE_BYTES``); None: not known."""
+    gpu = gpu_memory_bytes(parallel)
+    if gpu is None or not (with_engines and layout(cluster, with_engines=True).colocate):
+        return gpu
+    return gpu - ENGINE_IDLE_BYTES
+
+
 def _requested(
     parallel: ParallelConfig,
     cluster: ClusterConfig,
@@ -182,7 +194,7 @@ def plan_layout(
     (prompt and response), which one micro-batch holds whole (0: not known)."""
     estimate = None
     if cluster.num_gpus > 0:
-        gpu = gpu_memory_bytes(parallel)
+        gpu = train_gpu_bytes(parallel, cluster, with_engines=with_engines)
         if shape is not None and gpu is not None:
             model = ModelShape(**shape)
             host = host_budget(
@@ -206,10 +218,11 @@ def plan_layout(
                 model, trainer, requested, gpu, others=others, model=model_name, host_bytes=host
             )
             log.info(
-                "layout: %s; about %.1f GiB per GPU of %.1f (%s)",
+                "layout: %s; about %.1f GiB per GPU of %.1f%s (%s)",
                 estimate.description,
                 estimate.total / GiB,
                 gpu / GiB,
+                _engine_kept(parallel, gpu),
                 estimate.breakdown(),
             )
             chosen = requested.parallel
@@ -273,7 +286,7 @@ def layout_report(
     for the CPU run's line."""
     if cluster.num_gpus <= 0:
         return {"description": f"CPU run, {backend}, {cluster.cpu_trainers} trainer rank(s)"}
-    gpu = gpu_memory_bytes(parallel)
+    gpu = train_gpu_bytes(parallel, cluster, with_engines=with_engines)
     if shape is None or gpu is None:
         why = _not_estimated(parallel, gpu is not None, model_name, shape is not None)
         return {"description": f"not estimated: {why}"}
@@ -299,12 +312,24 @@ def layout_report(
         return {**report, "refused": err.message}
     assert estimate is not None
     out = estimate.to_dict(gpu, host)
+    whole = gpu_memory_bytes(parallel)
+    if whole is not None and whole != gpu:  # fits within the GPU less the released engine
+        out["gpu_gib"] = round(whole / GiB, 1)
+        out["engine_idle_gib"] = round((whole - gpu) / GiB, 1)
     if settled.optimizer_cpu_offload and parallel.optimizer_cpu_offload is None:
         out["optimizer_cpu_offload"] = (
             f"chosen: no layout holds the optimizer state on the GPU; "
             f"{settled.offload_fraction:.0%} of it on the host"
         )
     return out
+
+
+def _engine_kept(parallel: ParallelConfig, train_bytes: float) -> str:
+    """For the layout's line: the GPU's whole memory where the step has less of it."""
+    whole = gpu_memory_bytes(parallel)
+    if whole is None or whole == train_bytes:
+        return ""
+    return f" ({whole / GiB:.1f} less {(whole - train_bytes) / GiB:.1f} a released engine keeps)"
 
 
 def _not_estimated(
