@@ -589,6 +589,7 @@ def test_tiny_moe_grpo_from_a_saved_folder(moe_runs: dict[str, Path], backend: s
     assert [r["step"] for r in rows] == [1, 2]
     log = (moe_runs[backend].parent / f"{backend}.txt").read_text()
     assert "routing replay: the trainer routes each token to the engine's experts" in log
+    assert "glimpse.memory: KV cache: " in log  # the engine's cache, at each allocation
     assert all(r["rollout_decode_steps"] > 0 for r in rows)
     assert all(r["time_sync_push_s"] > 0 for r in rows)
 

@@ -274,9 +274,12 @@ def settled_plan(cfg):
 def test_the_plan_sizes_the_engines_kv_cache_in_tokens(capsys, qwen35_cut):
     """Colocated with the transformers engine, the plan's KV-cache tokens (beside what the FSDP
     trainer keeps, less 128 sequences' gated-delta-net states: 12.4 MiB each) become the
-    engine's cache_tokens; --print-config shows them; --rollout-cache-tokens wins; set
-    --offload-train, the cache is planned beside nothing of the trainer's; without a plan (not
-    colocated) the engine keeps sizing it by --kv-cache-fraction."""
+    engine's cache_tokens, at most what its batch slots fill (256 x 1,408 tokens: a cache of
+    half the free memory, 5.9M tokens for a rollout of 180,224, left the decode step no room
+    beside a trainer that kept more than its estimate); --print-config shows them;
+    --rollout-cache-tokens wins; fewer slots, a smaller cap; set --offload-train, the cache is
+    planned beside nothing of the trainer's; without a plan (not colocated) the engine keeps
+    sizing it by --kv-cache-fraction."""
     argv = ["--model-name", qwen35_cut, "--backend", "fsdp", "--num-gpus", "1"]
     argv += ["--gpu-memory-gib", "139.8", "--host-memory-gib", "128", "--rollout-engine", "hf"]
     argv += ISSUE_STEP
@@ -284,26 +287,29 @@ def test_the_plan_sizes_the_engines_kv_cache_in_tokens(capsys, qwen35_cut):
         parse_grpo([*argv, "--print-config"], env={})
     shown = json.loads(capsys.readouterr().out)["offload_train"]
     assert not shown["on"], shown
-    assert "(5,931,393 tokens) beside them" in shown["why"], shown
+    assert "(360,448 tokens, what its 256 slots fill) beside them" in shown["why"], shown
     assert "1.5 GiB of it recurrent states" in shown["why"], shown
-    assert shown["kv_cache_tokens"] == shown["cache_tokens"] == 5_931_393, shown
+    assert shown["kv_cache_tokens"] == shown["cache_tokens"] == 256 * 1408, shown
 
     cfg = parse_grpo(argv, env={})
     assert cfg.rollout.cache_tokens is None
     plan = settled_plan(cfg)
-    assert rollout_config(cfg, plan).cache_tokens == plan.kv_cache_tokens == 5_931_393
+    assert rollout_config(cfg, plan).cache_tokens == plan.kv_cache_tokens == 360_448
 
     given = parse_grpo([*argv, "--rollout-cache-tokens", "100000"], env={})
     assert rollout_config(given, settled_plan(given)).cache_tokens == 100_000
     with pytest.raises(SystemExit):
         parse_grpo([*argv, "--rollout-cache-tokens", "100000", "--print-config"], env={})
     shown = json.loads(capsys.readouterr().out)["offload_train"]
-    assert (shown["kv_cache_tokens"], shown["cache_tokens"]) == (5_931_393, 100_000), shown
+    assert (shown["kv_cache_tokens"], shown["cache_tokens"]) == (360_448, 100_000), shown
+
+    fewer = parse_grpo([*argv, "--rollout-max-batch-size", "128"], env={})
+    assert settled_plan(fewer).kv_cache_tokens == 128 * 1408
 
     offloaded = parse_grpo([*argv, "--offload-train"], env={})
     plan = settled_plan(offloaded)
     assert (plan.offload_train, plan.why) == (True, "set")
-    assert plan.kv_cache_tokens > 5_931_393  # the trainer's 70.2 GiB are on the host then
+    assert plan.kv_cache_tokens == 360_448  # the cap, with the trainer's 70 GiB on the host
     assert rollout_config(offloaded, plan).cache_tokens == plan.kv_cache_tokens
 
     apart = parse_grpo([*argv, "--no-colocate", "--num-gpus", "2"], env={})

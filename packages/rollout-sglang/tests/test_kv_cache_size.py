@@ -105,7 +105,7 @@ def test_each_allocation_logs_its_tokens_and_where_they_came_from(caplog):
         device=cpu,
         budget_tokens=lambda: next(sizes),
     )
-    with caplog.at_level(logging.INFO, logger="rollout_sglang.hf.kv_cache"):
+    with caplog.at_level(logging.INFO, logger="glimpse.memory"):
         cache.allocate()
         cache.release()
         cache.allocate()

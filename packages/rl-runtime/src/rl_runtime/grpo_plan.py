@@ -97,11 +97,13 @@ def colocation_plan(
         engine_share=cfg.rollout.kv_cache_fraction,
         state_bytes_per_sequence=model.state_bytes_per_sequence,
     )
+    slots = cfg.rollout.max_batch_size  # the cache holds at most what they fill at once
     if chosen is not None:  # the cache beside what the trainer keeps: nothing when offloaded
         estimate = estimate_at(current)
         if chosen:
             estimate = dataclasses.replace(estimate, kept=0.0)
-        _, tokens = engine_cache(model, estimate, **engine)
+        cap = slots * longest_sample(cfg)
+        _, tokens = engine_cache(model, estimate, **engine, cap_tokens=cap)
         return ColocationPlan(current, chosen, "set", tokens or None)
     return plan_colocation(
         model,
@@ -116,6 +118,7 @@ def colocation_plan(
             engines_park_weights=cfg.rollout.weights_cpu_backup,
         ),
         tokens_per_sequence=longest_sample(cfg),
+        engine_slots=slots,
         **engine,
     )
 

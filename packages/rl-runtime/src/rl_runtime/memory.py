@@ -342,20 +342,29 @@ def engine_cache(
     engine_sequences: int,
     engine_share: float,
     state_bytes_per_sequence: int = 0,
+    cap_tokens: int = 0,
 ) -> tuple[float, int]:
     """Colocated beside the trainer's resident state (:attr:`MemoryEstimate.resident`): the
     bytes of the engine's cache, ``engine_share`` of what is left once both processes have
     their reserve and the engine its bf16 weights (the HF engine's ``kv_cache_fraction`` of
     free memory), and the KV tokens that holds beside ``engine_sequences`` sequences'
     recurrent states (``state_bytes_per_sequence``: Qwen3.5's gated-delta-net layers keep a
-    state per sequence and no keys)."""
+    state per sequence and no keys). At most ``cap_tokens`` (0: no cap): what the engine's
+    batch slots can fill at once, the rest of the memory left free for the engine's decode
+    step and whatever a colocated trainer keeps beyond its estimate (the Qwen3.5 cut's
+    Megatron trainer kept 11 GiB past it on an H100, 2026-12-06, and a cache of ten times the
+    rollout's need left the decode step no room)."""
     engine_weights = 2 * (shape.language_params + shape.vision_params)
     left = gpu_bytes - estimate.resident - engine_weights - 2 * RESERVE_BYTES
     got = max(0.0, engine_share * left)
     if shape.kv_bytes_per_token <= 0:
         return got, 0
-    kv = got - engine_sequences * state_bytes_per_sequence
-    return got, max(0, int(kv // shape.kv_bytes_per_token))
+    states = engine_sequences * state_bytes_per_sequence
+    tokens = max(0, int((got - states) // shape.kv_bytes_per_token))
+    if cap_tokens and tokens > cap_tokens:
+        tokens = cap_tokens
+        got = states + tokens * shape.kv_bytes_per_token
+    return got, tokens
 
 
 def keep_train_state_on_gpu(
@@ -367,13 +376,15 @@ def keep_train_state_on_gpu(
     tokens_per_sequence: int,
     engine_share: float,
     state_bytes_per_sequence: int = 0,
+    engine_slots: int = 0,
 ) -> tuple[bool, str]:
     """Colocated: may the trainer's resident state (its weights and optimizer state, and its
     gradients where the backend keeps them between steps) stay on the GPU while the engine
     generates? Yes when the engine's cache beside it (:func:`engine_cache`) still holds
     ``engine_sequences`` sequences of ``tokens_per_sequence`` tokens: then the onload and
     offload copies of every step are waste. Returns the answer and its numbers, the cache in
-    GiB and in tokens (for the log and ``--print-config``)."""
+    GiB and in tokens (for the log and ``--print-config``). ``engine_slots``: the engine's
+    batch slots, whose sequences of ``tokens_per_sequence`` cap the cache (0: no cap)."""
     got, tokens = engine_cache(
         shape,
         estimate,
@@ -381,6 +392,7 @@ def keep_train_state_on_gpu(
         engine_sequences=engine_sequences,
         engine_share=engine_share,
         state_bytes_per_sequence=state_bytes_per_sequence,
+        cap_tokens=engine_slots * tokens_per_sequence,
     )
     engine_weights = 2 * (shape.language_params + shape.vision_params)
     need_tokens = engine_sequences * tokens_per_sequence
@@ -388,9 +400,13 @@ def keep_train_state_on_gpu(
     kv_need = need_tokens * shape.kv_bytes_per_token + states
     keep = shape.kv_bytes_per_token > 0 and tokens >= need_tokens
     with_states = f", {states / GiB:.1f} GiB of it recurrent states" if states else ""
+    capped = ""
+    if engine_slots and tokens == engine_slots * tokens_per_sequence:
+        capped = f", what its {engine_slots} slots fill"
     why = (
         f"trainer state {estimate.resident / GiB:.1f} GiB, engine weights "
-        f"{engine_weights / GiB:.1f}, its KV cache {got / GiB:.1f} GiB ({tokens:,} tokens) "
+        f"{engine_weights / GiB:.1f}, its KV cache {got / GiB:.1f} GiB ({tokens:,} tokens"
+        f"{capped}) "
         f"beside them for {kv_need / GiB:.1f} needed ({engine_sequences} x "
         f"{tokens_per_sequence} = {need_tokens:,} tokens{with_states}), of "
         f"{gpu_bytes / GiB:.1f} GiB"
@@ -424,6 +440,7 @@ def plan_colocation(
     tokens_per_sequence: int,
     engine_share: float,
     state_bytes_per_sequence: int = 0,
+    engine_slots: int = 0,
 ) -> ColocationPlan:
     """The trainer's state during rollout, colocated with the transformers engine.
 
@@ -438,7 +455,8 @@ def plan_colocation(
     slower but within memory. ``estimate_at(f)``: the layout's estimate with ``f`` of the
     optimizer on the host; ``fractions``: the ones the user left free (none when given). The
     plan's ``kv_cache_tokens`` are the cache's tokens beside the state where it stays, beside
-    nothing of the trainer's where it is offloaded."""
+    nothing of the trainer's where it is offloaded, at most what the engine's ``engine_slots``
+    fill (:func:`engine_cache`)."""
 
     def beside(estimate: MemoryEstimate) -> tuple[bool, str]:
         return keep_train_state_on_gpu(
@@ -449,6 +467,7 @@ def plan_colocation(
             tokens_per_sequence=tokens_per_sequence,
             engine_share=engine_share,
             state_bytes_per_sequence=state_bytes_per_sequence,
+            engine_slots=engine_slots,
         )
 
     def tokens(estimate: MemoryEstimate) -> int | None:
@@ -459,6 +478,7 @@ def plan_colocation(
             engine_sequences=engine_sequences,
             engine_share=engine_share,
             state_bytes_per_sequence=state_bytes_per_sequence,
+            cap_tokens=engine_slots * tokens_per_sequence,
         )
         return kv or None
 

@@ -37,12 +37,15 @@ STARTUP_LOGGER = "glimpse.startup"
 #: the logger of a step's progress inside a worker (a long train phase's micro-batches,
 #: `rl_algos.train_step`; what a compile cost, `trainer_core.compile_log`): shown at INFO too
 PROGRESS_LOGGER = "glimpse.progress"
+#: the logger of what a colocated process holds of the GPU when the other takes it (the
+#: engine's KV cache at each allocation, what a trainer keeps against the plan): shown at INFO
+MEMORY_LOGGER = "glimpse.memory"
 
 
 def _configure_worker_logging(level: str) -> None:
     """Worker logs reach the driver's console through Ray; keep them to what matters."""
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    for name in (STARTUP_LOGGER, PROGRESS_LOGGER):
+    for name in (STARTUP_LOGGER, PROGRESS_LOGGER, MEMORY_LOGGER):
         shown = logging.getLogger(name)
         shown.setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
 

@@ -28,6 +28,9 @@ import torch
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
+#: the allocation's line, at each allocation (a colocated run's every resume): shown at INFO
+#: by the workers (``rl_runtime.workers.MEMORY_LOGGER``), as the trainers' ``release_cache``
+memory_logger = logging.getLogger("glimpse.memory")
 
 
 GiB = 1 << 30
@@ -165,7 +168,7 @@ class KVCache:
                 self.budget_tokens * per_token, dtype=self.dtype, device=self.device
             )
             gib = self._storage.numel() * self._storage.element_size() / 2**30
-            logger.info(
+            memory_logger.info(
                 "KV cache: %d tokens (%.2f GiB) on %s: %s",
                 self.budget_tokens,
                 gib,
