@@ -348,8 +348,15 @@ def run_backend(args: argparse.Namespace, backend: str, model: Path) -> dict[str
     # each step's phases too: a recompile or an allocator stall in one step moves the median of
     # the step but of no phase, so the medians alone need not add up
     step_keys = [f"time_{p}_s" for p in PHASES] + [GRPO_STEP]
-    # and what each step computed on: its samples, their mean length, the engine/trainer gap
-    checks = ("num_samples", "response_length_mean", "rollout_logprob_abs_diff")
+    # and what each step computed on: its samples (and the completions dropped before the
+    # reward: a random-init model samples an image placeholder now and then), their mean
+    # length, the engine/trainer gap
+    checks = (
+        "num_samples",
+        "malformed_completions",
+        "response_length_mean",
+        "rollout_logprob_abs_diff",
+    )
     result["steps"] = [
         {k.removeprefix("perf/"): round(r[k], 3) for k in step_keys if k in r}
         | {k: r[k] for k in checks if k in r}

@@ -173,6 +173,14 @@ def _run_grpo(cfg: GrpoLoopConfig, p: GrpoParts) -> list[dict[str, Any]]:
             with timer("reward") as current:
                 flat, rewards, bad, row["malformed_completions"] = scored.finish(groups)
                 current.samples = len(rewards)
+            if row["malformed_completions"]:
+                log.warning(
+                    "step %d: %d completion(s) dropped before the reward: the response holds an "
+                    "image or video placeholder token, which the trainer cannot score "
+                    "(malformed_completions)",
+                    step,
+                    row["malformed_completions"],
+                )
             # 3. Advantages within each prompt's group; optional dynamic-sampling filter.
             gids = torch.tensor([g for g, _, _ in flat])
             r = torch.tensor(rewards, dtype=torch.float64)
