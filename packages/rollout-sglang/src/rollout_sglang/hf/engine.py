@@ -32,10 +32,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rollout_sglang.hf.decode import DecodeRunner, SamplingKey, TextDecoder, sample_logits, supports
+from rollout_sglang.hf.decode import TextDecoder, supports
+from rollout_sglang.hf.decode_runner import DecodeRunner
 from rollout_sglang.hf.kv_cache import CacheSize, KVCache, KVCacheTooSmall, cache_size
 from rollout_sglang.hf.legacy import LegacyHFEngine, _eos_ids
 from rollout_sglang.hf.routing import PrefillRouting, sequence_routing
+from rollout_sglang.hf.sampling import SamplingKey, sample_logits
 from rollout_sglang.hf.scheduler import Scheduler, SeqState, round_up
 from rollout_sglang.hf.weights import WeightLoader
 from rollout_sglang.types import Completion, GenerateRequest, NamedTensors, SamplingParams

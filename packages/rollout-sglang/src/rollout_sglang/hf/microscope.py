@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rollout_sglang.hf.decode import SamplingKey
+from rollout_sglang.hf.sampling import SamplingKey
 from rollout_sglang.hf.scheduler import SeqState, round_up
 from rollout_sglang.types import GenerateRequest
 
