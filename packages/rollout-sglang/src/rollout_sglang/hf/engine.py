@@ -41,7 +41,7 @@ from rollout_sglang.hf.prefill import Prefill
 from rollout_sglang.hf.routing import PrefillRouting, sequence_routing
 from rollout_sglang.hf.sampling import SamplingKey
 from rollout_sglang.hf.scheduler import Scheduler, SeqState, round_up
-from rollout_sglang.hf.weights import WeightLoader
+from rollout_sglang.hf.weights import DroppedWeights, WeightLoader
 from rollout_sglang.types import Completion, GenerateRequest, NamedTensors, SamplingParams
 from rollout_sglang.validation import RequestLimits, request_error
 from trainer_core import HostCopies
@@ -156,7 +156,7 @@ class HFEngine:
         self._released = False
         self._host = HostCopies()  # pinned host twins of the weights while released
         self.weights_backup = weights_backup
-        self._dropped: list[tuple[nn.Parameter, torch.Size]] = []  # (without a backup)
+        self._dropped = DroppedWeights()  # (without a backup)
         self.last_stats: dict[str, float] = {}  # where the last generate's time went
         self._legacy: LegacyHFEngine | None = None
         self._routing: PrefillRouting | None = None  # set below where routing is returned
@@ -263,7 +263,7 @@ class HFEngine:
             raise RuntimeError("HFEngine.generate after release_memory(); call resume_memory()")
         if self._legacy is not None:
             return self._legacy.generate(requests, params)
-        self._check_refilled()
+        self._dropped.check_refilled(self._loader)
         cache, runner = self._ensure_cache()
         try:
             cache.allocate()  # its budget is what the requests are checked against
@@ -423,7 +423,7 @@ class HFEngine:
             if self.cache is not None:
                 self.cache.release()
             if not self.weights_backup:
-                self._drop_weights()
+                self._dropped.drop(self._loader)
             elif self.device.type != "cpu":
                 self._host.move_module(self.model, torch.device("cpu"))
             if self.device.type == "cuda":
@@ -439,44 +439,11 @@ class HFEngine:
             return
         if self._legacy is not None:
             self._legacy.resume_memory()
-        elif self._dropped:
-            self._allocate_dropped()
+        elif self._dropped.params:
+            self._dropped.allocate(self._loader, self.device)
         elif self.device.type != "cpu":
             self._host.move_module(self.model, self.device)
         self._released = False
-
-    def _drop_weights(self) -> None:
-        """Free every parameter without a copy (``weights_backup`` off: the next weight push
-        rewrites them all, as SGLang's release does without ``enable_weights_cpu_backup``).
-        Buffers (rotary frequencies) are not pushed, so they stay."""
-        if not self._dropped:  # (else dropped before: allocated again, maybe not refilled)
-            params = dict.fromkeys(self.model.parameters())  # tied ones once
-            self._dropped = [(p, p.shape) for p in params]
-        for p, _ in self._dropped:
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        self._loader.written = None
-
-    def _allocate_dropped(self) -> None:
-        """Device memory for the dropped parameters, unfilled until the push writes them."""
-        for p, shape in self._dropped:
-            p.data = torch.empty(shape, dtype=p.dtype, device=self.device)
-        self._loader.written = set()
-
-    def _check_refilled(self) -> None:
-        """After a release without a backup, generating before every parameter was pushed
-        again would sample from uninitialised memory: refuse, naming one."""
-        if not self._dropped:
-            return
-        written = self._loader.written or set()
-        missing = [p for p, _ in self._dropped if p.untyped_storage().data_ptr() not in written]
-        if missing:
-            names = {id(p): n for n, p in self.model.named_parameters()}
-            raise RuntimeError(
-                f"HFEngine: {len(missing)} of {len(self._dropped)} parameters were dropped at "
-                f"release_memory and not pushed since (first: {names.get(id(missing[0]))}); "
-                "push the weights before generating, or keep a host copy (weights_backup)"
-            )
-        self._dropped, self._loader.written = [], None
 
     def begin_weight_update(self) -> None:
         """Nothing to open: weights load in place at any time."""
