@@ -3,13 +3,14 @@
 A small serving engine rather than a ``model.generate`` loop, because rollout time is decode
 time: prompts are prefilled through the transformers model itself (vision tower, DeepStack,
 M-RoPE positions: exactly the trainer's forward) and their keys/values copied into a
-preallocated per-slot KV cache (:mod:`~rollout_sglang.hf.kv_cache`); decode runs our own forward
-over the same weights (:mod:`~rollout_sglang.hf.decode`), captured once per (batch bucket,
-KV-length bucket) as a CUDA graph, with sampling and log-probs inside the graph; continuous
-batching (:mod:`~rollout_sglang.hf.scheduler`) refills a finished sequence's slot at once.
-The decode step covers Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE; other models, or
-``legacy_decode=True``, use the transformers loop of :mod:`~rollout_sglang.hf.legacy` (slow: a
-reference and an escape hatch). Qwen3.5's prompts are prefilled in groups of equal length: a
+preallocated per-slot KV cache (:mod:`~rollout_sglang.hf.prefill`,
+:mod:`~rollout_sglang.hf.kv_cache`); decode runs our own forward over the same weights
+(:mod:`~rollout_sglang.hf.decode`), captured once per (batch bucket, KV-length bucket) as a CUDA
+graph (:mod:`~rollout_sglang.hf.decode_runner`), with sampling and log-probs inside the graph;
+continuous batching (:mod:`~rollout_sglang.hf.scheduler`) refills a finished sequence's slot
+at once. The decode step covers Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE; other models,
+or ``legacy_decode=True``, use the transformers loop of :mod:`~rollout_sglang.hf.legacy` (slow:
+a reference and an escape hatch). Qwen3.5's prompts are prefilled in groups of equal length: a
 padded row would run its pads through the gated-delta-net recurrence and spoil its state.
 
 Each request samples with its own seed (``GenerateRequest.seed``, else ``SamplingParams.seed``
@@ -30,19 +31,21 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from rollout_sglang.hf.decode import DecodeRunner, SamplingKey, TextDecoder, sample_logits, supports
+from rollout_sglang.hf.decode import TextDecoder, supports
+from rollout_sglang.hf.decode_runner import DecodeRunner
 from rollout_sglang.hf.kv_cache import CacheSize, KVCache, KVCacheTooSmall, cache_size
 from rollout_sglang.hf.legacy import LegacyHFEngine, _eos_ids
+from rollout_sglang.hf.prefill import Prefill
 from rollout_sglang.hf.routing import PrefillRouting, sequence_routing
+from rollout_sglang.hf.sampling import SamplingKey
 from rollout_sglang.hf.scheduler import Scheduler, SeqState, round_up
-from rollout_sglang.hf.weights import WeightLoader
+from rollout_sglang.hf.weights import DroppedWeights, WeightLoader
 from rollout_sglang.types import Completion, GenerateRequest, NamedTensors, SamplingParams
 from rollout_sglang.validation import RequestLimits, request_error
 from trainer_core import HostCopies
 from trainer_core.compile_log import log_compiles
-from vlm_models.packing import sample_position_ids
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +59,6 @@ ENGINE_MODEL_OPTIONS = {"fused_vision_attention": True, "fused_rms_norm": True}
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
-
-
-def _layer_kv(cache: Any, layer: int) -> tuple[Tensor, Tensor]:
-    """Keys/values ``[B, kv_heads, W, head_dim]`` of one layer of a transformers cache."""
-    layers = getattr(cache, "layers", None)
-    if layers is not None:
-        return layers[layer].keys, layers[layer].values
-    return cache.key_cache[layer], cache.value_cache[layer]  # older transformers
 
 
 def resolve_attention(choice: str, device: torch.device) -> str:
@@ -161,9 +156,8 @@ class HFEngine:
         self._released = False
         self._host = HostCopies()  # pinned host twins of the weights while released
         self.weights_backup = weights_backup
-        self._dropped: list[tuple[nn.Parameter, torch.Size]] = []  # (without a backup)
+        self._dropped = DroppedWeights()  # (without a backup)
         self.last_stats: dict[str, float] = {}  # where the last generate's time went
-        self._rope_memo: dict = {}  # M-RoPE ids of prompt heads, per generate call
         self._legacy: LegacyHFEngine | None = None
         self._routing: PrefillRouting | None = None  # set below where routing is returned
         self.cache: KVCache | None = None
@@ -204,6 +198,9 @@ class HFEngine:
         shape = self.decoder.routing_shape if return_routed_experts else None
         self._routing = (
             None if shape is None else PrefillRouting(self.decoder.text.layers, shape[1])
+        )
+        self.prefill = Prefill(
+            model, self.decoder, self.device, pad_token_id=pad_token_id, routing=self._routing
         )
         self.cuda_graphs = cuda_graphs
         logger.info(
@@ -266,7 +263,7 @@ class HFEngine:
             raise RuntimeError("HFEngine.generate after release_memory(); call resume_memory()")
         if self._legacy is not None:
             return self._legacy.generate(requests, params)
-        self._check_refilled()
+        self._dropped.check_refilled(self._loader)
         cache, runner = self._ensure_cache()
         try:
             cache.allocate()  # its budget is what the requests are checked against
@@ -278,7 +275,7 @@ class HFEngine:
                 Completion.failed(str(exc), prompt_length=r.prompt_length, request_id=r.request_id)
                 for r in requests
             ]
-        self._rope_memo = {}  # a prompt head's M-RoPE ids once per call (GRPO groups)
+        self.prefill.rope_memo = {}  # a prompt head's M-RoPE ids once per call (GRPO groups)
         base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()))
         results: list[Completion | None] = [None] * len(requests)
         seqs: list[SeqState] = []
@@ -329,7 +326,7 @@ class HFEngine:
             scheduler = Scheduler(
                 slots=cache.slots,
                 seq_cap=cache.seq_cap,
-                prefill=lambda chunk, slots: self._prefill(chunk, slots, sampling),
+                prefill=lambda chunk, slots: self.prefill.run(cache, chunk, slots, sampling),
                 decode=lambda state, kv_len: runner.run(state, kv_len, sampling),
                 move=self._move,
                 stop_ids=stop,
@@ -405,128 +402,6 @@ class HFEngine:
         index = torch.tensor
         self.cache.move(index(src, device=self.device), index(dst, device=self.device))
 
-    def _prefill_inputs(self, seqs: list[SeqState]) -> dict[str, Tensor]:
-        """Right-padded ids and mask (every row's position ``t`` at column ``t``, so the cache
-        copy is one slice for all rows), ``[4, B, W]`` positions (text row + M-RoPE), images."""
-        lengths = [s.prompt_length for s in seqs]
-        batch, width = len(seqs), max(lengths)
-        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((batch, width), dtype=torch.long)
-        position_ids = torch.zeros((4, batch, width), dtype=torch.long)
-        position_ids[0] = torch.arange(width)  # the text row: plain, so no "packed" detection
-        for b, seq in enumerate(seqs):
-            request, n = seq.request, lengths[b]
-            input_ids[b, :n] = request.input_ids
-            attention_mask[b, :n] = 1
-            mrope = sample_position_ids(
-                request.input_ids, request.image_grid_thw, self.model.config, memo=self._rope_memo
-            )
-            position_ids[1:, b, :n] = mrope
-            seq.rope_next = int(mrope.max()) + 1
-        inputs = {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": position_ids,
-        }
-        with_images = [
-            s.request
-            for s in seqs
-            if s.request.pixel_values is not None and s.request.pixel_values.numel()
-        ]
-        if with_images:
-            inputs["pixel_values"] = torch.cat([r.pixel_values for r in with_images])
-            inputs["image_grid_thw"] = torch.cat(
-                [r.image_grid_thw.reshape(-1, 3) for r in with_images]
-            )
-        return {k: v.to(self.device, non_blocking=True) for k, v in inputs.items()}
-
-    @staticmethod
-    def _distinct(seqs: list[SeqState]) -> tuple[list[SeqState], list[int]]:
-        """The distinct prompts of ``seqs`` (same ids, same images) and, per sequence, the
-        index of its prompt: a GRPO group's n samples share one prompt, prefilled once."""
-        distinct: list[SeqState] = []
-        owner: list[int] = []
-        by_ids: dict[bytes, list[int]] = {}
-        for seq in seqs:
-            request = seq.request
-            candidates = by_ids.setdefault(request.input_ids.numpy().tobytes(), [])
-            for j in candidates:
-                other = distinct[j].request
-                same_pixels = request.pixel_values is other.pixel_values or (
-                    request.pixel_values is not None
-                    and other.pixel_values is not None
-                    and torch.equal(request.pixel_values, other.pixel_values)
-                )
-                if same_pixels:
-                    owner.append(j)
-                    break
-            else:
-                candidates.append(len(distinct))
-                owner.append(len(distinct))
-                distinct.append(seq)
-        return distinct, owner
-
-    def _prefill(
-        self, seqs: list[SeqState], slots: list[int], sampling: SamplingKey
-    ) -> list[tuple[int, float]]:
-        """Prompts through the transformers model; K/V (and linear-attention states) into
-        ``slots``; the first tokens."""
-        assert self.cache is not None
-        distinct, owner = self._distinct(seqs)
-        if self.decoder.linear_layers:  # no padding: equal lengths per forward
-            by_length: dict[int, list[int]] = {}
-            for j, seq in enumerate(distinct):
-                by_length.setdefault(seq.prompt_length, []).append(j)
-            groups = list(by_length.values())
-        else:
-            groups = [list(range(len(distinct)))]
-        hidden: list[Tensor | None] = [None] * len(distinct)
-        for group in groups:
-            members = [distinct[j] for j in group]
-            inputs = self._prefill_inputs(members)
-            if self._routing is None:
-                out = self.model.model(**inputs, use_cache=True)
-            else:
-                with self._routing as routing:
-                    out = self.model.model(**inputs, use_cache=True)
-                lengths = [s.prompt_length for s in members]
-                for s, rows in zip(
-                    members, routing.rows(*inputs["input_ids"].shape, lengths), strict=True
-                ):
-                    s.prompt_routing = rows
-            last = torch.tensor([s.prompt_length - 1 for s in members], device=self.device)
-            rows = out.last_hidden_state[torch.arange(len(members), device=self.device), last]
-            for r, j in enumerate(group):
-                hidden[j] = rows[r]
-            # the sequences whose prompt is in this group, and their rows in its output
-            place = {j: r for r, j in enumerate(group)}
-            mine = [(slot, place[o]) for slot, o in zip(slots, owner, strict=True) if o in place]
-            slot_index = torch.tensor([m[0] for m in mine], device=self.device)
-            row_index = torch.tensor([m[1] for m in mine], device=self.device)
-            self._store_prefill(out.past_key_values, slot_index, row_index)
-        for seq, j in zip(seqs, owner, strict=True):
-            seq.rope_next = distinct[j].rope_next
-            seq.prompt_routing = distinct[j].prompt_routing
-        owner_index = torch.tensor(owner, device=self.device)
-        logits = self.model.lm_head(torch.stack(hidden)).float()[owner_index]  # type: ignore[arg-type]
-        seeds = torch.tensor([s.seed for s in seqs], device=self.device)
-        tokens, logprobs = sample_logits(logits, seeds, torch.zeros_like(seeds), sampling)
-        return list(zip(tokens.tolist(), logprobs.tolist(), strict=True))
-
-    def _store_prefill(self, past: Any, slots: Tensor, rows: Tensor) -> None:
-        """Rows ``rows`` of a prefill's transformers cache into cache slots ``slots``: K/V of
-        the attention layers, conv and recurrent states of the gated-delta-net layers."""
-        assert self.cache is not None
-        for j, layer in enumerate(self.decoder.kv_layers):
-            keys, values = _layer_kv(past, layer)
-            self.cache.write_prefill(j, slots, keys[rows], values[rows])
-        states = self.cache.states
-        for j, layer in enumerate(self.decoder.linear_layers):
-            cached = past.layers[layer]
-            states.write_prefill(
-                j, slots, cached.conv_states[0][rows], cached.recurrent_states[0][rows]
-            )
-
     # ---------------------------------------------------------------- weights and memory
 
     def update_weights(self, buckets: Iterable[NamedTensors]) -> None:
@@ -548,7 +423,7 @@ class HFEngine:
             if self.cache is not None:
                 self.cache.release()
             if not self.weights_backup:
-                self._drop_weights()
+                self._dropped.drop(self._loader)
             elif self.device.type != "cpu":
                 self._host.move_module(self.model, torch.device("cpu"))
             if self.device.type == "cuda":
@@ -564,44 +439,11 @@ class HFEngine:
             return
         if self._legacy is not None:
             self._legacy.resume_memory()
-        elif self._dropped:
-            self._allocate_dropped()
+        elif self._dropped.params:
+            self._dropped.allocate(self._loader, self.device)
         elif self.device.type != "cpu":
             self._host.move_module(self.model, self.device)
         self._released = False
-
-    def _drop_weights(self) -> None:
-        """Free every parameter without a copy (``weights_backup`` off: the next weight push
-        rewrites them all, as SGLang's release does without ``enable_weights_cpu_backup``).
-        Buffers (rotary frequencies) are not pushed, so they stay."""
-        if not self._dropped:  # (else dropped before: allocated again, maybe not refilled)
-            params = dict.fromkeys(self.model.parameters())  # tied ones once
-            self._dropped = [(p, p.shape) for p in params]
-        for p, _ in self._dropped:
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        self._loader.written = None
-
-    def _allocate_dropped(self) -> None:
-        """Device memory for the dropped parameters, unfilled until the push writes them."""
-        for p, shape in self._dropped:
-            p.data = torch.empty(shape, dtype=p.dtype, device=self.device)
-        self._loader.written = set()
-
-    def _check_refilled(self) -> None:
-        """After a release without a backup, generating before every parameter was pushed
-        again would sample from uninitialised memory: refuse, naming one."""
-        if not self._dropped:
-            return
-        written = self._loader.written or set()
-        missing = [p for p, _ in self._dropped if p.untyped_storage().data_ptr() not in written]
-        if missing:
-            names = {id(p): n for n, p in self.model.named_parameters()}
-            raise RuntimeError(
-                f"HFEngine: {len(missing)} of {len(self._dropped)} parameters were dropped at "
-                f"release_memory and not pushed since (first: {names.get(id(missing[0]))}); "
-                "push the weights before generating, or keep a host copy (weights_backup)"
-            )
-        self._dropped, self._loader.written = [], None
 
     def begin_weight_update(self) -> None:
         """Nothing to open: weights load in place at any time."""

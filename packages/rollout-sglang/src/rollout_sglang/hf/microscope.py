@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rollout_sglang.hf.decode import SamplingKey
+from rollout_sglang.hf.sampling import SamplingKey
 from rollout_sglang.hf.scheduler import SeqState, round_up
 from rollout_sglang.types import GenerateRequest
 
@@ -130,7 +130,7 @@ def _prefill_inputs(engine: Any, request: GenerateRequest) -> dict[str, Tensor]:
     """The engine's prefill inputs for one request (ids, mask, text + M-RoPE positions,
     images) on its device."""
     seq = SeqState(index=0, request=request, seed=0, limit=1)
-    return engine._prefill_inputs([seq])
+    return engine.prefill.inputs([seq])
 
 
 def forward_trace(engine: Any, request: GenerateRequest, response: Sequence[int]) -> Trace:
@@ -200,10 +200,10 @@ def decode_trace(
     hook = engine.model.lm_head.register_forward_hook(lambda _m, _a, out: first.append(out))
     try:
         with torch.inference_mode():
-            engine._prefill(seqs, list(range(len(seqs))), SamplingKey(1.0, -1, 1.0))
+            engine.prefill.run(cache, seqs, list(range(len(seqs))), SamplingKey(1.0, -1, 1.0))
     finally:
         hook.remove()
-    _, owner = engine._distinct(seqs)
+    _, owner = engine.prefill.distinct(seqs)
     device = engine.device
     first_logits = first[-1].float()[torch.tensor(owner, device=device)]
     longest = max(lengths)

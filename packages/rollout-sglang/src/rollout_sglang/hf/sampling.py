@@ -8,6 +8,8 @@ logits with ``rl_algos.logprobs_from_logits(logits, labels, temperature=T)``. Gr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -103,3 +105,26 @@ def sample_with_uniform(
         tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
         tokens = tokens.clamp_(max=logits.shape[-1] - 1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+@dataclass(frozen=True)
+class SamplingKey:
+    """The sampling settings a captured graph bakes in (they shape its ops)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+
+
+def sample_logits(
+    logits: Tensor, seeds: Tensor, counters: Tensor, sampling: SamplingKey
+) -> tuple[Tensor, Tensor]:
+    """Each row's token and log-prob, drawn with its (seed, counter) uniform."""
+    uniform = counter_uniform(seeds, counters)
+    return sample_with_uniform(
+        logits,
+        uniform,
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+    )

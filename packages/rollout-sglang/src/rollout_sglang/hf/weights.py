@@ -12,6 +12,9 @@ transposed stacks, transposed back. transformers' own loading conversion is not 
 every expert of a layer at once (a bucket may end anywhere) and its ``Transpose(check_dims)``
 cannot tell a square expert's two layouts apart. Buckets are made on the sending side by
 ``weight_sync.iter_weight_buckets``.
+
+:class:`DroppedWeights` is the engine's side of a release without a host copy: the parameters
+it freed, and whether the pushes since have written every one back.
 """
 
 from __future__ import annotations
@@ -97,3 +100,46 @@ class WeightLoader:
                 self.written.add(dst.untyped_storage().data_ptr())
             count += 1
         return count
+
+
+class DroppedWeights:
+    """A model's parameters freed without a copy at an engine's release (``weights_backup`` off:
+    the next weight push rewrites them all, as SGLang's release does without
+    ``enable_weights_cpu_backup``), and the check before a generate that the push wrote every one
+    back. Beside :class:`WeightLoader` because the loader's ``written`` is how the check knows;
+    the loader is passed to each call rather than held, so this adds no reference to it."""
+
+    def __init__(self) -> None:
+        self.params: list[tuple[nn.Parameter, torch.Size]] = []  # (and their shapes)
+
+    def drop(self, loader: WeightLoader) -> None:
+        """Free every parameter of the loader's model without a copy. Buffers (rotary
+        frequencies) are not pushed, so they stay."""
+        if not self.params:  # (else dropped before: allocated again, maybe not refilled)
+            params = dict.fromkeys(loader.model.parameters())  # tied ones once
+            self.params = [(p, p.shape) for p in params]
+        for p, _ in self.params:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        loader.written = None
+
+    def allocate(self, loader: WeightLoader, device: torch.device) -> None:
+        """Device memory for the dropped parameters, unfilled until the push writes them."""
+        for p, shape in self.params:
+            p.data = torch.empty(shape, dtype=p.dtype, device=device)
+        loader.written = set()
+
+    def check_refilled(self, loader: WeightLoader) -> None:
+        """After a release without a backup, generating before every parameter was pushed
+        again would sample from uninitialised memory: refuse, naming one."""
+        if not self.params:
+            return
+        written = loader.written or set()
+        missing = [p for p, _ in self.params if p.untyped_storage().data_ptr() not in written]
+        if missing:
+            names = {id(p): n for n, p in loader.model.named_parameters()}
+            raise RuntimeError(
+                f"HFEngine: {len(missing)} of {len(self.params)} parameters were dropped at "
+                f"release_memory and not pushed since (first: {names.get(id(missing[0]))}); "
+                "push the weights before generating, or keep a host copy (weights_backup)"
+            )
+        self.params, loader.written = [], None
