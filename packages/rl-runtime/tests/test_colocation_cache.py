@@ -14,7 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from rl_runtime import ParallelLayout, StateBytes, estimate_memory
-from rl_runtime.memory import GiB, ModelShape, TrainLayout, keep_train_state_on_gpu, plan_colocation
+from rl_runtime.colocation import keep_train_state_on_gpu, plan_colocation
+from rl_runtime.memory import GiB, ModelShape, TrainLayout
 
 # rl_runtime.ModelShape(**vlm_models.sources.model_shape(...)) of that cut
 QWEN35_CUT = ModelShape(

@@ -18,6 +18,7 @@ from rl_runtime import (
     choose_layout,
     estimate_memory,
 )
+from rl_runtime.colocation import keep_train_state_on_gpu, plan_colocation
 from rl_runtime.memory import (
     HOST_CAP,
     HOST_RESERVE_BYTES,
@@ -29,8 +30,6 @@ from rl_runtime.memory import (
     TrainLayout,
     candidate_layouts,
     flags,
-    keep_train_state_on_gpu,
-    plan_colocation,
 )
 
 

@@ -11,14 +11,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from rl_runtime.cluster_config import layout
+from rl_runtime.colocation import ColocationPlan, engine_cache, plan_colocation
 from rl_runtime.logprob_guard import coarsest_dtype
-from rl_runtime.memory import (
-    ColocationPlan,
-    MemoryEstimate,
-    ModelShape,
-    engine_cache,
-    plan_colocation,
-)
+from rl_runtime.memory import MemoryEstimate, ModelShape
 from rl_runtime.parallel import (
     gpu_memory_bytes,
     host_budget,

@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 
 from rl_algos.run_context import TrainLayout
 from rl_runtime.cluster_config import ClusterConfig, layout
+from rl_runtime.colocation import ENGINE_IDLE_BYTES
 from rl_runtime.memory import (
-    ENGINE_IDLE_BYTES,
     HOST_CAP,
     HOST_RESERVE_BYTES,
     PROCESS_HOST_BYTES,
