@@ -29,21 +29,16 @@ from rl_algos import (
     MicroBatchLoss,
     TrainBatch,
     TrainLoss,
-    aligned_entropy,
-    aligned_logprobs,
     collect_logprobs,
-    entropy_from_logits,
-    logprobs_from_logits,
     resolve_loss,
     run_sequentially,
-    scatter_rows,
 )
 from rl_algos import train_step as core
 from trainer_core import MicroBatch, PinnedStaging, build_micro_batch, replays_routes
 from trainer_core.compile_log import log_compiles
 from trainer_core.offload import timed_copies, transfer_metrics
 from trainer_core.startup import StartupLog
-from trainers_fsdp.attention import PACKED_ATTENTION, PackedSeqInfo, register_packed_attention
+from trainers_fsdp.attention import PACKED_ATTENTION, register_packed_attention
 from trainers_fsdp.checkpoint import load_checkpoint, save_checkpoint
 from trainers_fsdp.config import FsdpConfig, offload_refusal
 from trainers_fsdp.distributed import (
@@ -53,6 +48,7 @@ from trainers_fsdp.distributed import (
     resolve_device,
 )
 from trainers_fsdp.flat_adamw import FlatAdamW, move_optimizer_state
+from trainers_fsdp.forward import packed_forward
 from trainers_fsdp.master import MasterWeights
 from trainers_fsdp.microbatch import plan_micro_batches
 from trainers_fsdp.optim import (
@@ -287,66 +283,18 @@ class FsdpActor:
     def _forward(
         self, model: nn.Module, mb: MicroBatch, *, entropy: EntropyMode = None
     ) -> tuple[Tensor, Tensor | None]:
-        """Packed forward; aligned log-probs ``[T]`` (float32) and optionally entropy ``[T]``.
-
-        With ``logprobs_scope="loss"`` the LM head runs only on the rows that predict loss
-        tokens (``logits_to_keep``), and other positions hold 0, which the token alignment
-        convention allows. ``entropy``: None, ``"grad"`` (differentiable, for an entropy bonus)
-        or ``"metric"`` (detached).
-        """
-        kwargs = dict(
-            input_ids=mb.input_ids[None],
-            position_ids=mb.position_ids[:, None, :],
-            use_cache=False,
+        """:func:`~trainers_fsdp.forward.packed_forward` of ``model`` (the policy or the
+        reference) with this actor's settings: aligned log-probs ``[T]`` and optionally
+        entropy ``[T]``."""
+        return packed_forward(
+            model,
+            mb,
+            self.config,
+            vision=self._vision_inputs.get(id(model)),
+            linear_attention=self._linear_attention,
+            compiled=bool(self.compile),
+            entropy=entropy,
         )
-        if mb.pixel_values is not None:
-            kwargs["pixel_values"] = mb.pixel_values
-            kwargs["image_grid_thw"] = mb.image_grid_thw
-        if self.config.attn_implementation == PACKED_ATTENTION or self._linear_attention:
-            kwargs["packed_seq_info"] = PackedSeqInfo(
-                mb.cu_seqlens, tuple(mb.lengths), max(mb.lengths)
-            )
-        vision = self._vision_inputs.get(id(model))
-        injected = nullcontext() if vision is None else vision.use(mb.vision_inputs)
-        with record_function("fsdp_actor.forward"), injected:
-            return self._scored_forward(model, mb, kwargs, entropy)
-
-    def _scored_forward(
-        self, model: nn.Module, mb: MicroBatch, kwargs: dict, entropy: EntropyMode
-    ) -> tuple[Tensor, Tensor | None]:
-        """The model call and the log-prob (and entropy) rows of :meth:`_forward`."""
-        temperature = self.config.temperature
-        total = mb.input_ids.shape[0]
-        if self.config.logprobs_scope == "all":
-            logits = model(**kwargs).logits[0]
-            cu = [0]
-            for n in mb.lengths:
-                cu.append(cu[-1] + n)
-            logprobs = aligned_logprobs(logits, mb.input_ids, cu, temperature)
-            ent = None
-            if entropy == "grad":
-                ent = aligned_entropy(logits, cu, temperature)
-            elif entropy == "metric":
-                with torch.no_grad():
-                    ent = aligned_entropy(logits.detach(), cu, temperature)
-            return logprobs, ent
-
-        positions = mb.loss_positions  # tokens whose log-prob is needed
-        if positions.numel() == 0:  # nothing to score (dummy row): keep the graph, cheaply
-            logits = model(**kwargs, logits_to_keep=1).logits[0]
-            zero = logits.sum().float() * 0.0
-            return torch.zeros(total, device=logits.device) + zero, None
-        logits = model(**kwargs, logits_to_keep=positions - 1).logits[0]  # [R, V]
-        compiled = self.compile
-        rows = logprobs_from_logits(logits, mb.input_ids[positions], temperature, compiled=compiled)
-        logprobs = scatter_rows(rows, positions, total)
-        ent = None
-        if entropy is not None:
-            with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
-                src = logits if entropy == "grad" else logits.detach()
-                ent_rows = entropy_from_logits(src, temperature, compiled=compiled)
-                ent = scatter_rows(ent_rows, positions, total)
-        return logprobs, ent
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, *, reference: bool = False) -> list[Tensor]:
