@@ -47,10 +47,11 @@ from trainers_fsdp.distributed import (
     init_distributed,
     resolve_device,
 )
-from trainers_fsdp.flat_adamw import FlatAdamW, move_optimizer_state
+from trainers_fsdp.flat_adamw import FlatAdamW
 from trainers_fsdp.forward import packed_forward
 from trainers_fsdp.master import MasterWeights
 from trainers_fsdp.microbatch import plan_micro_batches
+from trainers_fsdp.offload import free_grad_buffers, move_state, release_cached_memory
 from trainers_fsdp.optim import (
     build_optimizer,
     build_scheduler,
@@ -534,22 +535,8 @@ class FsdpActor:
         what the colocation plan counts (``FsdpConfig.resident_bytes``), logged beside what
         is still allocated."""
         freed = self.release_grads()
-        if self.device.type != "cuda":
-            return
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_reserved(self.device)
-        torch.cuda.ipc_collect()
-        torch.cuda.empty_cache()
-        reserved = torch.cuda.memory_reserved(self.device)
-        logger.info(
-            "release_cache: %.1f GiB of cached GPU memory given back%s; %.1f GiB allocated "
-            "(%.1f reserved) stays, the plan counts %.1f",
-            (before - reserved) / 2**30,
-            f" (gradients {freed / 2**30:.1f} GiB among it)" if freed else "",
-            torch.cuda.memory_allocated(self.device) / 2**30,
-            reserved / 2**30,
-            self.planned_resident_bytes() / 2**30,
-        )
+        if self.device.type == "cuda":
+            release_cached_memory(self.device, freed=freed, planned=self.planned_resident_bytes())
 
     def release_grads(self) -> int:
         """Free the gradient buffers while they hold nothing (after an optimizer step, or
@@ -558,15 +545,7 @@ class FsdpActor:
         float32 training's ``.grad`` are already None after a step (``zero_grad``). An
         accumulated gradient (``forward_backward`` without its step) is kept. The next backward
         makes them again."""
-        if self._masters is None:
-            return 0
-        grads = (self._masters.compute_grad, self._masters.grad)
-        held = sum(_nbytes(g) for g in grads if g is not None)
-        if not self._masters.release_grads():
-            return 0
-        if isinstance(self.optimizer, FlatAdamW):
-            self.optimizer.forget_grads()
-        return held
+        return free_grad_buffers(self._masters, self.optimizer)
 
     def planned_resident_bytes(self) -> float:
         """What the colocation plan counts for this rank while the engine generates
@@ -580,37 +559,9 @@ class FsdpActor:
         return cfg.resident_bytes(shape, TrainLayout(self.world_size, 1, parallel))
 
     def _move(self, device: torch.device, *, offload: bool) -> int:
-        """Everything to ``device`` (the copies queued, not waited for); bytes copied.
-        ``offload``: the bf16 weights are left unfilled (nothing runs until they come back).
-
-        On one GPU the state is a few flat buffers (float32 masters, AdamW's two moments,
-        an accumulated gradient), each one copy through reused pinned host buffers
-        (:class:`trainer_core.HostCopies`); the bf16 weights are cast again from the masters.
-        """
-        moved = 0
-        if self._masters is not None:  # the flat buffers first: model.to then keeps the views
-            self._masters.to(device, fill=not offload)
-            moved += self._masters.take_moved()
-        flat = self._masters is not None
-        moved += sum(_nbytes(t) for t in self.model.parameters() if not flat and t.device != device)
-        self.model.to(device)
-        for p in self.model.parameters():
-            if p.grad is not None:
-                if p.grad.device != device and not flat:
-                    moved += _nbytes(p.grad)
-                p.grad = p.grad.to(device)
-        # AdamW's state: FlatAdamW's two flat moments (the per-parameter ones views of them) or
-        # a tensor per parameter, and the step counts; each storage counted once
-        storages = {
-            v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()
-            for state in self.optimizer.state.values()
-            for v in state.values()
-            if isinstance(v, Tensor) and v.device != device
-        }
-        moved += sum(storages.values())
-        move_optimizer_state(self.optimizer, device)
-        logger.info("actor state moved to %s", device)
-        return moved
+        """The actor's state to ``device`` (:func:`trainers_fsdp.offload.move_state`); bytes
+        copied."""
+        return move_state(self.model, self._masters, self.optimizer, device, offload=offload)
 
     def _require_onloaded(self) -> None:
         if self._offloaded:
@@ -623,9 +574,3 @@ class FsdpActor:
             if self.world_size > 1:
                 dist.barrier()
             dist.destroy_process_group()
-
-
-def _nbytes(t: Tensor) -> int:
-    """Bytes this rank holds of ``t`` (its shard of a DTensor)."""
-    local = t.to_local() if isinstance(t, DTensor) else t
-    return local.numel() * local.element_size()
