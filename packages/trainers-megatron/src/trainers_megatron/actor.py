@@ -26,9 +26,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 from torch.profiler import record_function
 
@@ -38,11 +37,8 @@ from rl_algos import (
     MicroBatchLoss,
     TrainBatch,
     TrainLoss,
-    aligned_logprobs,
-    logprobs_from_logits,
     pack_by_token_budget,
     resolve_loss,
-    scatter_rows,
 )
 from rl_algos import train_step as core
 from trainer_core import MicroBatch, PinnedStaging, build_micro_batch, replays_routes
@@ -51,7 +47,8 @@ from trainer_core.offload import timed_copies, transfer_metrics
 from trainer_core.startup import StartupLog
 from trainers_megatron.checkpoint import export_hf, load_checkpoint, save_checkpoint
 from trainers_megatron.config import MegatronConfig
-from trainers_megatron.context_parallel import RowSplit, split_row
+from trainers_megatron.context_parallel import split_row
+from trainers_megatron.forward import clear_replayed_routes, stage_forward
 from trainers_megatron.offload import StorageOffload, report_leftovers
 from trainers_megatron.optim import (
     OptimizerStep,
@@ -76,33 +73,9 @@ from vlm_models.megatron import (
     load_hf_weights,
     text_arch,
 )
-from vlm_models.megatron.context_parallel import reduce_over_cp
-from vlm_models.megatron.routing_replay import (
-    clear_routes,
-    local_routes,
-    replay_routers,
-    set_routes,
-)
 from vlm_models.presets import PRESETS
 
 logger = logging.getLogger(__name__)
-
-
-def _vocab_parallel_aligned_logprobs(
-    logits: Tensor, input_ids: Tensor, cu_seqlens: Tensor, temperature: float
-) -> Tensor:
-    """``rl_algos.aligned_logprobs`` for vocabulary-sharded logits ``[T, V / tp]``.
-
-    Megatron's vocab-parallel cross entropy reduces over the TP group, so the full-vocabulary
-    logits are never gathered (float32 on this rank's slice only).
-    """
-    next_ids = torch.roll(input_ids, -1)
-    scaled = logits.float() / temperature
-    lp = -tensor_parallel.vocab_parallel_cross_entropy(scaled[:, None], next_ids[:, None])[:, 0]
-    shifted = torch.cat([lp.new_zeros(1), lp[:-1]])
-    first = torch.zeros_like(shifted, dtype=torch.bool)
-    first[cu_seqlens[:-1].long()] = True
-    return shifted.masked_fill(first, 0.0)
 
 
 def _lr_scheduler(optimizer: Any, config: MegatronConfig) -> Any:
@@ -348,108 +321,9 @@ class MegatronActor:
         return MicroBatches(self._plan(batch.lengths), build)
 
     def _stage_forward(self, mb: MicroBatch, model: torch.nn.Module) -> Tensor:
-        """This stage's output for a packed micro-batch: hidden states for the next stage, or
-        on the last stage the aligned log-probs ``[T_real]`` (float32).
-
-        Only the rows that predict loss tokens go through the output layer; other positions
-        hold 0, which the token alignment convention allows (as in the FSDP actor).
-        """
-        if self.config.routing_replay:
-            self._route(mb, model)
-        if mb.context_parallel is not None:
-            return self._stage_forward_cp(mb, model, mb.context_parallel)
-        longest = mb.max_seqlen
-        packed = PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=mb.cu_seqlens,
-            cu_seqlens_kv=mb.cu_seqlens,
-            max_seqlen_q=longest,
-            max_seqlen_kv=longest,
-        )
-        positions = mb.loss_positions
-        if positions is not None and positions.numel() == 0:
-            positions = None  # nothing to score: the plain path keeps the graph whole
-        rows = None if positions is None or not self.last_stage else positions - 1
-        with record_function("megatron_actor.forward"):
-            out = model(
-                mb.input_ids[None],
-                mb.position_ids[1:, None, :],  # the M-RoPE rows (t, h, w)
-                pixel_values=mb.pixel_values if self.first_stage else None,
-                image_grid_thw=mb.image_grid_thw if self.first_stage else None,
-                packed_seq_params=packed,
-                image_positions=mb.image_positions,
-                vision_inputs=mb.vision_inputs,
-                logit_rows=rows,
-            )
-        if not self.last_stage:
-            return out  # [T(/tp), 1, H]: the next stage's input
-        logits = out[0]  # [T or R, V / tp]: this rank's slice of the vocabulary
-        temperature = self.config.temperature
-        if positions is None:
-            if self.tp_size == 1:
-                lp = aligned_logprobs(
-                    logits, mb.input_ids, mb.cu_seqlens, temperature, compiled=self.compiled
-                )
-            else:
-                lp = _vocab_parallel_aligned_logprobs(
-                    logits, mb.input_ids, mb.cu_seqlens, temperature
-                )
-            return lp[: mb.num_real_tokens]
-        scored = self._score(logits, mb.input_ids[positions])
-        return scatter_rows(scored, positions, mb.input_ids.shape[0])[: mb.num_real_tokens]
-
-    def _route(self, mb: MicroBatch, model: torch.nn.Module) -> None:
-        """This stage's routers to ``mb``'s expert ids on this rank's tokens (zigzag part,
-        sequence-parallel slice), or to their own top-k for a micro-batch without them. The
-        ids stay until the next micro-batch's forward: one stage runs this micro-batch's
-        backward, with its recompute, in between."""
-        routers = replay_routers(model)
-        if mb.routed_experts is None:
-            clear_routes(routers)
-            return
-        split = mb.context_parallel
-        ids = local_routes(
-            mb.routed_experts,
-            zigzag=None if split is None else split.layout,
-            sequence_parallel=self.config.sp,
-        )
-        set_routes(routers, ids)
-
-    def _clear_routes(self, model: torch.nn.Module) -> None:
-        if self.config.routing_replay:
-            clear_routes(replay_routers(model))
-
-    def _score(self, logits: Tensor, targets: Tensor) -> Tensor:
-        """Log-probs of ``targets`` under ``logits`` ``[R, V / tp]`` (float32)."""
-        temperature = self.config.temperature
-        if self.tp_size == 1:
-            return logprobs_from_logits(logits, targets, temperature, compiled=self.compiled)
-        # vocabulary-parallel: the full-vocabulary logits are never gathered
-        scaled = logits.float() / temperature
-        return -tensor_parallel.vocab_parallel_cross_entropy(scaled[:, None], targets[:, None])[
-            :, 0
-        ]
-
-    def _stage_forward_cp(self, mb: MicroBatch, model: torch.nn.Module, split: RowSplit) -> Tensor:
-        """:meth:`_stage_forward` of a zigzag-split row: this rank's part through the decoder;
-        on the last stage the log-probs of the scored tokens whose predecessor row is here,
-        summed over CP ranks into the whole row's (the same on every CP rank)."""
-        with record_function("megatron_actor.forward"):
-            out = model(
-                mb.input_ids[None],
-                mb.position_ids[1:, None, :],
-                pixel_values=mb.pixel_values if self.first_stage else None,
-                image_grid_thw=mb.image_grid_thw if self.first_stage else None,
-                packed_seq_params=split.params,
-                image_positions=mb.image_positions,
-                vision_inputs=mb.vision_inputs,
-                logit_rows=split.local_rows if self.last_stage else None,
-            )
-        if not self.last_stage:
-            return out  # [T_local(/tp), 1, H]
-        scored = self._score(out[0], mb.input_ids[split.positions])
-        whole = scatter_rows(scored, split.positions, mb.input_ids.shape[0])
-        return reduce_over_cp(whole, self.cp_group)[: mb.num_real_tokens]
+        """:func:`~trainers_megatron.forward.stage_forward` on this rank's stage: hidden
+        states for the next stage, or on the last the aligned log-probs ``[T_real]``."""
+        return stage_forward(self, mb, model)
 
     def _from_last_stage(self, value: Any) -> Any:
         """``value`` as the last pipeline stage has it, on every stage."""
@@ -484,7 +358,7 @@ class MegatronActor:
                 model, self.micro_batches(batch), self._stage_forward, keep, forward_only=True
             )
         finally:
-            self._clear_routes(model)
+            clear_replayed_routes(self, model)
         return self._from_last_stage(out)
 
     def _loss(self, loss: str | TrainLoss) -> TrainLoss:
@@ -546,7 +420,7 @@ class MegatronActor:
                     lambda mb, logprobs: loss_fn(mb, logprobs, None),
                 )
             finally:
-                self._clear_routes(self.model)
+                clear_replayed_routes(self, self.model)
 
     def finish_grads(self) -> Tensor:
         """Finish the gradients with megatron-core's ``finalize_model_grads`` (DP
