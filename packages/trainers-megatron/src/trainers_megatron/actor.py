@@ -37,7 +37,6 @@ from rl_algos import (
     MicroBatchLoss,
     TrainBatch,
     TrainLoss,
-    pack_by_token_budget,
     resolve_loss,
 )
 from rl_algos import train_step as core
@@ -49,6 +48,7 @@ from trainers_megatron.checkpoint import export_hf, load_checkpoint, save_checkp
 from trainers_megatron.config import MegatronConfig
 from trainers_megatron.context_parallel import split_row
 from trainers_megatron.forward import clear_replayed_routes, stage_forward
+from trainers_megatron.microbatch import group_batch, plan_micro_batches
 from trainers_megatron.offload import StorageOffload, report_leftovers
 from trainers_megatron.optim import (
     OptimizerStep,
@@ -256,34 +256,6 @@ class MegatronActor:
         load_hf_weights(self.module, hf.state_dict())
 
     # ----------------------------------------------------------------------------- batches
-    def _group_batch(self, batch: TrainBatch) -> TrainBatch:
-        """The model replica's batch (its tensor-, pipeline- and context-parallel ranks): the
-        replica's first rank's, on every rank of it (over TP x PP, then over CP)."""
-        for group in (parallel_state.get_model_parallel_group(), self.cp_group):
-            if dist.get_world_size(group) == 1:
-                continue
-            holder = [batch]
-            src = dist.get_process_group_ranks(group)[0]
-            dist.broadcast_object_list(holder, src=src, group=group)
-            batch = holder[0]
-        return batch
-
-    def _plan(self, lengths: Sequence[int]) -> list[list[int]]:
-        """Packs of at most ``max_tokens_per_gpu`` tokens per GPU (a row of ``cp`` times that
-        under context parallelism, each CP rank holding its share). With expert parallelism every
-        data-parallel rank runs as many micro-batches as the busiest (empty ones run a dummy
-        sample): the experts' token exchange is collective in every MoE layer."""
-        if self.one_sample_per_micro_batch:
-            plan = [[i] for i in range(len(lengths))]
-        else:
-            budget = self.config.max_tokens_per_gpu * self.cp_size
-            plan = pack_by_token_budget(lengths, budget) if lengths else []
-        if self.config.ep > 1:
-            count = torch.tensor([len(plan)], device=self.device)
-            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
-            plan += [[] for _ in range(int(count.item()) - len(plan))]
-        return plan
-
     def micro_batches(self, batch: TrainBatch, fields: Sequence[str] = ()) -> MicroBatches:
         """The micro-batches of this rank's samples (``max_tokens_per_gpu`` each), built and
         copied to the device as iterated. Under sequence parallelism each row is padded (one
@@ -318,7 +290,15 @@ class MegatronActor:
                     mb.vision_inputs = vision.compute(mb.image_grid_thw)
                 return mb.to(self.device, self._staging)
 
-        return MicroBatches(self._plan(batch.lengths), build)
+        plan = plan_micro_batches(
+            batch.lengths,
+            self.config.max_tokens_per_gpu * cp,
+            one_per_micro_batch=self.one_sample_per_micro_batch,
+            ep=self.config.ep,
+            dp_group=self.dp_group,
+            device=self.device,
+        )
+        return MicroBatches(plan, build)
 
     def _stage_forward(self, mb: MicroBatch, model: torch.nn.Module) -> Tensor:
         """:func:`~trainers_megatron.forward.stage_forward` on this rank's stage: hidden
@@ -343,7 +323,7 @@ class MegatronActor:
         if model is None:
             raise ValueError("reference=True needs MegatronConfig(reference_model=True)")
         self._require_onloaded()
-        batch = self._group_batch(batch)
+        batch = group_batch(batch, self.cp_group)
         model.eval()
         out: list[Tensor | None] = [None] * len(batch)
 
@@ -371,7 +351,7 @@ class MegatronActor:
         from the last pipeline stage)."""
         self._require_onloaded()
         return self._from_last_stage(
-            core.train_step(self, self._group_batch(batch), self._loss(loss))
+            core.train_step(self, group_batch(batch, self.cp_group), self._loss(loss))
         )
 
     def forward_backward(
@@ -380,7 +360,7 @@ class MegatronActor:
         """Accumulate the gradient of the global-batch loss; no optimizer step."""
         self._require_onloaded()
         return self._from_last_stage(
-            core.forward_backward(self, self._group_batch(batch), self._loss(loss))
+            core.forward_backward(self, group_batch(batch, self.cp_group), self._loss(loss))
         )
 
     def optimizer_step(self) -> dict[str, float]:
