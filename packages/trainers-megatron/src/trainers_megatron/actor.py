@@ -53,6 +53,7 @@ from trainers_megatron.offload import StorageOffload, report_leftovers
 from trainers_megatron.optim import (
     OptimizerStep,
     build_optimizer,
+    build_scheduler,
     optimizers,
     wrap_ddp,
 )
@@ -76,31 +77,6 @@ from vlm_models.megatron import (
 from vlm_models.presets import PRESETS
 
 logger = logging.getLogger(__name__)
-
-
-def _lr_scheduler(optimizer: Any, config: MegatronConfig) -> Any:
-    """megatron-core's scheduler over the optimizer's groups: linear warmup from 0, then
-    constant or cosine down to ``min_lr`` at ``total_steps``; weight decay constant
-    (times each group's ``wd_mult``: 0 for 1-D tensors and biases)."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    optim = config.optim
-    warmup = optim.warmup_steps
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=optim.lr,
-        min_lr=optim.min_lr,
-        lr_warmup_steps=warmup,
-        lr_decay_steps=max(optim.total_steps or 0, warmup + 1),
-        lr_decay_style=optim.lr_schedule,
-        start_wd=optim.weight_decay,
-        end_wd=optim.weight_decay,
-        wd_incr_steps=1,
-        wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=False,
-        override_opt_param_scheduler=True,
-    )
 
 
 def recompute_settings(config: MegatronConfig) -> dict[str, Any]:
@@ -235,7 +211,7 @@ class MegatronActor:
                 host_threads=config.host_optimizer_threads,
             )
         startup.done()
-        self.scheduler = _lr_scheduler(self.optimizer, config)
+        self.scheduler = build_scheduler(self.optimizer, config.optim)
         self.step = 0
         self._offload = StorageOffload()
         # the DDP gradient buffers hold zeros (built so, zeroed after each update): an offload
