@@ -14,6 +14,14 @@ and reduction) and stepped by megatron-core's optimizer, by default the distribu
 :mod:`trainers_megatron.optim`). MoE experts can be split over ``ep`` data-parallel ranks.
 Log-probs use Megatron's vocab-parallel cross entropy, so full-vocabulary logits are never
 gathered; ``reference_model=True`` keeps a frozen copy of the initial weights for KL.
+
+The actor holds the state and the order of things; its parts live beside it, under the names
+trainers_fsdp uses for the same parts: what the model is built with and starts from
+(:mod:`trainers_megatron.model`), the stage forward the schedule runs
+(:mod:`trainers_megatron.forward`), the micro-batch plan (:mod:`trainers_megatron.microbatch`),
+DDP, the optimizer and its schedule (:mod:`trainers_megatron.optim`), checkpoints and the HF
+export (:mod:`trainers_megatron.checkpoint`) and the state moved around a colocated rollout
+(:mod:`trainers_megatron.offload`).
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from trainers_megatron.config import MegatronConfig
 from trainers_megatron.context_parallel import split_row
 from trainers_megatron.forward import clear_replayed_routes, stage_forward
 from trainers_megatron.microbatch import group_batch, plan_micro_batches
+from trainers_megatron.model import load_initial_weights, model_settings
 from trainers_megatron.offload import StorageOffload, report_leftovers
 from trainers_megatron.optim import (
     OptimizerStep,
@@ -57,13 +66,12 @@ from trainers_megatron.optim import (
     optimizers,
     wrap_ddp,
 )
-from trainers_megatron.schedule import run_schedule, schedule_config
-from vlm_models.build import build_model, resolve_config
+from trainers_megatron.schedule import run_schedule
+from vlm_models.build import resolve_config
 from vlm_models.hub import resolve_model_source
 from vlm_models.megatron import (
     Parallelism,
     Qwen3VLMegatronModel,
-    SafetensorsReader,
     apply_cpu_compat,
     build_megatron_model,
     compile_decoder_layers,
@@ -71,31 +79,10 @@ from vlm_models.megatron import (
     compiles_by_default,
     initialize_model_parallel,
     iter_hf_weights,
-    load_hf_weights,
     text_arch,
 )
-from vlm_models.presets import PRESETS
 
 logger = logging.getLogger(__name__)
-
-
-def recompute_settings(config: MegatronConfig) -> dict[str, Any]:
-    """The ``TransformerConfig`` fields of ``config.recompute`` (megatron-core's own
-    activation recomputation)."""
-    if config.recompute == "full":
-        return dict(
-            recompute_granularity="full",
-            recompute_method=config.recompute_method,
-            recompute_num_layers=config.recompute_num_layers,
-        )
-    if config.recompute == "selective":
-        modules = (
-            {}
-            if config.recompute_modules is None
-            else {"recompute_modules": list(config.recompute_modules)}
-        )
-        return dict(recompute_granularity="selective", **modules)
-    return {}
 
 
 class MegatronActor:
@@ -154,16 +141,10 @@ class MegatronActor:
         self.cp_rank = parallel_state.get_context_parallel_rank()
         self.first_stage = parallel_state.is_pipeline_first_stage()
         self.last_stage = parallel_state.is_pipeline_last_stage()
-        overrides = dict(schedule_config(config.pp), **recompute_settings(config))
-        overrides["moe_grouped_gemm"] = config.moe_grouped_gemm
-        if config.routing_replay:
-            overrides["moe_enable_routing_replay"] = True
-        if config.pipeline_first_stage_layers is not None:
-            overrides["num_layers_in_first_pipeline_stage"] = config.pipeline_first_stage_layers
-        gdn = dict(gdn_path=config.linear_attention_kernels)
+        settings = model_settings(config)
         with startup.phase("model"):
             self.module: Qwen3VLMegatronModel = build_megatron_model(
-                self.hf_config, parallel, params_dtype=self.dtype, **gdn, **overrides
+                self.hf_config, parallel, params_dtype=self.dtype, **settings
             )
         # a packed row must keep its samples apart in every layer (Qwen3.5's gated delta net
         # resets its state at sample boundaries); a model that cannot runs one per row
@@ -175,7 +156,7 @@ class MegatronActor:
                 type(self.module).__name__,
             )
         with startup.phase("initial weights"):
-            self._load_initial_weights()
+            load_initial_weights(self.module, config, self.hf_config)
         self.compiled = config.compile
         if self.compiled is None:
             self.compiled = self.device.type == "cuda" and compiles_by_default(self.hf_config)
@@ -187,7 +168,7 @@ class MegatronActor:
         if config.reference_model:  # the initial policy, frozen: the KL penalty's reference
             with startup.phase("reference model"):
                 self.ref_model = build_megatron_model(
-                    self.hf_config, parallel, params_dtype=self.dtype, **gdn, **overrides
+                    self.hf_config, parallel, params_dtype=self.dtype, **settings
                 )
                 self.ref_model.load_state_dict(self.module.state_dict())
                 self.ref_model.requires_grad_(False).eval()
@@ -219,17 +200,6 @@ class MegatronActor:
         self._grads_zero = True
         # reused pinned host buffers: each micro-batch reaches the GPU in one copy
         self._staging = PinnedStaging() if self.device.type == "cuda" else None
-
-    def _load_initial_weights(self) -> None:
-        """The folder's weights; random ones only for a preset name or a config object."""
-        source = self.config.model
-        if isinstance(source, str) and source not in PRESETS:
-            with SafetensorsReader(source) as reader:
-                load_hf_weights(self.module, reader)
-            return
-        torch.manual_seed(self.config.seed)  # the same random init on every rank
-        hf = build_model(self.hf_config)
-        load_hf_weights(self.module, hf.state_dict())
 
     # ----------------------------------------------------------------------------- batches
     def micro_batches(self, batch: TrainBatch, fields: Sequence[str] = ()) -> MicroBatches:
