@@ -55,8 +55,6 @@ MAX_LINES = 500
 BEING_SPLIT = {  # being split in #59
     "packages/rollout-sglang/src/rollout_sglang/hf/decode.py",
     "packages/rollout-sglang/src/rollout_sglang/hf/engine.py",
-    "packages/trainers-fsdp/src/trainers_fsdp/actor.py",
-    "packages/trainers-megatron/src/trainers_megatron/actor.py",
 }
 
 
