@@ -13,7 +13,7 @@ from rl_algos.run_context import RunContext
 from trainers_fsdp import FsdpConfig
 from trainers_fsdp.optim import lr_lambda
 from trainers_megatron import MegatronConfig
-from trainers_megatron.actor import _lr_scheduler
+from trainers_megatron.optim import build_scheduler
 
 LR = 1e-3
 
@@ -26,7 +26,7 @@ def _megatron_lrs(steps: int, **schedule) -> tuple[list[float], list[float]]:
     ]
     optimizer = torch.optim.AdamW(groups, lr=LR)
     optim = OptimConfig(lr=LR, weight_decay=0.1, **schedule)
-    scheduler = _lr_scheduler(optimizer, MegatronConfig(optim=optim))
+    scheduler = build_scheduler(optimizer, optim)
     lrs, decays = [], []
     for _ in range(steps):
         scheduler.step(1)  # MegatronActor._optimizer_step, before optimizer.step()

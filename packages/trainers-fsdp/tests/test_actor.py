@@ -195,10 +195,10 @@ def test_compiled_actor_equals_eager(make_config, batch, monkeypatch):
     vision inputs, in both grad modes. The aot_eager backend traces as inductor would but makes
     no kernels (inductor's C++ build takes minutes on CPU; the gpu tests run it). On CPU the
     attention inside is per-sample sdpa, not the GPU's varlen kernel."""
-    import trainers_fsdp.actor as actor_module
+    import trainers_fsdp.model as model_module
 
     monkeypatch.setattr(
-        actor_module, "apply_compile", functools.partial(apply_compile, backend="aot_eager")
+        model_module, "apply_compile", functools.partial(apply_compile, backend="aot_eager")
     )
     one_row = dict(max_tokens_per_gpu=1024)  # one micro-batch: one traced shape per grad mode
     eager = FsdpActor(make_config(compile=False, **one_row))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import trainers_fsdp.actor as actor_module
+import trainers_fsdp.model as model_module
 from trainers_fsdp.actor import FsdpActor
 from vlm_models.presets import PRESETS
 
@@ -53,12 +54,12 @@ def test_packed_gradients_equal_one_sample_at_a_time(make_config, make_small_bat
 
 def _without_the_reset(monkeypatch) -> None:
     """The actor's model built with transformers' gated delta net (no state reset)."""
-    build = actor_module.build_model
+    build = model_module.build_model
 
     def build_without(*args, **kwargs):
         return build(*args, **{**kwargs, "packed_linear_attention": False})
 
-    monkeypatch.setattr(actor_module, "build_model", build_without)
+    monkeypatch.setattr(model_module, "build_model", build_without)
 
 
 def test_an_unpackable_model_runs_one_sample_per_micro_batch(

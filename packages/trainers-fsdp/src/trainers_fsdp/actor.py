@@ -8,6 +8,13 @@ trains directly, in bf16 over float32 master weights (:mod:`trainers_fsdp.master
 ``FsdpConfig.shard_single_rank`` asks for FSDP anyway. ``FsdpConfig.replicate`` trains that way
 on several ranks too, averaging the gradients with one all-reduce (data parallel without
 sharding, for models that fit on one GPU).
+
+The actor holds the state and the order of things; its parts live beside it: the models built
+at start-up (:mod:`trainers_fsdp.model`), the packed forward both passes run
+(:mod:`trainers_fsdp.forward`), the micro-batch plan (:mod:`trainers_fsdp.microbatch`), the
+optimizer (:mod:`trainers_fsdp.optim`), weight export (:mod:`trainers_fsdp.weights`),
+checkpoints (:mod:`trainers_fsdp.checkpoint`) and the state moved around a colocated rollout
+(:mod:`trainers_fsdp.offload`).
 """
 
 from __future__ import annotations
@@ -29,32 +36,29 @@ from rl_algos import (
     MicroBatchLoss,
     TrainBatch,
     TrainLoss,
-    aligned_entropy,
-    aligned_logprobs,
     collect_logprobs,
-    entropy_from_logits,
-    logprobs_from_logits,
     resolve_loss,
     run_sequentially,
-    scatter_rows,
 )
 from rl_algos import train_step as core
 from trainer_core import MicroBatch, PinnedStaging, build_micro_batch, replays_routes
 from trainer_core.compile_log import log_compiles
 from trainer_core.offload import timed_copies, transfer_metrics
 from trainer_core.startup import StartupLog
-from trainers_fsdp.attention import PACKED_ATTENTION, PackedSeqInfo, register_packed_attention
 from trainers_fsdp.checkpoint import load_checkpoint, save_checkpoint
-from trainers_fsdp.config import FsdpConfig, offload_refusal
+from trainers_fsdp.config import FsdpConfig
 from trainers_fsdp.distributed import (
     all_reduce_mean_,
     build_mesh,
     init_distributed,
     resolve_device,
 )
-from trainers_fsdp.flat_adamw import FlatAdamW, move_optimizer_state
+from trainers_fsdp.flat_adamw import FlatAdamW
+from trainers_fsdp.forward import packed_forward
 from trainers_fsdp.master import MasterWeights
 from trainers_fsdp.microbatch import plan_micro_batches
+from trainers_fsdp.model import ModelBuilder, check_offload, torch_dtype
+from trainers_fsdp.offload import free_grad_buffers, move_state, release_cached_memory
 from trainers_fsdp.optim import (
     build_optimizer,
     build_scheduler,
@@ -62,25 +66,13 @@ from trainers_fsdp.optim import (
     grad_norm,
     step_with_scaled_grads,
 )
-from trainers_fsdp.parallelize import (
-    apply_ac,
-    apply_compile,
-    apply_fsdp,
-    compile_by_default,
-    mixed_precision_policy,
-)
 from trainers_fsdp.vision import VisionInputs
 from trainers_fsdp.weights import export_hf_folder, iter_hf_weight_buckets
-from vlm_models.build import build_model
 from vlm_models.linear_attention import has_linear_attention
 from vlm_models.packing import supports_packed_forward
-from vlm_models.routing_replay import clear_routes, replay_routers, replaying, set_routes
+from vlm_models.routing_replay import clear_routes, replaying, set_routes
 
 logger = logging.getLogger(__name__)
-
-
-def _dtype(name: str | None) -> torch.dtype | None:
-    return None if name is None else getattr(torch, name)
 
 
 def _full(t: Tensor) -> Tensor:
@@ -110,20 +102,23 @@ class FsdpActor:
             )
             self.mesh = build_mesh(self.device)
         default_dtype = "bfloat16" if self.device.type == "cuda" else None
-        self.param_dtype = _dtype(config.param_dtype or default_dtype)
+        self.param_dtype = torch_dtype(config.param_dtype or default_dtype)
         if config.optimizer_offload > 0:
-            self._check_offload()
-        self.compile = config.compile  # None: decided by the model built (compile_by_default)
-        self._vision_inputs: dict[int, VisionInputs | None] = {}  # by id(model)
-        self._masters: MasterWeights | None = None  # one rank, low-precision compute
+            check_offload(
+                config, world_size=self.world_size, param_dtype=self.param_dtype, device=self.device
+            )
         # reused pinned host buffers: each micro-batch reaches the GPU in one copy (PinnedStaging)
         self._staging = PinnedStaging() if self.device.type == "cuda" else None
+        models = ModelBuilder(config, self.device, self.mesh, self.world_size, self.param_dtype)
         with startup.phase("model (build, load, shard)"):
-            self.model = self._build(trainable=True)
+            self.model = models.build(trainable=True)
         self.ref_model = None
         if config.reference_model:
             with startup.phase("reference model"):
-                self.ref_model = self._build(trainable=False)
+                self.ref_model = models.build(trainable=False)
+        self.compile = models.compile  # decided by the model built (compile_by_default)
+        self._vision_inputs: dict[int, VisionInputs | None] = models.vision_inputs  # by id(model)
+        self._masters: MasterWeights | None = models.masters  # one rank, low-precision compute
         # Linear-attention layers get the sample boundaries too (their state resets there).
         self._linear_attention = has_linear_attention(self.model.config)
         self._one_per_micro_batch = not all(
@@ -151,97 +146,6 @@ class FsdpActor:
         self._offloaded = False
         self._grads_averaged = True  # replicate: nothing accumulated since the last average
         torch.manual_seed(config.seed + self.rank)
-
-    # ----------------------------------------------------------------------------- building
-    def _check_offload(self) -> None:
-        """The optimizer on the host (``optimizer_offload``) is the flat masters' step: one rank
-        or ``replicate``, low-precision compute (float32 on the CPU: already on the host)."""
-        cfg = self.config
-        refusal = offload_refusal(
-            replicate=cfg.replicate,
-            shard_single_rank=cfg.shard_single_rank,
-            world_size=self.world_size,
-        )
-        if refusal:  # the launcher refuses it before anything starts; a direct build here
-            raise ValueError(refusal)
-        if self.param_dtype in (None, torch.float32):
-            logger.info("float32 compute on %s: the optimizer runs where it is", self.device)
-
-    def _build(self, *, trainable: bool) -> nn.Module:
-        cfg = self.config
-        if cfg.attn_implementation == PACKED_ATTENTION:
-            register_packed_attention()
-        torch.manual_seed(cfg.seed)  # identical init on every rank before sharding
-        offload = not trainable and cfg.offload_reference and self.device.type == "cuda"
-        whole = self.world_size == 1 or cfg.replicate  # every rank holds the whole model
-        single = whole and not offload and not cfg.shard_single_rank  # no FSDP
-        compute = self.param_dtype or torch.float32
-        model = build_model(
-            cfg.model,
-            dtype=torch.float32,
-            # without FSDP a lower compute dtype gets flat float32 masters (or a cast): a
-            # checkpoint stored in it loads as it is, not widened first
-            narrow_dtype=compute if single and compute != torch.float32 else None,
-            attn_implementation=cfg.attn_implementation,
-            vision_attn_implementation=cfg.vision_attn_implementation,
-            freeze_vision=cfg.freeze_vision,
-            fused_rms_norm=cfg.fused_rms_norm,
-            fused_vision_attention=cfg.fused_vision_attention,
-            sync_free=True,  # counts are checked on the host, in build_micro_batch
-            packed_linear_attention=True,  # Qwen3.5: recurrent state reset at sample boundaries
-            routing_replay=cfg.routing_replay,
-            **cfg.model_overrides,
-        )
-        model.config.use_cache = False
-        if cfg.routing_replay and not replay_routers(model):
-            raise ValueError(
-                f"routing_replay needs an MoE model; {model.config.model_type} has no routers"
-            )
-        if not trainable:
-            model.requires_grad_(False)
-            model.eval()
-        self._vision_inputs[id(model)] = VisionInputs.attach(model)
-        if trainable and cfg.activation_checkpointing:
-            apply_ac(model)
-        if self.compile is None:
-            self.compile = compile_by_default(self.device, model.config)
-        # An offloaded reference copies each unit's weights in as it runs, so compiling it
-        # gains little, and FSDP's offload hooks inside compiled calls were never measured.
-        if self.compile and not offload:
-            apply_compile(model)
-        if single:
-            return self._place_single_rank(model, trainable=trainable)
-        mp = mixed_precision_policy(self.param_dtype, _dtype(cfg.reduce_dtype))
-        apply_fsdp(
-            model,
-            self.mesh,
-            mp,
-            reshard_after_forward=(
-                self.world_size > 1
-                if cfg.reshard_after_forward is None
-                else cfg.reshard_after_forward
-            ),
-            cpu_offload=offload,
-            shard_layers=(
-                self.world_size > 1 or offload if cfg.shard_layers is None else cfg.shard_layers
-            ),
-        )
-        if not offload:
-            model.to(self.device)
-        return model
-
-    def _place_single_rank(self, model: nn.Module, *, trainable: bool) -> nn.Module:
-        """A world of one, without FSDP: float32 parameters stay as they are; a lower compute
-        dtype gets float32 masters (trainable) or a plain cast (reference). Buffers (rotary
-        frequencies) keep their dtype, as under FSDP's mixed precision."""
-        compute = self.param_dtype or torch.float32
-        if trainable and compute != torch.float32:
-            offload = self.config.optimizer_offload
-            self._masters = MasterWeights(model, compute, self.device, host_fraction=offload)
-        else:
-            for p in model.parameters():
-                p.data = p.data.to(self.device, compute)
-        return model.to(self.device)
 
     @property
     def _trained(self) -> nn.Module:
@@ -287,66 +191,18 @@ class FsdpActor:
     def _forward(
         self, model: nn.Module, mb: MicroBatch, *, entropy: EntropyMode = None
     ) -> tuple[Tensor, Tensor | None]:
-        """Packed forward; aligned log-probs ``[T]`` (float32) and optionally entropy ``[T]``.
-
-        With ``logprobs_scope="loss"`` the LM head runs only on the rows that predict loss
-        tokens (``logits_to_keep``), and other positions hold 0, which the token alignment
-        convention allows. ``entropy``: None, ``"grad"`` (differentiable, for an entropy bonus)
-        or ``"metric"`` (detached).
-        """
-        kwargs = dict(
-            input_ids=mb.input_ids[None],
-            position_ids=mb.position_ids[:, None, :],
-            use_cache=False,
+        """:func:`~trainers_fsdp.forward.packed_forward` of ``model`` (the policy or the
+        reference) with this actor's settings: aligned log-probs ``[T]`` and optionally
+        entropy ``[T]``."""
+        return packed_forward(
+            model,
+            mb,
+            self.config,
+            vision=self._vision_inputs.get(id(model)),
+            linear_attention=self._linear_attention,
+            compiled=bool(self.compile),
+            entropy=entropy,
         )
-        if mb.pixel_values is not None:
-            kwargs["pixel_values"] = mb.pixel_values
-            kwargs["image_grid_thw"] = mb.image_grid_thw
-        if self.config.attn_implementation == PACKED_ATTENTION or self._linear_attention:
-            kwargs["packed_seq_info"] = PackedSeqInfo(
-                mb.cu_seqlens, tuple(mb.lengths), max(mb.lengths)
-            )
-        vision = self._vision_inputs.get(id(model))
-        injected = nullcontext() if vision is None else vision.use(mb.vision_inputs)
-        with record_function("fsdp_actor.forward"), injected:
-            return self._scored_forward(model, mb, kwargs, entropy)
-
-    def _scored_forward(
-        self, model: nn.Module, mb: MicroBatch, kwargs: dict, entropy: EntropyMode
-    ) -> tuple[Tensor, Tensor | None]:
-        """The model call and the log-prob (and entropy) rows of :meth:`_forward`."""
-        temperature = self.config.temperature
-        total = mb.input_ids.shape[0]
-        if self.config.logprobs_scope == "all":
-            logits = model(**kwargs).logits[0]
-            cu = [0]
-            for n in mb.lengths:
-                cu.append(cu[-1] + n)
-            logprobs = aligned_logprobs(logits, mb.input_ids, cu, temperature)
-            ent = None
-            if entropy == "grad":
-                ent = aligned_entropy(logits, cu, temperature)
-            elif entropy == "metric":
-                with torch.no_grad():
-                    ent = aligned_entropy(logits.detach(), cu, temperature)
-            return logprobs, ent
-
-        positions = mb.loss_positions  # tokens whose log-prob is needed
-        if positions.numel() == 0:  # nothing to score (dummy row): keep the graph, cheaply
-            logits = model(**kwargs, logits_to_keep=1).logits[0]
-            zero = logits.sum().float() * 0.0
-            return torch.zeros(total, device=logits.device) + zero, None
-        logits = model(**kwargs, logits_to_keep=positions - 1).logits[0]  # [R, V]
-        compiled = self.compile
-        rows = logprobs_from_logits(logits, mb.input_ids[positions], temperature, compiled=compiled)
-        logprobs = scatter_rows(rows, positions, total)
-        ent = None
-        if entropy is not None:
-            with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
-                src = logits if entropy == "grad" else logits.detach()
-                ent_rows = entropy_from_logits(src, temperature, compiled=compiled)
-                ent = scatter_rows(ent_rows, positions, total)
-        return logprobs, ent
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, *, reference: bool = False) -> list[Tensor]:
@@ -444,7 +300,7 @@ class FsdpActor:
             return
         with record_function("fsdp_actor.all_reduce"):
             if self._masters is not None:
-                self._masters.all_reduce_grads(_dtype(self.config.reduce_dtype))
+                self._masters.all_reduce_grads(torch_dtype(self.config.reduce_dtype))
             else:  # float32 compute: one all-reduce over the gradients laid end to end
                 params = [p for p in self.model.parameters() if p.requires_grad]
                 grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
@@ -513,7 +369,7 @@ class FsdpActor:
         Conv3d parameter); tied ``lm_head.weight`` is left out as checkpoints do. Collective.
         """
         self._require_onloaded()
-        dtype = _dtype(self.config.export_dtype)
+        dtype = torch_dtype(self.config.export_dtype)
         yield from iter_hf_weight_buckets(
             self.model, bucket_bytes, dtype, device=device, state=self._export_state(dtype)
         )
@@ -521,7 +377,7 @@ class FsdpActor:
     def export_hf(self, path: str | os.PathLike, *, dtype: str | None = None) -> None:
         """Write an HF folder that ``Qwen3VLForConditionalGeneration.from_pretrained`` loads."""
         self._require_onloaded()
-        wanted = _dtype(dtype or self.config.export_dtype)
+        wanted = torch_dtype(dtype or self.config.export_dtype)
         export_hf_folder(self.model, path, dtype=wanted, state=self._export_state(wanted))
 
     def _export_state(self, dtype: torch.dtype) -> dict[str, Tensor] | None:
@@ -586,22 +442,8 @@ class FsdpActor:
         what the colocation plan counts (``FsdpConfig.resident_bytes``), logged beside what
         is still allocated."""
         freed = self.release_grads()
-        if self.device.type != "cuda":
-            return
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_reserved(self.device)
-        torch.cuda.ipc_collect()
-        torch.cuda.empty_cache()
-        reserved = torch.cuda.memory_reserved(self.device)
-        logger.info(
-            "release_cache: %.1f GiB of cached GPU memory given back%s; %.1f GiB allocated "
-            "(%.1f reserved) stays, the plan counts %.1f",
-            (before - reserved) / 2**30,
-            f" (gradients {freed / 2**30:.1f} GiB among it)" if freed else "",
-            torch.cuda.memory_allocated(self.device) / 2**30,
-            reserved / 2**30,
-            self.planned_resident_bytes() / 2**30,
-        )
+        if self.device.type == "cuda":
+            release_cached_memory(self.device, freed=freed, planned=self.planned_resident_bytes())
 
     def release_grads(self) -> int:
         """Free the gradient buffers while they hold nothing (after an optimizer step, or
@@ -610,15 +452,7 @@ class FsdpActor:
         float32 training's ``.grad`` are already None after a step (``zero_grad``). An
         accumulated gradient (``forward_backward`` without its step) is kept. The next backward
         makes them again."""
-        if self._masters is None:
-            return 0
-        grads = (self._masters.compute_grad, self._masters.grad)
-        held = sum(_nbytes(g) for g in grads if g is not None)
-        if not self._masters.release_grads():
-            return 0
-        if isinstance(self.optimizer, FlatAdamW):
-            self.optimizer.forget_grads()
-        return held
+        return free_grad_buffers(self._masters, self.optimizer)
 
     def planned_resident_bytes(self) -> float:
         """What the colocation plan counts for this rank while the engine generates
@@ -632,37 +466,9 @@ class FsdpActor:
         return cfg.resident_bytes(shape, TrainLayout(self.world_size, 1, parallel))
 
     def _move(self, device: torch.device, *, offload: bool) -> int:
-        """Everything to ``device`` (the copies queued, not waited for); bytes copied.
-        ``offload``: the bf16 weights are left unfilled (nothing runs until they come back).
-
-        On one GPU the state is a few flat buffers (float32 masters, AdamW's two moments,
-        an accumulated gradient), each one copy through reused pinned host buffers
-        (:class:`trainer_core.HostCopies`); the bf16 weights are cast again from the masters.
-        """
-        moved = 0
-        if self._masters is not None:  # the flat buffers first: model.to then keeps the views
-            self._masters.to(device, fill=not offload)
-            moved += self._masters.take_moved()
-        flat = self._masters is not None
-        moved += sum(_nbytes(t) for t in self.model.parameters() if not flat and t.device != device)
-        self.model.to(device)
-        for p in self.model.parameters():
-            if p.grad is not None:
-                if p.grad.device != device and not flat:
-                    moved += _nbytes(p.grad)
-                p.grad = p.grad.to(device)
-        # AdamW's state: FlatAdamW's two flat moments (the per-parameter ones views of them) or
-        # a tensor per parameter, and the step counts; each storage counted once
-        storages = {
-            v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()
-            for state in self.optimizer.state.values()
-            for v in state.values()
-            if isinstance(v, Tensor) and v.device != device
-        }
-        moved += sum(storages.values())
-        move_optimizer_state(self.optimizer, device)
-        logger.info("actor state moved to %s", device)
-        return moved
+        """The actor's state to ``device`` (:func:`trainers_fsdp.offload.move_state`); bytes
+        copied."""
+        return move_state(self.model, self._masters, self.optimizer, device, offload=offload)
 
     def _require_onloaded(self) -> None:
         if self._offloaded:
@@ -675,9 +481,3 @@ class FsdpActor:
             if self.world_size > 1:
                 dist.barrier()
             dist.destroy_process_group()
-
-
-def _nbytes(t: Tensor) -> int:
-    """Bytes this rank holds of ``t`` (its shard of a DTensor)."""
-    local = t.to_local() if isinstance(t, DTensor) else t
-    return local.numel() * local.element_size()

@@ -14,6 +14,14 @@ and reduction) and stepped by megatron-core's optimizer, by default the distribu
 :mod:`trainers_megatron.optim`). MoE experts can be split over ``ep`` data-parallel ranks.
 Log-probs use Megatron's vocab-parallel cross entropy, so full-vocabulary logits are never
 gathered; ``reference_model=True`` keeps a frozen copy of the initial weights for KL.
+
+The actor holds the state and the order of things; its parts live beside it, under the names
+trainers_fsdp uses for the same parts: what the model is built with and starts from
+(:mod:`trainers_megatron.model`), the stage forward the schedule runs
+(:mod:`trainers_megatron.forward`), the micro-batch plan (:mod:`trainers_megatron.microbatch`),
+DDP, the optimizer and its schedule (:mod:`trainers_megatron.optim`), checkpoints and the HF
+export (:mod:`trainers_megatron.checkpoint`) and the state moved around a colocated rollout
+(:mod:`trainers_megatron.offload`).
 """
 
 from __future__ import annotations
@@ -26,9 +34,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 from torch.profiler import record_function
 
@@ -38,11 +45,7 @@ from rl_algos import (
     MicroBatchLoss,
     TrainBatch,
     TrainLoss,
-    aligned_logprobs,
-    logprobs_from_logits,
-    pack_by_token_budget,
     resolve_loss,
-    scatter_rows,
 )
 from rl_algos import train_step as core
 from trainer_core import MicroBatch, PinnedStaging, build_micro_batch, replays_routes
@@ -51,21 +54,24 @@ from trainer_core.offload import timed_copies, transfer_metrics
 from trainer_core.startup import StartupLog
 from trainers_megatron.checkpoint import export_hf, load_checkpoint, save_checkpoint
 from trainers_megatron.config import MegatronConfig
-from trainers_megatron.context_parallel import RowSplit, split_row
+from trainers_megatron.context_parallel import split_row
+from trainers_megatron.forward import clear_replayed_routes, stage_forward
+from trainers_megatron.microbatch import group_batch, plan_micro_batches
+from trainers_megatron.model import load_initial_weights, model_settings
 from trainers_megatron.offload import StorageOffload, report_leftovers
 from trainers_megatron.optim import (
     OptimizerStep,
     build_optimizer,
+    build_scheduler,
     optimizers,
     wrap_ddp,
 )
-from trainers_megatron.schedule import run_schedule, schedule_config
-from vlm_models.build import build_model, resolve_config
+from trainers_megatron.schedule import run_schedule
+from vlm_models.build import resolve_config
 from vlm_models.hub import resolve_model_source
 from vlm_models.megatron import (
     Parallelism,
     Qwen3VLMegatronModel,
-    SafetensorsReader,
     apply_cpu_compat,
     build_megatron_model,
     compile_decoder_layers,
@@ -73,80 +79,10 @@ from vlm_models.megatron import (
     compiles_by_default,
     initialize_model_parallel,
     iter_hf_weights,
-    load_hf_weights,
     text_arch,
 )
-from vlm_models.megatron.context_parallel import reduce_over_cp
-from vlm_models.megatron.routing_replay import (
-    clear_routes,
-    local_routes,
-    replay_routers,
-    set_routes,
-)
-from vlm_models.presets import PRESETS
 
 logger = logging.getLogger(__name__)
-
-
-def _vocab_parallel_aligned_logprobs(
-    logits: Tensor, input_ids: Tensor, cu_seqlens: Tensor, temperature: float
-) -> Tensor:
-    """``rl_algos.aligned_logprobs`` for vocabulary-sharded logits ``[T, V / tp]``.
-
-    Megatron's vocab-parallel cross entropy reduces over the TP group, so the full-vocabulary
-    logits are never gathered (float32 on this rank's slice only).
-    """
-    next_ids = torch.roll(input_ids, -1)
-    scaled = logits.float() / temperature
-    lp = -tensor_parallel.vocab_parallel_cross_entropy(scaled[:, None], next_ids[:, None])[:, 0]
-    shifted = torch.cat([lp.new_zeros(1), lp[:-1]])
-    first = torch.zeros_like(shifted, dtype=torch.bool)
-    first[cu_seqlens[:-1].long()] = True
-    return shifted.masked_fill(first, 0.0)
-
-
-def _lr_scheduler(optimizer: Any, config: MegatronConfig) -> Any:
-    """megatron-core's scheduler over the optimizer's groups: linear warmup from 0, then
-    constant or cosine down to ``min_lr`` at ``total_steps``; weight decay constant
-    (times each group's ``wd_mult``: 0 for 1-D tensors and biases)."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    optim = config.optim
-    warmup = optim.warmup_steps
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=optim.lr,
-        min_lr=optim.min_lr,
-        lr_warmup_steps=warmup,
-        lr_decay_steps=max(optim.total_steps or 0, warmup + 1),
-        lr_decay_style=optim.lr_schedule,
-        start_wd=optim.weight_decay,
-        end_wd=optim.weight_decay,
-        wd_incr_steps=1,
-        wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=False,
-        override_opt_param_scheduler=True,
-    )
-
-
-def recompute_settings(config: MegatronConfig) -> dict[str, Any]:
-    """The ``TransformerConfig`` fields of ``config.recompute`` (megatron-core's own
-    activation recomputation)."""
-    if config.recompute == "full":
-        return dict(
-            recompute_granularity="full",
-            recompute_method=config.recompute_method,
-            recompute_num_layers=config.recompute_num_layers,
-        )
-    if config.recompute == "selective":
-        modules = (
-            {}
-            if config.recompute_modules is None
-            else {"recompute_modules": list(config.recompute_modules)}
-        )
-        return dict(recompute_granularity="selective", **modules)
-    return {}
 
 
 class MegatronActor:
@@ -205,16 +141,10 @@ class MegatronActor:
         self.cp_rank = parallel_state.get_context_parallel_rank()
         self.first_stage = parallel_state.is_pipeline_first_stage()
         self.last_stage = parallel_state.is_pipeline_last_stage()
-        overrides = dict(schedule_config(config.pp), **recompute_settings(config))
-        overrides["moe_grouped_gemm"] = config.moe_grouped_gemm
-        if config.routing_replay:
-            overrides["moe_enable_routing_replay"] = True
-        if config.pipeline_first_stage_layers is not None:
-            overrides["num_layers_in_first_pipeline_stage"] = config.pipeline_first_stage_layers
-        gdn = dict(gdn_path=config.linear_attention_kernels)
+        settings = model_settings(config)
         with startup.phase("model"):
             self.module: Qwen3VLMegatronModel = build_megatron_model(
-                self.hf_config, parallel, params_dtype=self.dtype, **gdn, **overrides
+                self.hf_config, parallel, params_dtype=self.dtype, **settings
             )
         # a packed row must keep its samples apart in every layer (Qwen3.5's gated delta net
         # resets its state at sample boundaries); a model that cannot runs one per row
@@ -226,7 +156,7 @@ class MegatronActor:
                 type(self.module).__name__,
             )
         with startup.phase("initial weights"):
-            self._load_initial_weights()
+            load_initial_weights(self.module, config, self.hf_config)
         self.compiled = config.compile
         if self.compiled is None:
             self.compiled = self.device.type == "cuda" and compiles_by_default(self.hf_config)
@@ -238,7 +168,7 @@ class MegatronActor:
         if config.reference_model:  # the initial policy, frozen: the KL penalty's reference
             with startup.phase("reference model"):
                 self.ref_model = build_megatron_model(
-                    self.hf_config, parallel, params_dtype=self.dtype, **gdn, **overrides
+                    self.hf_config, parallel, params_dtype=self.dtype, **settings
                 )
                 self.ref_model.load_state_dict(self.module.state_dict())
                 self.ref_model.requires_grad_(False).eval()
@@ -262,7 +192,7 @@ class MegatronActor:
                 host_threads=config.host_optimizer_threads,
             )
         startup.done()
-        self.scheduler = _lr_scheduler(self.optimizer, config)
+        self.scheduler = build_scheduler(self.optimizer, config.optim)
         self.step = 0
         self._offload = StorageOffload()
         # the DDP gradient buffers hold zeros (built so, zeroed after each update): an offload
@@ -271,46 +201,7 @@ class MegatronActor:
         # reused pinned host buffers: each micro-batch reaches the GPU in one copy
         self._staging = PinnedStaging() if self.device.type == "cuda" else None
 
-    def _load_initial_weights(self) -> None:
-        """The folder's weights; random ones only for a preset name or a config object."""
-        source = self.config.model
-        if isinstance(source, str) and source not in PRESETS:
-            with SafetensorsReader(source) as reader:
-                load_hf_weights(self.module, reader)
-            return
-        torch.manual_seed(self.config.seed)  # the same random init on every rank
-        hf = build_model(self.hf_config)
-        load_hf_weights(self.module, hf.state_dict())
-
     # ----------------------------------------------------------------------------- batches
-    def _group_batch(self, batch: TrainBatch) -> TrainBatch:
-        """The model replica's batch (its tensor-, pipeline- and context-parallel ranks): the
-        replica's first rank's, on every rank of it (over TP x PP, then over CP)."""
-        for group in (parallel_state.get_model_parallel_group(), self.cp_group):
-            if dist.get_world_size(group) == 1:
-                continue
-            holder = [batch]
-            src = dist.get_process_group_ranks(group)[0]
-            dist.broadcast_object_list(holder, src=src, group=group)
-            batch = holder[0]
-        return batch
-
-    def _plan(self, lengths: Sequence[int]) -> list[list[int]]:
-        """Packs of at most ``max_tokens_per_gpu`` tokens per GPU (a row of ``cp`` times that
-        under context parallelism, each CP rank holding its share). With expert parallelism every
-        data-parallel rank runs as many micro-batches as the busiest (empty ones run a dummy
-        sample): the experts' token exchange is collective in every MoE layer."""
-        if self.one_sample_per_micro_batch:
-            plan = [[i] for i in range(len(lengths))]
-        else:
-            budget = self.config.max_tokens_per_gpu * self.cp_size
-            plan = pack_by_token_budget(lengths, budget) if lengths else []
-        if self.config.ep > 1:
-            count = torch.tensor([len(plan)], device=self.device)
-            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
-            plan += [[] for _ in range(int(count.item()) - len(plan))]
-        return plan
-
     def micro_batches(self, batch: TrainBatch, fields: Sequence[str] = ()) -> MicroBatches:
         """The micro-batches of this rank's samples (``max_tokens_per_gpu`` each), built and
         copied to the device as iterated. Under sequence parallelism each row is padded (one
@@ -345,111 +236,20 @@ class MegatronActor:
                     mb.vision_inputs = vision.compute(mb.image_grid_thw)
                 return mb.to(self.device, self._staging)
 
-        return MicroBatches(self._plan(batch.lengths), build)
+        plan = plan_micro_batches(
+            batch.lengths,
+            self.config.max_tokens_per_gpu * cp,
+            one_per_micro_batch=self.one_sample_per_micro_batch,
+            ep=self.config.ep,
+            dp_group=self.dp_group,
+            device=self.device,
+        )
+        return MicroBatches(plan, build)
 
     def _stage_forward(self, mb: MicroBatch, model: torch.nn.Module) -> Tensor:
-        """This stage's output for a packed micro-batch: hidden states for the next stage, or
-        on the last stage the aligned log-probs ``[T_real]`` (float32).
-
-        Only the rows that predict loss tokens go through the output layer; other positions
-        hold 0, which the token alignment convention allows (as in the FSDP actor).
-        """
-        if self.config.routing_replay:
-            self._route(mb, model)
-        if mb.context_parallel is not None:
-            return self._stage_forward_cp(mb, model, mb.context_parallel)
-        longest = mb.max_seqlen
-        packed = PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=mb.cu_seqlens,
-            cu_seqlens_kv=mb.cu_seqlens,
-            max_seqlen_q=longest,
-            max_seqlen_kv=longest,
-        )
-        positions = mb.loss_positions
-        if positions is not None and positions.numel() == 0:
-            positions = None  # nothing to score: the plain path keeps the graph whole
-        rows = None if positions is None or not self.last_stage else positions - 1
-        with record_function("megatron_actor.forward"):
-            out = model(
-                mb.input_ids[None],
-                mb.position_ids[1:, None, :],  # the M-RoPE rows (t, h, w)
-                pixel_values=mb.pixel_values if self.first_stage else None,
-                image_grid_thw=mb.image_grid_thw if self.first_stage else None,
-                packed_seq_params=packed,
-                image_positions=mb.image_positions,
-                vision_inputs=mb.vision_inputs,
-                logit_rows=rows,
-            )
-        if not self.last_stage:
-            return out  # [T(/tp), 1, H]: the next stage's input
-        logits = out[0]  # [T or R, V / tp]: this rank's slice of the vocabulary
-        temperature = self.config.temperature
-        if positions is None:
-            if self.tp_size == 1:
-                lp = aligned_logprobs(
-                    logits, mb.input_ids, mb.cu_seqlens, temperature, compiled=self.compiled
-                )
-            else:
-                lp = _vocab_parallel_aligned_logprobs(
-                    logits, mb.input_ids, mb.cu_seqlens, temperature
-                )
-            return lp[: mb.num_real_tokens]
-        scored = self._score(logits, mb.input_ids[positions])
-        return scatter_rows(scored, positions, mb.input_ids.shape[0])[: mb.num_real_tokens]
-
-    def _route(self, mb: MicroBatch, model: torch.nn.Module) -> None:
-        """This stage's routers to ``mb``'s expert ids on this rank's tokens (zigzag part,
-        sequence-parallel slice), or to their own top-k for a micro-batch without them. The
-        ids stay until the next micro-batch's forward: one stage runs this micro-batch's
-        backward, with its recompute, in between."""
-        routers = replay_routers(model)
-        if mb.routed_experts is None:
-            clear_routes(routers)
-            return
-        split = mb.context_parallel
-        ids = local_routes(
-            mb.routed_experts,
-            zigzag=None if split is None else split.layout,
-            sequence_parallel=self.config.sp,
-        )
-        set_routes(routers, ids)
-
-    def _clear_routes(self, model: torch.nn.Module) -> None:
-        if self.config.routing_replay:
-            clear_routes(replay_routers(model))
-
-    def _score(self, logits: Tensor, targets: Tensor) -> Tensor:
-        """Log-probs of ``targets`` under ``logits`` ``[R, V / tp]`` (float32)."""
-        temperature = self.config.temperature
-        if self.tp_size == 1:
-            return logprobs_from_logits(logits, targets, temperature, compiled=self.compiled)
-        # vocabulary-parallel: the full-vocabulary logits are never gathered
-        scaled = logits.float() / temperature
-        return -tensor_parallel.vocab_parallel_cross_entropy(scaled[:, None], targets[:, None])[
-            :, 0
-        ]
-
-    def _stage_forward_cp(self, mb: MicroBatch, model: torch.nn.Module, split: RowSplit) -> Tensor:
-        """:meth:`_stage_forward` of a zigzag-split row: this rank's part through the decoder;
-        on the last stage the log-probs of the scored tokens whose predecessor row is here,
-        summed over CP ranks into the whole row's (the same on every CP rank)."""
-        with record_function("megatron_actor.forward"):
-            out = model(
-                mb.input_ids[None],
-                mb.position_ids[1:, None, :],
-                pixel_values=mb.pixel_values if self.first_stage else None,
-                image_grid_thw=mb.image_grid_thw if self.first_stage else None,
-                packed_seq_params=split.params,
-                image_positions=mb.image_positions,
-                vision_inputs=mb.vision_inputs,
-                logit_rows=split.local_rows if self.last_stage else None,
-            )
-        if not self.last_stage:
-            return out  # [T_local(/tp), 1, H]
-        scored = self._score(out[0], mb.input_ids[split.positions])
-        whole = scatter_rows(scored, split.positions, mb.input_ids.shape[0])
-        return reduce_over_cp(whole, self.cp_group)[: mb.num_real_tokens]
+        """:func:`~trainers_megatron.forward.stage_forward` on this rank's stage: hidden
+        states for the next stage, or on the last the aligned log-probs ``[T_real]``."""
+        return stage_forward(self, mb, model)
 
     def _from_last_stage(self, value: Any) -> Any:
         """``value`` as the last pipeline stage has it, on every stage."""
@@ -469,7 +269,7 @@ class MegatronActor:
         if model is None:
             raise ValueError("reference=True needs MegatronConfig(reference_model=True)")
         self._require_onloaded()
-        batch = self._group_batch(batch)
+        batch = group_batch(batch, self.cp_group)
         model.eval()
         out: list[Tensor | None] = [None] * len(batch)
 
@@ -484,7 +284,7 @@ class MegatronActor:
                 model, self.micro_batches(batch), self._stage_forward, keep, forward_only=True
             )
         finally:
-            self._clear_routes(model)
+            clear_replayed_routes(self, model)
         return self._from_last_stage(out)
 
     def _loss(self, loss: str | TrainLoss) -> TrainLoss:
@@ -497,7 +297,7 @@ class MegatronActor:
         from the last pipeline stage)."""
         self._require_onloaded()
         return self._from_last_stage(
-            core.train_step(self, self._group_batch(batch), self._loss(loss))
+            core.train_step(self, group_batch(batch, self.cp_group), self._loss(loss))
         )
 
     def forward_backward(
@@ -506,7 +306,7 @@ class MegatronActor:
         """Accumulate the gradient of the global-batch loss; no optimizer step."""
         self._require_onloaded()
         return self._from_last_stage(
-            core.forward_backward(self, self._group_batch(batch), self._loss(loss))
+            core.forward_backward(self, group_batch(batch, self.cp_group), self._loss(loss))
         )
 
     def optimizer_step(self) -> dict[str, float]:
@@ -546,7 +346,7 @@ class MegatronActor:
                     lambda mb, logprobs: loss_fn(mb, logprobs, None),
                 )
             finally:
-                self._clear_routes(self.model)
+                clear_replayed_routes(self, self.model)
 
     def finish_grads(self) -> Tensor:
         """Finish the gradients with megatron-core's ``finalize_model_grads`` (DP

@@ -1,4 +1,4 @@
-"""megatron-core's data parallelism and optimizer for the Megatron actor.
+"""megatron-core's data parallelism, optimizer and learning-rate schedule for the Megatron actor.
 
 The model is wrapped in megatron-core's ``DistributedDataParallel`` (contiguous gradient
 buffers; float32 gradients, reduced in float32) and stepped by the optimizer of
@@ -10,7 +10,9 @@ expert-data-parallel group (megatron-core chains the two).
 
 The step's calls on it are :class:`OptimizerStep`'s: the gradient norm and clipping without
 host reads, and (:mod:`trainers_megatron.flat_masters`) the distributed optimizer's
-per-parameter bookkeeping done on whole bucket shards.
+per-parameter bookkeeping done on whole bucket shards. The learning rate follows
+megatron-core's ``OptimizerParamScheduler`` (:func:`build_scheduler`), the FSDP actor's schedule
+step for step (``tests/test_lr_schedules.py``).
 
 ``offload`` > 0 (``--optimizer-cpu-offload``) is megatron-core's own optimizer CPU offload:
 ``optimizer_cpu_offload`` with that ``optimizer_offload_fraction`` under the precision-aware
@@ -35,6 +37,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
 from torch import Tensor
 
+from rl_algos.optimizer import OptimConfig
 from trainer_core import host_threads
 from trainers_megatron.flat_masters import FlatMasters
 
@@ -114,6 +117,30 @@ def build_optimizer(
             # _init_sub_optimizers), pinned the rounding way again
             hybrid.register_load_state_dict_post_hook(exact_pinned_masters)
     return optimizer
+
+
+def build_scheduler(optimizer: Any, cfg: OptimConfig) -> Any:
+    """megatron-core's scheduler over the optimizer's groups: linear warmup from 0, then
+    constant or cosine down to ``min_lr`` at ``total_steps``; weight decay constant
+    (times each group's ``wd_mult``: 0 for 1-D tensors and biases)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    warmup = cfg.warmup_steps
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(cfg.total_steps or 0, warmup + 1),
+        lr_decay_style=cfg.lr_schedule,
+        start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
+    )
 
 
 def exact_pinned_masters(hybrid: Any) -> int:
