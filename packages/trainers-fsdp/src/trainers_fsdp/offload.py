@@ -18,6 +18,8 @@ from trainers_fsdp.flat_adamw import FlatAdamW, move_optimizer_state
 from trainers_fsdp.master import MasterWeights
 
 logger = logging.getLogger(__name__)
+#: what a colocated trainer keeps at each release (``rl_runtime.workers.MEMORY_LOGGER``)
+memory_logger = logging.getLogger("glimpse.memory")
 
 
 def move_state(
@@ -85,7 +87,7 @@ def release_cached_memory(device: torch.device, *, freed: int, planned: float) -
     torch.cuda.ipc_collect()
     torch.cuda.empty_cache()
     reserved = torch.cuda.memory_reserved(device)
-    logger.info(
+    memory_logger.info(
         "release_cache: %.1f GiB of cached GPU memory given back%s; %.1f GiB allocated "
         "(%.1f reserved) stays, the plan counts %.1f",
         (before - reserved) / 2**30,

@@ -58,7 +58,7 @@ from trainers_megatron.context_parallel import split_row
 from trainers_megatron.forward import clear_replayed_routes, stage_forward
 from trainers_megatron.microbatch import group_batch, plan_micro_batches
 from trainers_megatron.model import load_initial_weights, model_settings
-from trainers_megatron.offload import StorageOffload, report_leftovers
+from trainers_megatron.offload import StorageOffload, largest_live_cuda_tensors, report_leftovers
 from trainers_megatron.optim import (
     OptimizerStep,
     build_optimizer,
@@ -83,6 +83,8 @@ from vlm_models.megatron import (
 )
 
 logger = logging.getLogger(__name__)
+#: what a colocated trainer keeps at each release (``rl_runtime.workers.MEMORY_LOGGER``)
+memory_logger = logging.getLogger("glimpse.memory")
 
 
 class MegatronActor:
@@ -453,15 +455,21 @@ class MegatronActor:
 
     def release_cache(self) -> None:
         """Give the allocator's cached, unused blocks back to the device (a colocated engine
-        resumes next); the model and optimizer state stay where they are."""
+        resumes next); the model and optimizer state stay where they are. Logged at each call
+        with what stays allocated, and at the first with the largest tensors that hold it
+        (the Qwen3.5 cut's trainer kept 11 GiB past its plan on an H100, 2026-12-06)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             before = torch.cuda.memory_reserved()
             torch.cuda.empty_cache()
-            logger.info(
-                "released %.1f GiB of cached GPU memory (%.1f GiB stays allocated)",
+            first = not getattr(self, "_kept_named", False)
+            self._kept_named = True
+            memory_logger.info(
+                "release_cache: %.1f GiB of cached GPU memory given back; %.1f GiB allocated "
+                "stays%s",
                 (before - torch.cuda.memory_reserved()) / 2**30,
                 torch.cuda.memory_allocated() / 2**30,
+                f"; largest tensors: {largest_live_cuda_tensors()}" if first else "",
             )
 
     def _require_onloaded(self) -> None:

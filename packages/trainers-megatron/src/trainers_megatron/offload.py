@@ -166,12 +166,9 @@ def _distinct(tensors: Iterable[Tensor]) -> list[tuple[torch.UntypedStorage, tor
     return out
 
 
-def report_leftovers(threshold: int = 1 << 30) -> None:
-    """Warn, naming the largest live CUDA tensors, when an offload leaves memory behind: a
-    colocated engine needs it back, and the tensors' shapes say which reference still holds it."""
-    allocated = torch.cuda.memory_allocated()
-    if allocated < threshold:
-        return
+def largest_live_cuda_tensors(count: int = 8) -> str:
+    """The ``count`` largest CUDA storages reachable from Python, by shape, dtype and size:
+    what names the reference that holds memory a colocated engine needs back."""
     import gc
 
     live = {}
@@ -184,11 +181,20 @@ def report_leftovers(threshold: int = 1 << 30) -> None:
     largest = sorted(live.values(), key=lambda t: t.untyped_storage().nbytes(), reverse=True)
     described = ", ".join(
         f"{tuple(t.shape)} {t.dtype} {t.untyped_storage().nbytes() / 2**20:.0f} MiB"
-        for t in largest[:8]
+        for t in largest[:count]
     )
+    return described or "none reachable from Python"
+
+
+def report_leftovers(threshold: int = 1 << 30) -> None:
+    """Warn, naming the largest live CUDA tensors, when an offload leaves memory behind: a
+    colocated engine needs it back, and the tensors' shapes say which reference still holds it."""
+    allocated = torch.cuda.memory_allocated()
+    if allocated < threshold:
+        return
     logger.warning(
         "offload left %.1f GiB allocated on the GPU (reserved %.1f GiB); largest live tensors: %s",
         allocated / 2**30,
         torch.cuda.memory_reserved() / 2**30,
-        described or "none reachable from Python",
+        largest_live_cuda_tensors(),
     )
