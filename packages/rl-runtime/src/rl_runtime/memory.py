@@ -279,10 +279,12 @@ def check_layout(
     others: Sequence[TrainerConfig] = (),
     model: str = "the model",
     host_bytes: float | None = None,
+    gpu_note: str = "",
 ) -> MemoryEstimate:
     """The estimate when it fits in ``gpu_bytes`` (and its host part in ``host_bytes`` per
     rank); otherwise :class:`PreflightError` with the numbers and, for this backend and each
-    of ``others``, the first candidate that fits."""
+    of ``others``, the first candidate that fits. ``gpu_note``: how ``gpu_bytes`` came from the
+    GPU's memory, for the message (" (141.0 less 3.0 a released engine keeps)")."""
     estimate = estimate_memory(shape, trainer, layout)
     if estimate.fits(gpu_bytes, host_bytes):
         return estimate
@@ -299,7 +301,7 @@ def check_layout(
     else:
         message = (
             f"{model} ({params:.2f}B parameters) does not fit in {gpu_bytes / GiB:.1f} GiB per "
-            f"GPU as {estimate.description}: about {estimate.total / GiB:.1f} GiB "
+            f"GPU{gpu_note} as {estimate.description}: about {estimate.total / GiB:.1f} GiB "
             f"({estimate.breakdown()})."
         )
     tries = []

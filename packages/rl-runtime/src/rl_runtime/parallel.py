@@ -215,7 +215,14 @@ def plan_layout(
                 host_bytes=host,
             )
             estimate = check_layout(
-                model, trainer, requested, gpu, others=others, model=model_name, host_bytes=host
+                model,
+                trainer,
+                requested,
+                gpu,
+                others=others,
+                model=model_name,
+                host_bytes=host,
+                gpu_note=_engine_kept(parallel, gpu),
             )
             log.info(
                 "layout: %s; about %.1f GiB per GPU of %.1f%s (%s)",
