@@ -140,6 +140,7 @@ def time_steps(
     during the timed steps, after one collection, as ``rl_runtime.PeriodicGC`` runs a trainer."""
     for _ in range(warmup):
         step()
+    frozen_before = gc.get_freeze_count() > 0  # left frozen if it was (a test session)
     if quiet_gc:
         gc.collect()
         gc.freeze()
@@ -154,7 +155,8 @@ def time_steps(
         marks[-1] = time.perf_counter()
     finally:
         if quiet_gc:
-            gc.unfreeze()
+            if not frozen_before:
+                gc.unfreeze()
             gc.enable()
     return Timing.of(b - a for a, b in itertools.pairwise(marks))
 

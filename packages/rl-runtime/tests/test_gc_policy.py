@@ -1,6 +1,17 @@
 import gc
 
+import pytest
+
 from rl_runtime import PeriodicGC
+
+
+@pytest.fixture(autouse=True)
+def thawed():
+    """Python's default heap, not frozen: the suite's conftest freezes what collection made."""
+    gc.unfreeze()
+    yield
+    gc.collect()
+    gc.freeze()
 
 
 def test_collects_between_steps_only():
@@ -40,3 +51,13 @@ def test_zero_leaves_python_in_charge():
     policy = PeriodicGC(every=0)
     policy.step()
     assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_a_heap_frozen_before_stays_frozen():
+    """A process that froze its heap before (a trainer's start-up, ``trainer_core.startup``)
+    keeps it frozen when the policy closes."""
+    gc.freeze()
+    policy = PeriodicGC(every=3)
+    policy.step()
+    policy.close()
+    assert gc.isenabled() and gc.get_freeze_count() > 0

@@ -25,6 +25,8 @@ class PeriodicGC:
     def __init__(self, every: int = 50) -> None:
         self.every = every
         self.steps = 0
+        # a heap frozen before (a trainer's start-up, a test session) stays frozen at close
+        self._frozen_before = gc.get_freeze_count() > 0
         if every > 0:
             gc.disable()
 
@@ -40,7 +42,9 @@ class PeriodicGC:
             log.debug("gc after step %d: %.1f ms", self.steps, 1e3 * (time.perf_counter() - start))
 
     def close(self) -> None:
-        """Give collection back to Python (tests; a process that goes on without training)."""
+        """Give collection back to Python (tests; a process that goes on without training), the
+        heap frozen or not as it was found."""
         if self.every > 0:
-            gc.unfreeze()
+            if not self._frozen_before:
+                gc.unfreeze()
             gc.enable()

@@ -17,6 +17,11 @@ point back at it), with float32 copies of the offloaded part (23 GiB for the 8B 
 random-init model built through transformers can stay reachable from a cycle of frames. The
 trainer process turns automatic collection off once built (``rl_runtime.gc_policy``), so without
 a collection here they would stay through the first train step.
+
+What the process holds when start-up begins (torch, transformers, megatron-core, Ray: half a
+million objects that live as long as it does) is collected once and then frozen out of the
+collector's walk (``gc.freeze``), where nothing froze it before: each phase's collection then
+walks only what start-up made, not 0.27 s of imports four or five times a rank.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ class StartupLog:
         self.who = who
         self.start = time.perf_counter()
         self.phases: dict[str, float] = {}
+        if gc.get_freeze_count() == 0:  # once a process (a test session froze its own)
+            gc.collect()
+            gc.freeze()  # what lives before start-up lives on: out of each phase's collection
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
