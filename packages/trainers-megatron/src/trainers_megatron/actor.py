@@ -61,6 +61,7 @@ from trainers_megatron.model import load_initial_weights, model_settings
 from trainers_megatron.offload import StorageOffload, largest_live_cuda_tensors, report_leftovers
 from trainers_megatron.optim import (
     OptimizerStep,
+    adam_optimizers,
     build_optimizer,
     build_scheduler,
     optimizers,
@@ -418,6 +419,11 @@ class MegatronActor:
                 if p.grad is not None:
                     yield p.grad
             for state in opt.optimizer.state.values():
+                yield from (v for v in state.values() if isinstance(v, Tensor))
+        for inner in adam_optimizers(self.optimizer):  # a hybrid's own copies, before a step too
+            for group in inner.param_groups:
+                yield from group["params"]
+            for state in inner.state.values():
                 yield from (v for v in state.values() if isinstance(v, Tensor))
 
     def _ddp_buffers(self) -> list[Any]:
