@@ -14,14 +14,14 @@ the offload's pinned buffers), is what a GPU would keep, and must be the plan's 
 from __future__ import annotations
 
 import gc
-import types
 import weakref
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 
 from rl_algos.run_context import ModelShape, ParallelLayout, TrainLayout
+from trainer_core.held import device_bytes as held_device_bytes
+from trainer_core.held import storage_ptrs
 from trainers_fsdp.actor import FsdpActor
 from trainers_fsdp.flat_adamw import FlatAdamW
 from vlm_models.sources import model_shape
@@ -29,36 +29,6 @@ from vlm_models.sources import model_shape
 FAMILIES = ["qwen3-vl-tiny", "qwen3-vl-moe-tiny", "qwen3.5-tiny", "qwen3.5-moe-tiny"]
 TOKENS = 24  # per micro-batch: the small batch (24, 10, 14 tokens) takes two, so the float32
 # gradient accumulator is made too
-
-_LEAVES = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)
-_LEAVES += (types.MethodType, types.CodeType, str, bytes, int, float)
-
-
-def held_storages(root: object) -> dict[int, tuple[int, str]]:
-    """Bytes and device of every tensor storage reachable from ``root`` (through attributes,
-    containers, modules, optimizer state, parameters' ``.grad`` and DTensors' local shards), by
-    address."""
-    seen: set[int] = set()
-    alive: list[object] = []  # objects made while walking (to_local) keep their ids unique
-    out: dict[int, tuple[int, str]] = {}
-    stack = [root]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, _LEAVES):
-            continue
-        seen.add(id(obj))
-        alive.append(obj)
-        if isinstance(obj, DTensor):
-            stack.append(obj.to_local())
-        elif isinstance(obj, torch.Tensor):
-            storage = obj.untyped_storage()
-            if storage.nbytes():  # (an FSDP unit's resharded full parameter: freed)
-                out[storage.data_ptr()] = storage.nbytes(), obj.device.type
-            if obj.is_leaf and obj.grad is not None:
-                stack.append(obj.grad)
-        else:
-            stack.extend(gc.get_referents(obj))
-    return out
 
 
 def host_side(actor: FsdpActor) -> set[int]:
@@ -73,14 +43,13 @@ def host_side(actor: FsdpActor) -> set[int]:
         tensors += optimizer._host._host.values()
         if optimizer._host_step is not None:
             tensors += optimizer._host_step._grads + optimizer._host_step._weights
-    return {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
+    return storage_ptrs(tensors)
 
 
 def device_bytes(actor: FsdpActor) -> int:
-    """Bytes the actor references on its device, less what lives on the host by design."""
-    host = host_side(actor)
-    held = held_storages(actor).items()
-    return sum(n for ptr, (n, where) in held if where == actor.device.type and ptr not in host)
+    """Bytes the actor references on its device (``trainer_core.held``: each storage once),
+    less what lives on the host by design."""
+    return held_device_bytes(actor, actor.device, host=host_side(actor))
 
 
 def stepped_actor(make_config, make_batch, preset: str, **kwargs) -> tuple[FsdpActor, object]:

@@ -1,7 +1,7 @@
 """trainer_core: trainer infrastructure shared by the FSDP and Megatron trainers (and the
 rollout engine's offload): the packed :class:`MicroBatch` and its builder, pinned host
-staging of micro-batches, reused pinned host copies for offloads, and the host threads of an
-optimizer step on the CPU.
+staging of micro-batches, reused pinned host copies for offloads, the host threads of an
+optimizer step on the CPU, and the walk that counts the tensor storages an actor keeps.
 
 No settings of its own: every name is imported from its module on first use
 (`lazy_loader.attach`, PEP 562 `__getattr__`), so importing the package loads no torch.
@@ -22,6 +22,7 @@ __getattr__, __dir__, __all__ = lazy_loader.attach(
             "dummy_image",
             "replays_routes",
         ],
+        "held": ["device_bytes", "held_storages", "storage_ptrs"],
         "offload": ["HostCopies", "host_cores", "host_threads", "pinned_empty"],
     },
 )

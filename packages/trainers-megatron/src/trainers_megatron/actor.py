@@ -55,12 +55,13 @@ from trainer_core.startup import StartupLog
 from trainers_megatron.checkpoint import export_hf, load_checkpoint, save_checkpoint
 from trainers_megatron.config import MegatronConfig
 from trainers_megatron.context_parallel import split_row
-from trainers_megatron.forward import clear_replayed_routes, stage_forward
+from trainers_megatron.forward import clear_replayed_routes, drop_dispatch_state, stage_forward
 from trainers_megatron.microbatch import group_batch, plan_micro_batches
 from trainers_megatron.model import load_initial_weights, model_settings
 from trainers_megatron.offload import StorageOffload, largest_live_cuda_tensors, report_leftovers
 from trainers_megatron.optim import (
     OptimizerStep,
+    adam_optimizers,
     build_optimizer,
     build_scheduler,
     optimizers,
@@ -419,6 +420,11 @@ class MegatronActor:
                     yield p.grad
             for state in opt.optimizer.state.values():
                 yield from (v for v in state.values() if isinstance(v, Tensor))
+        for inner in adam_optimizers(self.optimizer):  # a hybrid's own copies, before a step too
+            for group in inner.param_groups:
+                yield from group["params"]
+            for state in inner.state.values():
+                yield from (v for v in state.values() if isinstance(v, Tensor))
 
     def _ddp_buffers(self) -> list[Any]:
         return list(self.model.buffers) + list(self.model.expert_parallel_buffers)
@@ -454,21 +460,28 @@ class MegatronActor:
         return transfer_metrics("onload", moved, seconds[0])
 
     def release_cache(self) -> None:
-        """Give the allocator's cached, unused blocks back to the device (a colocated engine
-        resumes next); the model and optimizer state stay where they are. Logged at each call
-        with what stays allocated, and at the first with the largest tensors that hold it
-        (the Qwen3.5 cut's trainer kept 11 GiB past its plan on an H100, 2026-12-06)."""
+        """Drop what the last forward left (the MoE dispatchers' per-token tensors) and give
+        the allocator's cached, unused blocks back to the device (a colocated engine resumes
+        next); the model and optimizer state stay where they are. Logged at each call with
+        what stays allocated and reserved (segments that hold a live block cannot be given
+        back), and at the first with the largest tensors that hold it (the Qwen3.5 cut's
+        trainer kept 11 GiB past its plan on an H100, 2026-12-06)."""
+        for model in (self.module, self.ref_model):
+            if model is not None:
+                drop_dispatch_state(model)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             before = torch.cuda.memory_reserved()
             torch.cuda.empty_cache()
             first = not getattr(self, "_kept_named", False)
             self._kept_named = True
+            reserved = torch.cuda.memory_reserved()
             memory_logger.info(
                 "release_cache: %.1f GiB of cached GPU memory given back; %.1f GiB allocated "
-                "stays%s",
-                (before - torch.cuda.memory_reserved()) / 2**30,
+                "stays, %.1f GiB reserved%s",
+                (before - reserved) / 2**30,
                 torch.cuda.memory_allocated() / 2**30,
+                reserved / 2**30,
                 f"; largest tensors: {largest_live_cuda_tensors()}" if first else "",
             )
 

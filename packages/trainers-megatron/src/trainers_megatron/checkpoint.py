@@ -14,10 +14,11 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from megatron.core.optimizer.optimizer import MegatronOptimizer
 from torch import Tensor
 
 from trainers_megatron.config import MegatronConfig
-from trainers_megatron.optim import load_optimizer_state, optimizer_state
+from trainers_megatron.optim import fuse_torch_adam, hybrid_optimizer, optimizers
 from vlm_models.megatron import SafetensorsReader
 from vlm_models.presets import PRESETS
 from weight_sync.files import save_safetensors
@@ -116,3 +117,106 @@ def load_checkpoint(actor: CheckpointedActor, path: str | os.PathLike) -> None:
     actor.scheduler.load_state_dict(state["scheduler"])
     actor.step = state["step"]
     torch.set_rng_state(state["rng"])
+
+
+def optimizer_state(optimizer: MegatronOptimizer) -> list[dict[str, Any]] | None:
+    """This rank's optimizer state, one entry per chained optimizer (None before any update:
+    nothing to keep). Under the distributed optimizer each entry carries this rank's shards of
+    the master weights and moments in megatron-core's ``dp_reshardable`` form (no
+    communication; resumes with the same layout), which its ``load_state_dict`` reads back."""
+    opts = optimizers(optimizer)
+    if not any(_updated(opt.optimizer) for opt in opts):
+        return None
+    out = []
+    for opt in opts:
+        entry = opt.state_dict()
+        for group in _saved_groups(entry):
+            for key in [k for k, v in group.items() if isinstance(v, type)]:
+                del group[key]  # the hybrid optimizer's classes: not data (weights_only loads)
+        if hasattr(opt, "get_parameter_state_dp_reshardable"):
+            entry["param_state"] = _mark_no_padding(opt.get_parameter_state_dp_reshardable())
+            entry["param_state_sharding_type"] = "dp_reshardable"
+        out.append(entry)
+    return out
+
+
+def _updated(inner: Any) -> bool:
+    """Whether ``inner`` (a chained optimizer's torch or hybrid optimizer) has stepped: its
+    state is made before the first step (:func:`init_adam_state`), with step counts of 0."""
+    if inner is None:
+        return False
+    first: dict[str, Any] = next(iter(inner.state.values()), {})
+    return "step" in first and float(first["step"]) > 0
+
+
+def _saved_groups(entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """The inner optimizer's param groups in one optimizer's state dict (the distributed and
+    mixed-precision optimizers nest it under ``optimizer``)."""
+    return entry.get("optimizer", entry).get("param_groups", [])
+
+
+def _mark_no_padding(state: dict[Any, Any]) -> dict[Any, Any]:
+    """megatron-core 0.16.1's ``load_parameter_state_from_dp_reshardable`` skips entries whose
+    ``padding`` is true and reads that key from every entry, but
+    ``get_parameter_state_dp_reshardable`` writes no such key (only the dist-checkpointing
+    path, ``sharded_param_state_dp_reshardable``, adds it, False for real parameters): add it."""
+    for key, by_dtype in state.items():
+        if isinstance(key, int):
+            for buckets in by_dtype.values():
+                for bucket in buckets:
+                    for entry in bucket:
+                        entry.setdefault("padding", False)
+    return state
+
+
+@torch.no_grad()  # float32 masters are views of the (leaf) parameters, copied in place
+def load_optimizer_state(optimizer: MegatronOptimizer, saved: list[dict[str, Any]] | None) -> None:
+    """Inverse of :func:`optimizer_state` (same layout and world size)."""
+    if saved is None:
+        return
+    opts = optimizers(optimizer)
+    if len(opts) != len(saved):
+        raise ValueError(f"checkpoint has {len(saved)} optimizer(s), this model {len(opts)}")
+    for opt, entry in zip(opts, saved, strict=True):
+        live = opt.optimizer.param_groups if opt.optimizer is not None else []
+        for group, mine in zip(_saved_groups(entry), live, strict=False):
+            group.update({k: v for k, v in mine.items() if isinstance(v, type)})
+        opt.load_state_dict(entry)
+        _unshare_steps(opt)
+        hybrid = hybrid_optimizer(opt)
+        if hybrid is not None:
+            _restore_hybrid_masters(hybrid)
+    fuse_torch_adam(optimizer)  # loading put the saved (host) step counters back
+
+
+def _restore_hybrid_masters(hybrid: Any) -> None:
+    """Put a loaded HybridDeviceOptimizer's masters where it steps them.
+
+    megatron-core 0.16.1 loads the distributed optimizer's parameter state after the inner
+    optimizer's state dict, by replacing each parameter's ``master_param`` entry; the hybrid
+    optimizer copies that entry into the float32 tensors it steps only in its own load hook,
+    which ran before. Its ``_update_fp32_params_by_new_state`` copies them now. Step counters
+    move to their parameter's device (torch's fused AdamW keeps them there)."""
+    hybrid._update_fp32_params_by_new_state()
+    for sub in hybrid.sub_optimizers:
+        for group in sub.param_groups:
+            for p in group["params"]:
+                step = sub.state.get(p, {}).get("step")
+                if isinstance(step, Tensor) and step.device != p.device:
+                    sub.state[p]["step"] = step.to(p.device, torch.float32)
+
+
+def _unshare_steps(opt: MegatronOptimizer) -> None:
+    """Give every parameter its own AdamW ``step`` tensor again.
+
+    Without Apex or Transformer Engine, megatron-core 0.16.1's
+    ``DistributedOptimizer.load_state_dict`` puts one ``step`` tensor object into every
+    parameter's state; torch's AdamW then adds 1 to it once per parameter in each step, and the
+    bias corrections after a resume are wrong.
+    """
+    inner = getattr(opt, "optimizer", None)
+    if inner is None:
+        return
+    for state in inner.state.values():
+        if isinstance(state.get("step"), Tensor):
+            state["step"] = state["step"].clone()

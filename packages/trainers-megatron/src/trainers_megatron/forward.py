@@ -134,6 +134,22 @@ def clear_replayed_routes(actor: StageActor, model: torch.nn.Module) -> None:
         clear_routes(replay_routers(model))
 
 
+def drop_dispatch_state(model: torch.nn.Module) -> None:
+    """Drop the per-token tensors ``model``'s MoE token dispatchers keep from their last
+    forward (megatron-core 0.16.1 leaves them as attributes until the next one: the router's
+    probabilities and routing map, ``[tokens, experts]`` each, the permutation's indices and
+    the split sizes, which its ``cudagraph_attrs`` name); each forward sets them again before
+    reading them."""
+    for module in model.modules():
+        dispatcher = getattr(module, "token_dispatcher", None)
+        if dispatcher is None:
+            continue
+        names = [*getattr(dispatcher, "cudagraph_attrs", ()), "probs", "local_map", "local_probs"]
+        for name in names:
+            if isinstance(getattr(dispatcher, name, None), Tensor):
+                setattr(dispatcher, name, None)
+
+
 def _score(actor: StageActor, logits: Tensor, targets: Tensor) -> Tensor:
     """Log-probs of ``targets`` under ``logits`` ``[R, V / tp]`` (float32)."""
     temperature = actor.config.temperature

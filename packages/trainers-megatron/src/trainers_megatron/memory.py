@@ -29,7 +29,17 @@ float32 copy, is collected at build); the rest keeps its float32 copy and moment
 changes on the GPU. :func:`host_bytes` is that host part, or with ``on_cpu`` everything a rank
 holds between steps when the CPU plays the device, as the tests run it
 (tests/test_host_memory.py measures it: the estimate is within 10 % of the resident memory the
-actor adds)."""
+actor adds).
+
+Between steps, while a colocated engine generates, the plan counts the weights, gradients and
+optimizer state above (``MemoryEstimate.resident``; this backend has no ``resident_bytes``).
+The released actor keeps less (tests/test_resident.py walks it on the CPU): bf16 weights (2),
+the float32 DDP gradient buffers (4, zeroed, kept) and the device part's float32 copies and
+moments (12); megatron-core's bf16 gradients (2) live only inside the backward. Those 2 bytes a
+parameter stay counted on purpose: on an H100 the Qwen3.5 cut's trainer held 11 GiB more than
+this figure during rollout (2026-12-06), which no tensor the actor references explains; until
+a GPU shows where that went, the figure is not lowered. The reference model's bf16 copy
+(``reference_model``, 2 bytes a parameter) is not counted, here or in the step's peak."""
 
 from __future__ import annotations
 

@@ -116,7 +116,58 @@ def build_optimizer(
             # a state-dict load makes its host masters anew (its own post-load hook runs
             # _init_sub_optimizers), pinned the rounding way again
             hybrid.register_load_state_dict_post_hook(exact_pinned_masters)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the first copies of the weights and masters, freed above
+    init_adam_state(optimizer)
     return optimizer
+
+
+def adam_optimizers(optimizer: MegatronOptimizer) -> list[torch.optim.Optimizer]:
+    """The torch Adam / AdamW optimizers that step ``optimizer``'s parameters: each chained
+    optimizer's, or a HybridDeviceOptimizer's host and device ones."""
+    out: list[torch.optim.Optimizer] = []
+    for opt in optimizers(optimizer):
+        hybrid = hybrid_optimizer(opt)
+        for inner in hybrid.sub_optimizers if hybrid is not None else [opt.optimizer]:
+            if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+                out.append(inner)
+    return out
+
+
+@torch.no_grad()
+def init_adam_state(optimizer: MegatronOptimizer) -> None:
+    """Make the AdamW state of every parameter now (zero moments, a zero step count: what
+    torch's AdamW makes at its first step), instead of at the first step.
+
+    Made at the first step, the moments the device steps (8 bytes per parameter of its part)
+    are the first large tensors allocated after a backward has freed its activations and
+    logits: the caching allocator carves them out of those freed blocks, and a segment that
+    holds any live block stays reserved through ``torch.cuda.empty_cache`` (the actor's
+    ``release_cache``), out of a colocated engine's reach however little of it is used (a
+    suspect for the 11 GiB the Qwen3.5 cut's trainer held past its plan on an H100,
+    2026-12-06). Made here, before any forward, they lie in segments of their own; every
+    storage the released actor keeps then exists from its build on (tests/test_resident.py).
+    The step is unchanged: torch's AdamW makes a parameter's state only where it has none."""
+    for inner in adam_optimizers(optimizer):
+        for group in inner.param_groups:
+            on_device = group.get("fused") or group.get("capturable")
+            for p in group["params"]:
+                state = inner.state[p]
+                if state:
+                    continue
+                # as torch.optim.adam's _init_group: a float32 step on the parameter's device
+                # for the fused and capturable kernels, else on the host
+                wide = torch.get_default_dtype() == torch.float64 and not on_device
+                dtype = torch.float64 if wide else torch.float32
+                state["step"] = torch.zeros(
+                    (), dtype=dtype, device=p.device if on_device else "cpu"
+                )
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group.get("amsgrad"):
+                    state["max_exp_avg_sq"] = torch.zeros_like(
+                        p, memory_format=torch.preserve_format
+                    )
 
 
 def build_scheduler(optimizer: Any, cfg: OptimConfig) -> Any:
@@ -349,97 +400,3 @@ def _grad(p: Tensor) -> Tensor | None:
 
 def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def optimizer_state(optimizer: MegatronOptimizer) -> list[dict[str, Any]] | None:
-    """This rank's optimizer state, one entry per chained optimizer (None before any update:
-    nothing to keep). Under the distributed optimizer each entry carries this rank's shards of
-    the master weights and moments in megatron-core's ``dp_reshardable`` form (no
-    communication; resumes with the same layout), which its ``load_state_dict`` reads back."""
-    opts = optimizers(optimizer)
-    if not any(opt.optimizer is not None and opt.optimizer.state for opt in opts):
-        return None
-    out = []
-    for opt in opts:
-        entry = opt.state_dict()
-        for group in _saved_groups(entry):
-            for key in [k for k, v in group.items() if isinstance(v, type)]:
-                del group[key]  # the hybrid optimizer's classes: not data (weights_only loads)
-        if hasattr(opt, "get_parameter_state_dp_reshardable"):
-            entry["param_state"] = _mark_no_padding(opt.get_parameter_state_dp_reshardable())
-            entry["param_state_sharding_type"] = "dp_reshardable"
-        out.append(entry)
-    return out
-
-
-def _saved_groups(entry: dict[str, Any]) -> list[dict[str, Any]]:
-    """The inner optimizer's param groups in one optimizer's state dict (the distributed and
-    mixed-precision optimizers nest it under ``optimizer``)."""
-    return entry.get("optimizer", entry).get("param_groups", [])
-
-
-def _mark_no_padding(state: dict[Any, Any]) -> dict[Any, Any]:
-    """megatron-core 0.16.1's ``load_parameter_state_from_dp_reshardable`` skips entries whose
-    ``padding`` is true and reads that key from every entry, but
-    ``get_parameter_state_dp_reshardable`` writes no such key (only the dist-checkpointing
-    path, ``sharded_param_state_dp_reshardable``, adds it, False for real parameters): add it."""
-    for key, by_dtype in state.items():
-        if isinstance(key, int):
-            for buckets in by_dtype.values():
-                for bucket in buckets:
-                    for entry in bucket:
-                        entry.setdefault("padding", False)
-    return state
-
-
-@torch.no_grad()  # float32 masters are views of the (leaf) parameters, copied in place
-def load_optimizer_state(optimizer: MegatronOptimizer, saved: list[dict[str, Any]] | None) -> None:
-    """Inverse of :func:`optimizer_state` (same layout and world size)."""
-    if saved is None:
-        return
-    opts = optimizers(optimizer)
-    if len(opts) != len(saved):
-        raise ValueError(f"checkpoint has {len(saved)} optimizer(s), this model {len(opts)}")
-    for opt, entry in zip(opts, saved, strict=True):
-        live = opt.optimizer.param_groups if opt.optimizer is not None else []
-        for group, mine in zip(_saved_groups(entry), live, strict=False):
-            group.update({k: v for k, v in mine.items() if isinstance(v, type)})
-        opt.load_state_dict(entry)
-        _unshare_steps(opt)
-        hybrid = hybrid_optimizer(opt)
-        if hybrid is not None:
-            _restore_hybrid_masters(hybrid)
-    fuse_torch_adam(optimizer)  # loading put the saved (host) step counters back
-
-
-def _restore_hybrid_masters(hybrid: Any) -> None:
-    """Put a loaded HybridDeviceOptimizer's masters where it steps them.
-
-    megatron-core 0.16.1 loads the distributed optimizer's parameter state after the inner
-    optimizer's state dict, by replacing each parameter's ``master_param`` entry; the hybrid
-    optimizer copies that entry into the float32 tensors it steps only in its own load hook,
-    which ran before. Its ``_update_fp32_params_by_new_state`` copies them now. Step counters
-    move to their parameter's device (torch's fused AdamW keeps them there)."""
-    hybrid._update_fp32_params_by_new_state()
-    for sub in hybrid.sub_optimizers:
-        for group in sub.param_groups:
-            for p in group["params"]:
-                step = sub.state.get(p, {}).get("step")
-                if isinstance(step, Tensor) and step.device != p.device:
-                    sub.state[p]["step"] = step.to(p.device, torch.float32)
-
-
-def _unshare_steps(opt: MegatronOptimizer) -> None:
-    """Give every parameter its own AdamW ``step`` tensor again.
-
-    Without Apex or Transformer Engine, megatron-core 0.16.1's
-    ``DistributedOptimizer.load_state_dict`` puts one ``step`` tensor object into every
-    parameter's state; torch's AdamW then adds 1 to it once per parameter in each step, and the
-    bias corrections after a resume are wrong.
-    """
-    inner = getattr(opt, "optimizer", None)
-    if inner is None:
-        return
-    for state in inner.state.values():
-        if isinstance(state.get("step"), Tensor):
-            state["step"] = state["step"].clone()
