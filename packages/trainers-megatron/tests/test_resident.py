@@ -48,17 +48,6 @@ TOKENS = 24  # per micro-batch: the small batch (24, 10, 14 tokens) takes two
 pytestmark = pytest.mark.usefixtures("one_process")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def frozen_heap():
-    """Building an actor collects garbage five times (each start-up phase, and the throwaway
-    first hybrid optimizer): with what the imports made frozen out of the collector's walk
-    (``gc.freeze``), each takes milliseconds instead of half a second."""
-    gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()
-
-
 def make_actor(preset: str, **options) -> MegatronActor:
     settings = dict(
         model=preset,
