@@ -33,6 +33,8 @@ def test_each_compile_logs_the_region_and_its_seconds(caplog):
     called again with another shape (dynamic shapes: no recompile). ``aot_eager`` traces as
     inductor does without building kernels (seconds on a CPU)."""
     log_compiles()
+    torch._dynamo.reset()  # drops dynamo's callbacks (as a test or a user's code may): the
+    log_compiles()  # next call installs them again (a suite run lost every line without it)
     log_compiles()  # installed once: one line per compile, not two
     block = Block()
     block.compile(dynamic=True, backend="aot_eager")

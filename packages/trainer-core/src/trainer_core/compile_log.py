@@ -26,25 +26,23 @@ from typing import Any
 logger = logging.getLogger("glimpse.progress")
 
 _lock = threading.Lock()
-_installed = False
 _started: dict[tuple[str, str], float] = {}  # (trigger, compile id) -> start
 _names: dict[str, str] = {}  # compile id -> the region it compiled
 
 
 def log_compiles(*, triton_autotune: bool = False) -> None:
-    """Log every ``torch.compile`` compilation of this process from now on (once per process;
-    later calls do nothing). ``triton_autotune``: also one line for each Triton autotune
-    (where Triton is installed, has the listener, and ``TRITON_PRINT_AUTOTUNING`` does not ask
-    for Triton's own lines instead)."""
-    global _installed
-    with _lock:
-        if _installed:
-            return
-        _installed = True
+    """Log every ``torch.compile`` compilation of this process from now on (installed once:
+    a later call adds nothing, unless ``torch._dynamo.reset()`` dropped dynamo's callbacks in
+    between, which it does: then it installs them again). ``triton_autotune``: also one line
+    for each Triton autotune (where Triton is installed, has the listener, and
+    ``TRITON_PRINT_AUTOTUNING`` does not ask for Triton's own lines instead)."""
     from torch._dynamo.callback import callback_handler
 
-    callback_handler.register_start_callback(_on_start)
-    callback_handler.register_end_callback(_on_end)
+    with _lock:
+        if _on_start not in callback_handler.start_callbacks:
+            callback_handler.register_start_callback(_on_start)
+        if _on_end not in callback_handler.end_callbacks:
+            callback_handler.register_end_callback(_on_end)
     if triton_autotune and "TRITON_PRINT_AUTOTUNING" not in os.environ:
         try:
             import triton
