@@ -404,7 +404,13 @@ class MegatronActor:
     def _device_tensors(self) -> Iterator[Tensor]:
         """Everything the actor keeps on the GPU: parameters, buffers, DDP gradient (and,
         under the distributed optimizer, parameter) buffers, optimizer masters and moments,
-        the reference model."""
+        the reference model. A hybrid optimizer's host masters and moments are named among
+        the optimizers' state but are not the device's: left out (where the CPU plays the
+        device they are of its type and move with the rest)."""
+        device = self.device.type
+        return (t for t in self._state_tensors() if t.device.type == device)
+
+    def _state_tensors(self) -> Iterator[Tensor]:
         modules = [self.module] + ([self.ref_model] if self.ref_model is not None else [])
         for module in modules:
             yield from module.parameters()
