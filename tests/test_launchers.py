@@ -271,6 +271,38 @@ def settled_plan(cfg):
     return colocation_plan(dataclasses.replace(cfg, parallel=settled), cfg.parallel.offload_options)
 
 
+def test_a_kl_penalty_s_reference_model_is_in_the_memory_plan(qwen35_cut):
+    """--kl-coef > 0 keeps a frozen reference model, and the plan counts it: on Megatron a
+    second bf16 copy of the weights on the GPU (2 bytes a parameter, between steps too, so the
+    engine's KV cache is planned beside it), on FSDP float32 shards on the host (its GPU
+    default, ``offload_reference``: 4 bytes a parameter of host memory, none on the GPU)."""
+    from rl_runtime import plan_layout
+    from vlm_models.sources import shape_of
+
+    # one layout for both (left to itself, Megatron's plan moves 70 % of the optimizer to the
+    # host with a reference, 60 % without; at 128 GiB of host memory it finds none)
+    argv = ["--model-name", qwen35_cut, "--num-gpus", "1", "--gpu-memory-gib", "139.8"]
+    argv += ["--host-memory-gib", "512", "--rollout-engine", "hf", *ISSUE_STEP]
+    argv += ["--gradient-checkpointing", "--optimizer-cpu-offload"]
+    argv += ["--optimizer-offload-fraction", "0.7"]
+
+    def estimate(backend: str, *more: str):
+        cfg = parse_grpo([*argv, "--backend", backend, *more], env={})
+        shape = shape_of(cfg.model)
+        settled, est = plan_layout(cfg.parallel, cfg.cluster, trainer=cfg.trainer, shape=shape)
+        params = shape["language_params"] + shape["vision_params"]
+        return cfg.trainer.reference_model, settled, est, params
+
+    for backend, gpu, host in (("megatron", 2, 0), ("fsdp", 0, 4)):
+        off, layout, plain, params = estimate(backend)
+        on, same, kl, _ = estimate(backend, "--kl-coef", "0.001")
+        assert (off, on) == (False, True)
+        assert same == layout, backend
+        assert kl.resident - plain.resident == pytest.approx(gpu * params), backend
+        assert kl.weights - plain.weights == pytest.approx(gpu * params), backend
+        assert kl.host - plain.host == pytest.approx(host * params), backend
+
+
 def test_the_plan_sizes_the_engines_kv_cache_in_tokens(capsys, qwen35_cut):
     """Colocated with the transformers engine, the plan's KV-cache tokens (beside what the FSDP
     trainer keeps, less 128 sequences' gated-delta-net states: 12.4 MiB each) become the

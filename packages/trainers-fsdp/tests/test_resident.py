@@ -77,6 +77,16 @@ def planned(actor: FsdpActor) -> float:
     + [
         ("qwen3-vl-tiny", dict(param_dtype="bfloat16")),  # the whole optimizer on the device
         ("qwen3-vl-tiny", dict(shard_single_rank=True)),  # FSDP2: float32 shards, no masters
+        # a KL penalty's frozen reference, kept on the device: a bf16 cast on one rank, float32
+        # shards under FSDP2 (a GPU run's default holds it on the host instead)
+        (
+            "qwen3-vl-tiny",
+            dict(param_dtype="bfloat16", reference_model=True, offload_reference=False),
+        ),
+        (
+            "qwen3-vl-tiny",
+            dict(shard_single_rank=True, reference_model=True, offload_reference=False),
+        ),
     ],
 )
 def test_the_plan_counts_every_tensor_a_released_actor_keeps(
@@ -88,7 +98,7 @@ def test_the_plan_counts_every_tensor_a_released_actor_keeps(
     out by design, each taken from the model: the host part ends on the first parameter
     boundary past its fraction (12 bytes a parameter short of it), one float32 step count a
     parameter and a few 4-byte scalars (the clip's scale; a full-suite run
-    found one more on the FSDP2 layout than an isolated one), the model's buffers (rotary frequencies), and the
+    found one more on the FSDP2 layout than an isolated one), the models' buffers (rotary frequencies), and the
     config's parameter count against the built model's (Qwen3.5's differs by a few hundred,
     14 bytes each). A gradient kept (2 to 6 bytes a parameter) is far beyond all of them."""
     actor, _ = stepped_actor(make_config, make_small_batch, preset, **options)
@@ -96,6 +106,7 @@ def test_the_plan_counts_every_tensor_a_released_actor_keeps(
         actor.release_cache()
         gc.collect()
         kept, plan = device_bytes(actor), planned(actor)
+        models = [m for m in (actor.model, actor.ref_model) if m is not None]
         params = list(actor.model.parameters())
         counted = sum(p.numel() for p in params)
         shape = model_shape(actor.model.config)
@@ -103,7 +114,7 @@ def test_the_plan_counts_every_tensor_a_released_actor_keeps(
         split = 0.0 if masters is None else masters.host_end - fraction * masters.num_trainable
         slack = (
             12 * abs(split)
-            + sum(b.numel() * b.element_size() for b in actor.model.buffers())
+            + sum(b.numel() * b.element_size() for m in models for b in m.buffers())
             + 4 * (len(params) + 8)  # float32 step counts and a few scalars (see above)
             + 14 * abs(shape["language_params"] + shape["vision_params"] - counted)
         )

@@ -113,6 +113,11 @@ def planned(actor: MegatronActor) -> float:
     return estimate_memory(shape, actor.config, layout).resident
 
 
+def models(actor: MegatronActor) -> list[torch.nn.Module]:
+    """The policy, and the reference model where the actor has one."""
+    return [m for m in (actor.module, actor.ref_model) if m is not None]
+
+
 def offloaded(actor: MegatronActor) -> int:
     """Parameters whose float32 copy and moments live on the host."""
     hybrids = [hybrid_optimizer(opt) for opt in optimizers(actor.optimizer)]
@@ -120,10 +125,12 @@ def offloaded(actor: MegatronActor) -> int:
 
 
 @pytest.mark.parametrize(
-    ("preset", "offload"),
-    [(p, 0.5) for p in FAMILIES] + [("qwen3-vl-tiny", 0.0)],  # 0: flat masters on the device
+    ("preset", "offload", "reference"),
+    [(p, 0.5, False) for p in FAMILIES]
+    + [("qwen3-vl-tiny", 0.0, False)]  # 0: flat masters on the device
+    + [("qwen3-vl-moe-tiny", 0.5, True)],  # a KL penalty's frozen reference model beside
 )
-def test_the_plan_counts_every_tensor_a_released_actor_keeps(preset, offload):
+def test_the_plan_counts_every_tensor_a_released_actor_keeps(preset, offload, reference):
     """After a step of two micro-batches and ``release_cache``, the storages the actor still
     references on its device are bf16 weights, float32 gradients and the device part's
     float32 copies and moments: the plan less the bf16 gradients it counts (2 bytes a
@@ -137,8 +144,9 @@ def test_the_plan_counts_every_tensor_a_released_actor_keeps(preset, offload):
 
     Every storage kept existed when the actor was built (nothing the step makes stays, so on
     a GPU nothing persistent lands in a step's freed blocks), and an offload moves them all
-    (``_device_tensors``), before a step as after."""
-    actor = make_actor(preset, optimizer_offload=offload)
+    (``_device_tensors``), before a step as after. A reference model (``reference_model``, a
+    KL penalty's) is a second bf16 copy of the weights, in the plan too."""
+    actor = make_actor(preset, optimizer_offload=offload, reference_model=reference)
     built = on_device(actor)
     assert unmoved(actor, built) <= 1024  # an offload before the first step moves everything
     step(actor)
@@ -160,7 +168,8 @@ def test_the_plan_counts_every_tensor_a_released_actor_keeps(preset, offload):
     slack = (
         (10 if offload == 0 else 6) * padding
         + 4 * (steps + 8)  # float32 step counts and a few scalars (the clip's scale)
-        + sum(b.numel() * b.element_size() for b in actor.module.buffers())
+        + sum(b.numel() * b.element_size() for m in models(actor) for b in m.buffers())
+        + 1024 * reference  # its MoE dispatchers' constants, as ``unmoved`` bounds the policy's
         + 20 * abs(shape["language_params"] + shape["vision_params"] - counted)
     )
     got = sum(kept.values())

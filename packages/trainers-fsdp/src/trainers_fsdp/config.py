@@ -188,6 +188,7 @@ class FsdpConfig:
             layout,
             replicate=self.replicate,
             vision_patches_per_token=vision_patches_per_token,
+            reference=self.reference_placement(layout),
         )
 
     def resident_bytes(self, shape: ModelShape, layout: TrainLayout) -> float:
@@ -199,7 +200,18 @@ class FsdpConfig:
             layout,
             replicate=self.replicate,
             fsdp_one_rank=self.shard_single_rank and not self.replicate,
+            reference=self.reference_placement(layout),
         )
+
+    def reference_placement(self, layout: TrainLayout) -> str | None:
+        """Where a GPU run holds the frozen reference model (``ModelBuilder.build``'s rule;
+        trainers_fsdp.memory.reference_bytes), None without one."""
+        if not self.reference_model:
+            return None
+        if self.offload_reference:
+            return "host"
+        whole = layout.world_size == 1 or self.replicate
+        return "whole" if whole and not self.shard_single_rank else "sharded"
 
     def describe_layout(self, layout: TrainLayout) -> list[str]:
         """How the ranks hold the model, for a layout's one-line description."""

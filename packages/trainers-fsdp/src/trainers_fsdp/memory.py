@@ -26,7 +26,13 @@ leaves the gradients zero, and ``FsdpActor.release_cache`` (before the engine re
 them, the allocator's cache and whatever a push left there. :func:`resident_bytes` is what
 stays, the part of the plan that the engine's KV cache is sized beside
 (``rl_runtime.plan_colocation``); tests/test_resident.py counts every tensor a released actor
-still holds against it."""
+still holds against it.
+
+With a KL penalty the actor also holds the frozen reference model (:func:`reference_bytes`). On
+a GPU it lives on the host by default (``offload_reference``: FSDP2's offload, float32 shards
+in page-locked memory, each unit copied in as the reference forward reaches it), which adds
+host memory and nothing between steps on the GPU; kept on the GPU it is a bf16 cast on a whole
+rank, float32 shards under FSDP2, at the step's peak and between steps."""
 
 from __future__ import annotations
 
@@ -48,15 +54,18 @@ def state_bytes(
     *,
     replicate: bool,
     vision_patches_per_token: float = 0.25,
+    reference: str | None = None,
 ) -> StateBytes:
-    """What one rank holds at the step's peak (see the module docstring)."""
+    """What one rank holds at the step's peak (see the module docstring; ``reference``: the
+    frozen reference model's placement, as :func:`reference_bytes` takes it)."""
     h, layers = shape.hidden_size, shape.num_layers
     total_params = shape.language_params + shape.vision_params
     shards = 1 if replicate else max(1, layout.world_size)
-    weights = 2 * total_params / shards
+    ref_gpu, ref_host = reference_bytes(shape, layout, replicate=replicate, placement=reference)
+    weights = 2 * total_params / shards + ref_gpu
     gradients = 6 * total_params / shards  # bf16, and float32 for the masters / reduce
     optimizer = 12 * total_params / shards * (1 - _offloaded(layout, shards))
-    host = host_bytes(shape, layout, replicate=replicate)
+    host = host_bytes(shape, layout, replicate=replicate) + ref_host
     if shards > 1:  # the gathered bf16 units: a decoder layer, the next one, the embedding
         unit = shape.language_params / max(1, layers)
         weights += 2 * (2 * unit + shape.vocab_size * h)
@@ -104,8 +113,33 @@ def host_bytes(
     return 12 * offloaded + 2 * piece * (4 + 2)
 
 
+def reference_bytes(
+    shape: ModelShape, layout: TrainLayout, *, replicate: bool, placement: str | None
+) -> tuple[float, float]:
+    """GPU and host bytes of one rank's frozen reference model. ``placement``: None (no
+    reference), ``"host"`` (FSDP2's CPU offload: float32 shards on the host), ``"whole"`` (a
+    world of one without FSDP: a bf16 cast on the GPU) or ``"sharded"`` (FSDP2 on the GPU:
+    float32 shards; its bf16 units exist only inside the reference forward)."""
+    params = shape.language_params + shape.vision_params
+    shards = 1 if replicate else max(1, layout.world_size)
+    if placement is None:
+        return 0.0, 0.0
+    if placement == "host":
+        return 0.0, 4 * params / shards
+    if placement == "whole":
+        return 2 * params, 0.0
+    if placement == "sharded":
+        return 4 * params / shards, 0.0
+    raise ValueError(f"reference placement {placement!r}: host, whole or sharded")
+
+
 def resident_bytes(
-    shape: ModelShape, layout: TrainLayout, *, replicate: bool, fsdp_one_rank: bool = False
+    shape: ModelShape,
+    layout: TrainLayout,
+    *,
+    replicate: bool,
+    fsdp_one_rank: bool = False,
+    reference: str | None = None,
 ) -> float:
     """What one rank keeps on the GPU while a colocated engine generates, once the actor's
     ``release_cache`` has run: the weights and the optimizer state on the GPU, no gradients
@@ -116,6 +150,7 @@ def resident_bytes(
     step."""
     params = shape.language_params + shape.vision_params
     shards = 1 if replicate else max(1, layout.world_size)
+    ref_gpu, _ = reference_bytes(shape, layout, replicate=replicate, placement=reference)
     if shards == 1 and not fsdp_one_rank:
-        return 2 * params + 12 * params * (1 - _offloaded(layout, shards))
-    return 12 * params / shards
+        return 2 * params + 12 * params * (1 - _offloaded(layout, shards)) + ref_gpu
+    return 12 * params / shards + ref_gpu

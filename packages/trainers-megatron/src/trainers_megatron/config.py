@@ -229,6 +229,7 @@ class MegatronConfig:
             layout,
             distributed_optimizer=self.distributed_optimizer,
             vision_patches_per_token=vision_patches_per_token,
+            reference_model=self.reference_model,
         )
 
     def describe_layout(self, layout: TrainLayout) -> list[str]:

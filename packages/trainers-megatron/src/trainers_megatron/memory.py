@@ -38,8 +38,9 @@ the float32 DDP gradient buffers (4, zeroed, kept) and the device part's float32
 moments (12); megatron-core's bf16 gradients (2) live only inside the backward. Those 2 bytes a
 parameter stay counted on purpose: on an H100 the Qwen3.5 cut's trainer held 11 GiB more than
 this figure during rollout (2026-12-06), which no tensor the actor references explains; until
-a GPU shows where that went, the figure is not lowered. The reference model's bf16 copy
-(``reference_model``, 2 bytes a parameter) is not counted, here or in the step's peak."""
+a GPU shows where that went, the figure is not lowered. With a KL penalty the frozen reference
+model (``reference_model``) is a second bf16 copy of the held parameters on the GPU, split as
+the model is: 2 bytes a parameter more in the weights, at the step's peak and between steps."""
 
 from __future__ import annotations
 
@@ -58,13 +59,14 @@ def state_bytes(
     *,
     distributed_optimizer: bool,
     vision_patches_per_token: float = 0.25,
+    reference_model: bool = False,
 ) -> StateBytes:
     """What one rank holds at the step's peak (see the module docstring)."""
     p = layout.parallel
     h, inter = shape.hidden_size, shape.intermediate_size
     tp = p.tp
     held, opt_held = _held(shape, layout, distributed_optimizer=distributed_optimizer)
-    weights, gradients = 2 * held, 2 * held + 4 * opt_held
+    weights, gradients = 2 * held * (1 + reference_model), 2 * held + 4 * opt_held
     optimizer = 12 * opt_held * (1 - p.optimizer_offload)
     host = host_bytes(shape, layout, distributed_optimizer=distributed_optimizer)
     per_layer_token: float = 2 * (8 * h + 4 * inter)
@@ -105,6 +107,7 @@ def host_bytes(
     *,
     distributed_optimizer: bool,
     on_cpu: bool = False,
+    reference_model: bool = False,
 ) -> float:
     """Host memory of one rank's trainer state between steps.
 
@@ -112,10 +115,10 @@ def host_bytes(
     the gradient copies the host step reads (16 bytes per parameter). ``on_cpu``: also what a
     GPU would hold, as a one-rank actor holds it on the CPU: bf16 weights, the DDP buffers'
     float32 gradients, the float32 copies and moments of the rest (megatron-core's bf16
-    gradients live only inside the backward)."""
+    gradients live only inside the backward), and the reference model's bf16 copy."""
     held, opt_held = _held(shape, layout, distributed_optimizer=distributed_optimizer)
     offload = layout.parallel.optimizer_offload
     host = 16 * opt_held * offload
     if on_cpu:
-        host += (2 + 4) * held + 12 * opt_held * (1 - offload)
+        host += (2 * (1 + reference_model) + 4) * held + 12 * opt_held * (1 - offload)
     return host
