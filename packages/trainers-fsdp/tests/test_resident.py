@@ -21,7 +21,7 @@ import torch
 
 from rl_algos.run_context import ModelShape, ParallelLayout, TrainLayout
 from trainer_core.held import device_bytes as held_device_bytes
-from trainer_core.held import storage_ptrs
+from trainer_core.held import pinned_free_bytes, storage_ptrs
 from trainers_fsdp.actor import FsdpActor
 from trainers_fsdp.flat_adamw import FlatAdamW
 from vlm_models.sources import model_shape
@@ -242,9 +242,12 @@ def test_on_the_gpu_the_release_leaves_the_planned_state_and_no_cache(
         buffers.free()
         actor.release_cache()
         after_push = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        # cached beside live blocks: only in the allocator's shared segments (small tensors in
+        # 2 and 20 MiB segments: 17-20 MiB of them on an H100, 2026-12-07), none in a larger
+        # one, where a kept tensor would pin a step's freed activations
+        assert pinned_free_bytes() <= 2 << 20
         for allocated, reserved in (after_step, after_push):
-            # cached: at most partly used 2 MiB segments of the small pool (blocks under 1 MiB)
-            assert reserved - allocated <= 16 << 20, (allocated, reserved)
+            assert reserved - allocated <= 64 << 20, (allocated, reserved)
             # beyond the actor's tensors: the cuBLAS workspaces, within the plan's reserve
             assert 0 <= allocated - before - kept <= 256 << 20, (allocated, before, kept)
         assert abs(kept - planned(actor)) <= 0.05 * planned(actor)

@@ -33,7 +33,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 from rl_algos.optimizer import OptimConfig
 from rl_algos.run_context import ModelShape, ParallelLayout, TrainLayout
-from trainer_core.held import held_storages, storage_ptrs
+from trainer_core.held import held_storages, pinned_free_bytes, storage_ptrs
 from trainers_fsdp.synthetic import TINY_OVERRIDES, synthetic_batch
 from trainers_megatron import MegatronConfig
 from trainers_megatron.actor import MegatronActor
@@ -242,6 +242,9 @@ def test_on_the_gpu_the_release_leaves_the_referenced_state_and_no_cache(preset)
     gc.collect()
     kept = sum(on_device(actor).values())
     allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-    # cached: at most partly used 2 MiB segments of the small pool (blocks under 1 MiB)
-    assert reserved - allocated <= 16 << 20, (allocated, reserved)
+    # cached beside live blocks: only in the allocator's shared segments (small tensors
+    # of 2 and 20 MiB segments: 17-20 MiB of them on an H100, 2026-12-07), none in a larger
+    # one, where a kept tensor would pin a step's freed activations
+    assert pinned_free_bytes() <= 2 << 20, (allocated, reserved)
+    assert reserved - allocated <= 64 << 20, (allocated, reserved)
     assert 0 <= allocated - before - kept <= 256 << 20, (allocated, before, kept)

@@ -67,3 +67,19 @@ def device_bytes(root: object, device: torch.device, *, host: Iterable[int] = ()
     skip = set(host)
     held = held_storages(root).items()
     return sum(n for ptr, (n, where) in held if where == device.type and ptr not in skip)
+
+
+#: CUDA caching allocator: blocks of 1-10 MiB share 20 MiB segments, smaller ones 2 MiB ones
+SHARED_SEGMENT = 20 << 20
+
+
+def pinned_free_bytes(min_segment: int = SHARED_SEGMENT) -> int:
+    """Free bytes that ``torch.cuda.empty_cache`` cannot give back from segments larger than
+    ``min_segment``: blocks freed inside a segment where a live block stays. Those are what a
+    step's activations leave when a tensor kept past it lands among them; the allocator's
+    shared small segments (many small live tensors) are left out, as they are its design."""
+    return sum(
+        seg["total_size"] - seg["allocated_size"]
+        for seg in torch.cuda.memory_snapshot()
+        if seg["total_size"] > min_segment and seg["allocated_size"] > 0
+    )

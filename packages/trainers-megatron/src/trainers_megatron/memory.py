@@ -36,9 +36,10 @@ optimizer state above (``MemoryEstimate.resident``; this backend has no ``reside
 The released actor keeps less (tests/test_resident.py walks it on the CPU): bf16 weights (2),
 the float32 DDP gradient buffers (4, zeroed, kept) and the device part's float32 copies and
 moments (12); megatron-core's bf16 gradients (2) live only inside the backward. Those 2 bytes a
-parameter stay counted on purpose: on an H100 the Qwen3.5 cut's trainer held 11 GiB more than
-this figure during rollout (2026-12-06), which no tensor the actor references explains; until
-a GPU shows where that went, the figure is not lowered. With a KL penalty the frozen reference
+parameter stay counted on purpose, as margin for what the allocator keeps reserved beside it:
+on an H100 (2026-12-07) the Qwen3.5 4-layer cut's released actor held 32.1 GiB allocated and
+37.1 reserved against this figure's 41.4 (on 2026-12-06, before its AdamW state was made at
+build, 52.8); lowered by the 2 bytes (9 GiB) it would be below what stayed reserved. With a KL penalty the frozen reference
 model (``reference_model``) is a second bf16 copy of the held parameters on the GPU, split as
 the model is: 2 bytes a parameter more in the weights, at the step's peak and between steps."""
 
