@@ -29,7 +29,7 @@ def _megatron_lrs(steps: int, **schedule) -> tuple[list[float], list[float]]:
     scheduler = build_scheduler(optimizer, optim)
     lrs, decays = [], []
     for _ in range(steps):
-        scheduler.step(1)  # MegatronActor._optimizer_step, before optimizer.step()
+        scheduler.step(1)  # as MegatronActor.apply_update does, before the optimizer steps
         lrs.append(optimizer.param_groups[0]["lr"])
         decays.append((optimizer.param_groups[0]["weight_decay"], groups[1]["weight_decay"]))
     return lrs, decays
