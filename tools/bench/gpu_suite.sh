@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run the GPU benchmarks on a machine without the project's environment (the device machine:
 # Python 3.12, torch 2.11, transformers 5.17, offline). Wheels for what it lacks come from .whl/
-# (fill it with ../shared/tools/device-wheels). Each benchmark's JSON and one log go to $OUT.
+# (fill it with ../shared/tools/device-wheels; tools/bench/prepare_device.sh fills it, .wq35/ and
+# .gpu_shared/ at once). Each benchmark's JSON and one log go to $OUT.
 #
 #   bash tools/bench/gpu_suite.sh [logprobs] [patch_embed] [hf_engine] [fsdp_train] [fsdp_accum] [megatron_parity] [weight_sync] [qwen35]
 #     [hf_dense] [hf_families] [microscope] [delta_rule] [megatron_train] [megatron_compiled] [megatron_profile] [megatron_accum] [megatron_flat] [hf_geo3k] [ipc_probe] [e2e] [model_load] ...
