@@ -84,7 +84,9 @@ class GrpoConfig:
     def check(self) -> None:
         self.run = self.run.with_wandb_names(self.model.model_name)  # shown by --print-config
         # a KL penalty keeps a frozen reference model: the memory plan counts it from here on
-        self.trainer = dataclasses.replace(self.trainer, reference_model=self.loss.kl_coef > 0)
+        # (set in place: dataclasses.replace would run the trainer's __post_init__ checks, which
+        # need what for_run adds, such as a cosine schedule's total_steps)
+        self.trainer.reference_model = self.loss.kl_coef > 0
         try:
             check_parallel(self.trainer, self.parallel, self.cluster)
             if self.rollout.backend != "hf":  # SGLang engines of N GPUs take N rollout GPUs
