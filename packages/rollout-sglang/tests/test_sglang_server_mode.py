@@ -61,16 +61,27 @@ def server_config(**overrides) -> SGLangConfig:
     return SGLangConfig(**{**fields, **overrides})
 
 
+def launch_stand_in(processor_dir: Path) -> SGLangServer:
+    config = server_config()
+    return SGLangServer(config, command=stand_in_command(config, processor_dir), wait=False)
+
+
 @pytest.fixture(scope="module")
 def servers(qwen3vl_dir):
-    launched = []
-    for _ in range(2):
-        config = server_config()
-        command = stand_in_command(config, qwen3vl_dir)
-        launched.append(SGLangServer(config, command=command, wait=False))
+    launched = [launch_stand_in(qwen3vl_dir) for _ in range(2)]
     try:
-        for server in launched:  # started together, waited for one by one
-            server.wait_healthy(timeout=120)
+        for i in range(len(launched)):  # started together, waited for one by one
+            for attempt in range(3):
+                try:
+                    launched[i].wait_healthy(timeout=120)
+                    break
+                except RuntimeError as err:
+                    # the port free_port() found was taken before the server bound it (another
+                    # test process, this module's other server): start it again on another
+                    if "Address already in use" not in str(err) or attempt == 2:
+                        raise
+                    launched[i].stop()
+                    launched[i] = launch_stand_in(qwen3vl_dir)
         yield launched
     finally:
         for server in launched:
@@ -178,12 +189,21 @@ def test_issue21_item5_each_sample_has_its_own_seed(servers, requests_, limits):
     assert [c.token_ids for c in again] == [c.token_ids for c in first]  # and reproducible
 
 
-def test_server_that_dies_at_start_is_reported():
+def test_server_that_dies_at_start_is_reported_with_its_last_output():
+    """A server that exits before it is healthy raises with its exit code, the last lines it
+    printed (a taken port, a missing model: the reason) and where its whole log is."""
     config = SGLangConfig(model_path="unused", port=free_port())
-    with pytest.raises(RuntimeError, match="exited with code 3"):
+    dies = "import sys; print('OSError: [Errno 98] Address already in use', file=sys.stderr)"
+    with pytest.raises(RuntimeError, match="exited with code 3") as raised:
         SGLangServer(
-            config, command=[sys.executable, "-c", "raise SystemExit(3)"], startup_timeout=30
+            config,
+            command=[sys.executable, "-c", f"{dies}; raise SystemExit(3)"],
+            startup_timeout=30,
         )
+    message = str(raised.value)
+    assert message.endswith("OSError: [Errno 98] Address already in use")
+    log = Path(message.split("the last lines of its log ")[1].split(":\n")[0])
+    assert log.name.startswith("sglang-server-") and "Address already in use" in log.read_text()
 
 
 def test_generate_over_http(servers, requests_, limits):

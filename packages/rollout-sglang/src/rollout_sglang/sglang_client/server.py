@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,7 +20,9 @@ class SGLangServer:
     """A launched SGLang server process (``python -m sglang.launch_server``), health-checked.
 
     ``command`` overrides the launch command (tests use a stand-in speaking the same HTTP
-    API). The process gets its own process group so :meth:`stop` ends all its workers.
+    API). The process gets its own process group so :meth:`stop` ends all its workers. Its
+    output goes to ``log_path`` (default: a new ``sglang-server-*.log`` in the temporary
+    directory), whose last lines a server that exits before it is healthy raises with.
     """
 
     def __init__(
@@ -37,8 +40,14 @@ class SGLangServer:
             command = config.server_command()
         self.config = config
         self.url = f"http://{config.host}:{config.port}"
-        self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
-        logger.info("launching SGLang server on %s: %s", self.url, " ".join(command))
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="sglang-server-", suffix=".log")
+            os.close(fd)
+        self.log_path = Path(log_path)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115
+        logger.info(
+            "launching SGLang server on %s (log %s): %s", self.url, self.log_path, " ".join(command)
+        )
         self.process = subprocess.Popen(
             command,
             stdout=self._log,
@@ -57,7 +66,8 @@ class SGLangServer:
             if self.process.poll() is not None:
                 raise RuntimeError(
                     f"SGLang server exited with code {self.process.returncode} before it was "
-                    f"healthy (command: {' '.join(map(str, self.process.args))})"
+                    f"healthy (command: {' '.join(map(str, self.process.args))}); the last "
+                    f"lines of its log {self.log_path}:\n{self.log_tail()}"
                 )
             try:
                 if http.get(self.url + "/health", timeout=5).status_code == 200:
@@ -77,5 +87,9 @@ class SGLangServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
-        if self._log is not subprocess.DEVNULL:
-            self._log.close()
+        self._log.close()
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The last ``lines`` lines of the server's output (its log file)."""
+        text = self.log_path.read_text(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
