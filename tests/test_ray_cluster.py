@@ -45,20 +45,29 @@ def _free_port() -> int:
 
 
 def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    """`ray start --block ...`: the node lives as long as this process (SIGTERM stops it)."""
-    proc = subprocess.Popen(
-        [str(RAY), "start", "--block", *args],
-        env=env,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 90
-    while "Ray runtime started" not in log.read_text():
-        assert proc.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.5)
-    return proc
+    """`ray start --block ...`: the node lives as long as this process (SIGTERM stops it). A
+    node that joins a loaded head can give up waiting for the GCS (`Failed to get node info`:
+    30 s while the other test process ran a launcher on both cores, 2026-12-07); it is
+    started again, up to three times in all, anything else fails at once."""
+    for attempt in range(3):
+        proc = subprocess.Popen(
+            [str(RAY), "start", "--block", *args],
+            env=env,
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 90
+        while "Ray runtime started" not in log.read_text():
+            if proc.poll() is not None:
+                break
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        else:
+            return proc
+        text = log.read_text()
+        assert "Failed to get node info" in text and attempt < 2, text[-3000:]
+    raise AssertionError("unreachable")
 
 
 def _stop(*procs: subprocess.Popen) -> None:
