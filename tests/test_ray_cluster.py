@@ -49,7 +49,9 @@ def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     node that joins a loaded head can give up waiting for the GCS (`Failed to get node info`:
     30 s while the other test process ran a launcher on both cores, 2026-12-07); it is
     started again, up to three times in all, anything else fails at once."""
-    for attempt in range(3):
+    attempt = 0
+    while True:
+        attempt += 1
         proc = subprocess.Popen(
             [str(RAY), "start", "--block", *args],
             env=env,
@@ -58,16 +60,13 @@ def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
             start_new_session=True,
         )
         deadline = time.monotonic() + 90
-        while "Ray runtime started" not in log.read_text():
-            if proc.poll() is not None:
-                break
+        while "Ray runtime started" not in log.read_text() and proc.poll() is None:
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
-        else:
-            return proc
         text = log.read_text()
-        assert "Failed to get node info" in text and attempt < 2, text[-3000:]
-    raise AssertionError("unreachable")
+        if "Ray runtime started" in text:
+            return proc
+        assert "Failed to get node info" in text and attempt < 3, text[-3000:]
 
 
 def _stop(*procs: subprocess.Popen) -> None:

@@ -66,22 +66,29 @@ def launch_stand_in(processor_dir: Path) -> SGLangServer:
     return SGLangServer(config, command=stand_in_command(config, processor_dir), wait=False)
 
 
+def healthy(server: SGLangServer, processor_dir: Path) -> SGLangServer:
+    """``server`` once healthy; where the port free_port() found was taken before the stand-in
+    bound it (another test process, this module's other server), a stand-in started again on
+    another port, up to three starts in all."""
+    starts = 1
+    while True:
+        try:
+            server.wait_healthy(timeout=120)
+            return server
+        except RuntimeError as err:
+            if "Address already in use" not in str(err) or starts == 3:
+                raise
+        server.stop()
+        server = launch_stand_in(processor_dir)
+        starts += 1
+
+
 @pytest.fixture(scope="module")
 def servers(qwen3vl_dir):
     launched = [launch_stand_in(qwen3vl_dir) for _ in range(2)]
     try:
-        for i in range(len(launched)):  # started together, waited for one by one
-            for attempt in range(3):
-                try:
-                    launched[i].wait_healthy(timeout=120)
-                    break
-                except RuntimeError as err:
-                    # the port free_port() found was taken before the server bound it (another
-                    # test process, this module's other server): start it again on another
-                    if "Address already in use" not in str(err) or attempt == 2:
-                        raise
-                    launched[i].stop()
-                    launched[i] = launch_stand_in(qwen3vl_dir)
+        for i, server in enumerate(launched):  # started together, waited for one by one
+            launched[i] = healthy(server, qwen3vl_dir)
         yield launched
     finally:
         for server in launched:
