@@ -203,15 +203,22 @@ class FsdpConfig:
             reference=self.reference_placement(layout),
         )
 
+    def placement(self, world_size: int, *, trainable: bool, on_gpu: bool = True) -> str:
+        """Where a rank holds one model copy: "host" (a GPU run's frozen reference under
+        ``offload_reference``: FSDP2's CPU offload), "whole" (no FSDP: one rank, or
+        replicated, unless ``shard_single_rank``) or "sharded". The one rule both
+        ``ModelBuilder.build`` and the memory plan (trainers_fsdp.memory) follow."""
+        if not trainable and self.offload_reference and on_gpu:
+            return "host"
+        whole = world_size == 1 or self.replicate  # every rank holds the whole model
+        return "whole" if whole and not self.shard_single_rank else "sharded"
+
     def reference_placement(self, layout: TrainLayout) -> str | None:
-        """Where a GPU run holds the frozen reference model (``ModelBuilder.build``'s rule;
-        trainers_fsdp.memory.reference_bytes), None without one."""
+        """Where a GPU run holds the frozen reference model (:meth:`placement`), None
+        without one."""
         if not self.reference_model:
             return None
-        if self.offload_reference:
-            return "host"
-        whole = layout.world_size == 1 or self.replicate
-        return "whole" if whole and not self.shard_single_rank else "sharded"
+        return self.placement(layout.world_size, trainable=False)
 
     def describe_layout(self, layout: TrainLayout) -> list[str]:
         """How the ranks hold the model, for a layout's one-line description."""

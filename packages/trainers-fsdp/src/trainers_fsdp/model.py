@@ -80,9 +80,10 @@ class ModelBuilder:
         if cfg.attn_implementation == PACKED_ATTENTION:
             register_packed_attention()
         torch.manual_seed(cfg.seed)  # identical init on every rank before sharding
-        offload = not trainable and cfg.offload_reference and self.device.type == "cuda"
-        whole = self.world_size == 1 or cfg.replicate  # every rank holds the whole model
-        single = whole and not offload and not cfg.shard_single_rank  # no FSDP
+        on_gpu = self.device.type == "cuda"
+        placement = cfg.placement(self.world_size, trainable=trainable, on_gpu=on_gpu)
+        offload = placement == "host"
+        single = placement == "whole"  # no FSDP
         compute = self.param_dtype or torch.float32
         model = build_model(
             cfg.model,
