@@ -52,13 +52,14 @@ def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     attempt = 0
     while True:
         attempt += 1
-        proc = subprocess.Popen(
-            [str(RAY), "start", "--block", *args],
-            env=env,
-            stdout=log.open("w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        with log.open("w") as out:  # the child keeps its own descriptor
+            proc = subprocess.Popen(
+                [str(RAY), "start", "--block", *args],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + 90
         while "Ray runtime started" not in log.read_text() and proc.poll() is None:
             assert time.monotonic() < deadline, log.read_text()[-3000:]
