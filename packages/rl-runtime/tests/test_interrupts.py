@@ -22,6 +22,16 @@ def ctrl_c() -> None:
     os.kill(os.getpid(), signal.SIGINT)
 
 
+@pytest.fixture(autouse=True)
+def foreground():
+    """Python's own SIGINT handler, as a launcher run from a terminal has: a suite started as a
+    shell's background job inherits SIGINT ignored, which `watch_sigint` leaves as it is (the
+    last test), and every Ctrl-C above would be dropped (all failed so, 2026-12-07)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def test_the_first_ctrl_c_raises_and_the_same_one_again_is_dropped():
     with watch_sigint():
         assert not interrupted()
@@ -119,3 +129,14 @@ def test_a_failure_after_ctrl_c_exits_130_not_1(error, caplog):
         "interrupted while starting or finishing (no"
     ]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_background_job_keeps_ctrl_c_ignored():
+    """A shell's background job (`cmd &`) starts with SIGINT ignored: the terminal's Ctrl-C is
+    meant for the foreground job, so watch_sigint takes none and restores nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with watch_sigint():
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        ctrl_c()  # dropped by the kernel: no raise
+        assert not interrupted()
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
