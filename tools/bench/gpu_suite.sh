@@ -11,7 +11,8 @@
 # two calls on one warm machine (it is kept 30 s after a call; /tmp/site stays): first
 # `WHEEL_DIR=.wq35 bash tools/bench/gpu_suite.sh setup` carrying .wq35, then at once the run
 # itself carrying .whl, e.g. `E2E_BACKENDS=megatron E2E_BENCH_ARGS="--shape qwen3.5-35b-a3b
-# --layers 8" bash tools/bench/gpu_suite.sh e2e`.
+# --layers 8" bash tools/bench/gpu_suite.sh e2e` (with the same E2E_BENCH_ARGS, `setup
+# e2e_folder` in the first call writes the model folder there).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -124,6 +125,11 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
           --after-last-step 20 --work-dir /tmp/e2e --prune-models --out "$OUT/e2e.json" ${E2E_BENCH_ARGS:-} \
           -- ${E2E_ARGS:-} "${transport[@]}"
         for f in /tmp/e2e/*.log; do [ -f "$f" ] && tail -c 400000 "$f" >"$OUT/e2e_$(basename "$f")"; done ;;
+      e2e_folder)  # only e2e's random-init model folder (E2E_BENCH_ARGS' shape), reused by a
+        # later e2e on this warm machine: built in the setup call, it leaves e2e's call the whole
+        # 10 minutes for the runs (the 8-layer Qwen3.5 cut's 16 GB folder)
+        run e2e_folder "${FOLDER_TIMEOUT:-240}" python3 tools/bench/bench_grpo_e2e.py --backends "" \
+          --work-dir /tmp/e2e --prune-models ${E2E_BENCH_ARGS:-} ;;
       model_load)  # the FSDP one-rank model phase: a bf16 checkpoint widened first against
         # loaded as stored; the 8B with the optimizer 90 % on the host (reuses e2e's folder)
         run model_load "${LOAD_TIMEOUT:-420}" python3 tools/bench/bench_model_load.py --device cuda \
