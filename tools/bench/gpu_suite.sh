@@ -5,7 +5,7 @@
 # .gpu_shared/ at once). Each benchmark's JSON and one log go to $OUT.
 #
 #   bash tools/bench/gpu_suite.sh [logprobs] [patch_embed] [hf_engine] [fsdp_train] [fsdp_accum] [megatron_parity] [weight_sync] [qwen35]
-#     [hf_dense] [hf_families] [microscope] [delta_rule] [megatron_train] [megatron_compiled] [megatron_profile] [megatron_accum] [megatron_flat] [hf_geo3k] [ipc_probe] [e2e] [model_load] ...
+#     [hf_dense] [hf_families] [microscope] [delta_rule] [megatron_train] [megatron_compiled] [megatron_profile] [megatron_accum] [megatron_flat] [hf_geo3k] [ipc_probe] [e2e] [e2e_folder] [model_load] ...
 #
 # Wheels past the carry limit together (Ray in .whl/ and fla + tilelang in .wq35/, 91 MB) go in
 # two calls on one warm machine (it is kept 30 s after a call; /tmp/site stays): first
