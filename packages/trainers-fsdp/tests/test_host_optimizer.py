@@ -2,7 +2,7 @@
 
 On the CPU the "device" is the host too, so what these tests check is the arithmetic and the
 bookkeeping: which masters and moments sit in the host part, that its step (torch's fused CPU
-AdamW over pieces of the flat buffers, trainers_fsdp.host_adamw) is the step the on-device
+AdamW over pieces of the flat buffers, trainer_core.host_adamw) is the step the on-device
 optimizer takes, and that checkpoints and resume are unchanged. The copy streams and pinned
 buffers run on CUDA only (test_gpu.py).
 """
@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trainer_core.host_adamw import HostAdamW
 from trainers_fsdp import OptimConfig
 from trainers_fsdp.actor import FsdpActor
 from trainers_fsdp.flat_adamw import FlatAdamW
-from trainers_fsdp.host_adamw import HostAdamW
 
 # several micro-batches per step (a float32 accumulated gradient) and clipping in every step
 BF16 = dict(param_dtype="bfloat16", max_tokens_per_gpu=64)

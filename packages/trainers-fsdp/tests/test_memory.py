@@ -70,7 +70,7 @@ def test_fsdp_refuses_megatron_only_layouts_by_flag(parallel, flag):
 
 
 def test_the_optimizer_on_the_host_needs_whole_parameters_on_each_rank():
-    """The host step is the flat masters' (trainers_fsdp.host_adamw): one rank or replicated
+    """The host step is the flat masters' (trainer_core.host_adamw): one rank or replicated
     ranks; sharded ranks are refused once the world is known, naming the way out."""
     offloaded = ParallelLayout(optimizer_offload=0.5)
     assert SHARDED.supports(offloaded) is None  # world not known yet: the actor checks

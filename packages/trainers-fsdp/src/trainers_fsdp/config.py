@@ -106,7 +106,7 @@ class FsdpConfig:
     # pass. None: on CUDA (on the CPU the uncompiled pass is slower than torch's foreach).
     flat_update: bool | None = None
     # the fraction of the float32 masters and AdamW moments kept and stepped in host memory
-    # (trainers_fsdp.host_adamw); set by for_run from the layout (the launchers'
+    # (trainer_core.host_adamw); set by for_run from the layout (the launchers'
     # --optimizer-cpu-offload, chosen to fit). One GPU or `replicate` only.
     optimizer_offload: float = 0.0
     # torch threads of that host step (None: every core the process may use)

@@ -19,7 +19,7 @@ compiled, it equals torch's fused kernel to about one float32 rounding.
 
 Masters kept on the host (``MasterWeights(host_fraction=...)``, ``--optimizer-cpu-offload``)
 have their moments on the host too and are stepped there by
-:class:`~trainers_fsdp.host_adamw.HostAdamW` (torch's fused CPU AdamW); the rest steps on the
+:class:`~trainer_core.host_adamw.HostAdamW` (torch's fused CPU AdamW); the rest steps on the
 device as above. Offloading needs the flat layout (each group one run of the buffers).
 """
 
@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from trainer_core import HostCopies, pinned_empty
-from trainers_fsdp.host_adamw import HostAdamW, HostPiece
+from trainer_core.host_adamw import HostAdamW, HostPiece
 from trainers_fsdp.master import MasterWeights, compiled_on
 
 logger = logging.getLogger(__name__)

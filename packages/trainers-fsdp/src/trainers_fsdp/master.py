@@ -19,7 +19,7 @@ an FSDP run would use.
 With ``host_fraction`` > 0 (the launchers' ``--optimizer-cpu-offload``) the masters of the
 first trainable parameters, that fraction of the trainable elements, live in pinned host
 memory instead (:attr:`MasterWeights.host_master`, offsets ``[0, host_end)``); their AdamW step
-runs there too (:mod:`trainers_fsdp.host_adamw`). The bf16 weights and gradients stay on the
+runs there too (:mod:`trainer_core.host_adamw`). The bf16 weights and gradients stay on the
 device.
 
 Between steps the gradient buffers hold nothing (an optimizer step leaves them zero), yet they
@@ -39,8 +39,8 @@ import torch
 from torch import Tensor, nn
 
 from trainer_core import HostCopies, pinned_empty
+from trainer_core.host_memory import CHUNK
 from trainers_fsdp.distributed import all_reduce_mean_
-from trainers_fsdp.memory import CHUNK
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class MasterWeights:
             if p.requires_grad:
                 start, end = self._offsets[i], self._offsets[i + 1]
                 # the host part's masters step from the flat gradient, read in pieces
-                # (trainers_fsdp.host_adamw): a device gradient cannot be a host tensor's .grad
+                # (trainer_core.host_adamw): a device gradient cannot be a host tensor's .grad
                 on_host = end <= self.host_end and self.grad.device != self.host_master.device
                 m.grad = None if on_host else self.grad[start:end].view(self._shapes[i])
 

@@ -12,7 +12,7 @@ one image patch per token, one GPU, peak allocated): 57.7 GiB measured, 62.8 est
 the float32 gradient that run did not allocate.
 
 With the optimizer offloaded (``layout.parallel.optimizer_offload`` = f, one rank or
-``replicate``; trainers_fsdp.host_adamw) f of the masters and moments (12 bytes per parameter)
+``replicate``; trainer_core.host_adamw) f of the masters and moments (12 bytes per parameter)
 move to the host, into page-locked buffers of their own size (``trainer_core.pinned_empty``),
 with the host step's two pinned pieces of gradient and weights (float32 and bf16, taken from
 torch's caching host allocator, which rounds each up to a power of two); sharded FSDP does not
@@ -43,9 +43,7 @@ from rl_algos.run_context import (
     decoder_activations,
     vision_activations,
 )
-
-#: elements per host <-> device piece of an offloaded optimizer step: 64M float32 is 256 MiB
-CHUNK = 1 << 26
+from trainer_core.host_memory import host_step_bytes
 
 
 def state_bytes(
@@ -96,7 +94,7 @@ def host_bytes(
 
     On a GPU: the offloaded part of the optimizer, float32 masters and AdamW moments (12 bytes
     per parameter), and the host step's pieces, a float32 gradient and a bf16 weight buffer of
-    :data:`CHUNK` elements each (fewer for a smaller host part), two of each, pinned whole and
+    :data:`~trainer_core.host_memory.CHUNK` elements each (fewer for a smaller host part), two of each, pinned whole and
     rounded up to a power of two. ``on_cpu``: the whole state as a one-rank bf16 actor holds
     it on the CPU (masters and moments wherever the fraction puts them, bf16 weights and
     gradient, the float32 gradient a step of several micro-batches accumulates into), and of
@@ -106,11 +104,8 @@ def host_bytes(
     offloaded = params / shards * _offloaded(layout, shards)
     if on_cpu:
         state = 20 * params / shards  # weights 2, gradients 2 + 4, masters 4, moments 8
-        return state + 6 * min(offloaded, 2 * CHUNK)  # float32 gradient and bf16 pieces
-    if offloaded == 0:
-        return 0.0
-    piece = 1 << (int(min(offloaded, CHUNK)) - 1).bit_length()  # the allocator's rounding
-    return 12 * offloaded + 2 * piece * (4 + 2)
+        return state + host_step_bytes(offloaded, on_cpu=True)
+    return host_step_bytes(offloaded)
 
 
 def reference_bytes(

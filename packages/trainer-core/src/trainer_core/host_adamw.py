@@ -1,13 +1,10 @@
 """AdamW on float32 masters and moments kept in host memory, from gradients on the device.
 
-The launchers' ``--optimizer-cpu-offload`` for the flat-master actor (one GPU, or
-``--fsdp-replicate``). FSDP2's own offload, ``CPUOffloadPolicy``, keeps every sharded
-parameter in float32 on the host and copies it to the GPU for each forward and backward of its
-unit: on one GPU that is the whole model over PCIe several times a micro-batch. The flat masters
-already keep the bf16 compute weights (on the GPU) apart from the float32 masters, so only the
-optimizer step needs the host: :class:`~trainers_fsdp.master.MasterWeights` puts a fraction of
-the masters in pinned host memory, :class:`~trainers_fsdp.flat_adamw.FlatAdamW` their moments,
-and :class:`HostAdamW` steps them.
+The host half of both trainers' ``--optimizer-cpu-offload``: the FSDP flat masters'
+(:class:`trainers_fsdp.flat_adamw.FlatAdamW` hands it runs of its pinned host masters) and
+megatron-core's HybridDeviceOptimizer's (:mod:`trainers_megatron.optim` hands it the host
+copies that optimizer owns, in place of its own per-parameter step). Only the optimizer step
+needs the host; the bf16 compute weights and the gradients stay on the GPU.
 
 The step goes piece by piece (``CHUNK`` elements): the gradient piece (bf16 after one
 micro-batch, else the float32 accumulator) is copied into a pinned float32 buffer on a copy
@@ -27,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainer_core import host_threads
-from trainers_fsdp.memory import CHUNK
+from trainer_core.host_memory import CHUNK
+from trainer_core.offload import host_threads
 
 
 @dataclass
