@@ -5,7 +5,7 @@
 # .gpu_shared/ at once). Each benchmark's JSON and one log go to $OUT.
 #
 #   bash tools/bench/gpu_suite.sh [logprobs] [patch_embed] [hf_engine] [fsdp_train] [fsdp_accum] [megatron_parity] [weight_sync] [qwen35]
-#     [hf_dense] [hf_families] [microscope] [delta_rule] [megatron_train] [megatron_compiled] [megatron_profile] [megatron_accum] [megatron_flat] [hf_geo3k] [ipc_probe] [e2e] [e2e_folder] [model_load] ...
+#     [hf_dense] [hf_families] [microscope] [delta_rule] [host_optimizer] [megatron_train] [megatron_compiled] [megatron_profile] [megatron_accum] [megatron_flat] [hf_geo3k] [ipc_probe] [e2e] [e2e_folder] [model_load] ...
 #
 # Wheels past the carry limit together (Ray in .whl/ and fla + tilelang in .wq35/, 91 MB) go in
 # two calls on one warm machine (it is kept 30 s after a call; /tmp/site stays): first
@@ -58,6 +58,9 @@ for what in "${@:-logprobs patch_embed megatron_parity fsdp_train hf_engine}"; d
       fsdp_train) run fsdp_train 540 python3 tools/bench/bench_fsdp_train.py --device cuda --variants "${FSDP_VARIANTS:-fsdp_one_rank}" --out "$OUT/fsdp_train.json" ;;
       fsdp_accum)  # four micro-batches per optimizer step, as a GRPO step over a global batch
         run fsdp_accum 540 python3 tools/bench/bench_fsdp_train.py --device cuda --accum 4 --host-phases --out "$OUT/fsdp_accum.json" ;;
+      host_optimizer)  # the Megatron host step: megatron-core's own vs in pieces, 8B layer shapes
+        run host_optimizer 300 python3 tools/bench/bench_host_optimizer.py --device cuda \
+          --layers "${HOST_OPT_LAYERS:-8}" --out "$OUT/host_optimizer.json" ;;
       megatron_train)  # MegatronActor.train_step beside the FSDP actor ("ours"), same shape and batch
         run megatron_train 360 python3 tools/bench/bench_fsdp_train.py --device cuda --skip-baseline --variants megatron --out "$OUT/megatron_train.json" ;;
       fsdp_variants)

@@ -122,25 +122,36 @@ def test_bf16_weights_are_the_flat_masters_rounded():
 # ``offload_fraction`` of the elements get host copies, stepped by torch's fused CPU AdamW and
 # copied back, as CUDA parameters would; the CUDA streams of the overlap do nothing), so these
 # tests check megatron-core's offload path as we drive it: gradients handed over as
-# ``decoupled_grad``, clipping as each AdamW's ``grad_scale``, the weights written back, and the
+# ``decoupled_grad``, clipping as each AdamW's ``grad_scale``, the host half stepped in pieces
+# (trainer_core.host_adamw) or by megatron-core's own step, the weights written back, and the
 # checkpoint round trip (a fresh hybrid optimizer initialises its state by a step on random
-# gradients). The GPU half (pinned copies on two streams) runs on the H200 only.
+# gradients). The pieces' pinned copies on two streams run on a GPU only.
 
 # bf16 weights (megatron-core's precision-aware optimizer takes no float32 ones); clipping in
 # every step (the norms are above 0.05)
 COMMON = dict(param_dtype="bfloat16", optim=OptimConfig(**OPTIM, max_grad_norm=0.05))
 
 
+@pytest.mark.parametrize("pieces", [True, False], ids=["pieces", "megatron-core"])
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
-def test_host_step_equals_the_device_step(fraction):
+def test_host_step_equals_the_device_step(fraction, pieces):
     """Three steps with half or all of the optimizer on the host give the weights of the
-    optimizer on the device (flat masters, torch's fused AdamW). Both run torch's fused AdamW
-    kernel on the same float32 values with the clip factor as its ``grad_scale``, so they
-    agree to the bit; the bound is the issue's 1e-6 (any float32 difference would reach the
-    bf16 weights and the next gradients, far above it after three steps at lr 1e-2)."""
+    optimizer on the device (flat masters, torch's fused AdamW), whether the host half steps in
+    pieces (trainer_core.host_adamw, the default) or by megatron-core's own step
+    (``overlap_cpu_optimizer_d2h_h2d`` off). All run torch's fused AdamW kernel on the same
+    float32 values with the clip factor as its ``grad_scale``, so they agree to the bit; the
+    bound is the issue's 1e-6 (any float32 difference would reach the bf16 weights and the
+    next gradients, far above it after three steps at lr 1e-2). In pieces the host keeps no
+    float32 copy of the gradients (megatron-core's own step keeps one per parameter)."""
     device, expected, before, weights, _ = _steps(steps=3, **COMMON)
-    host, got, _, host_weights, _ = _steps(steps=3, optimizer_offload=fraction, **COMMON)
-    assert device._step.flat and hybrid_optimizer(host.optimizer) is not None
+    host, got, _, host_weights, _ = _steps(
+        steps=3, optimizer_offload=fraction, overlap_cpu_optimizer_d2h_h2d=pieces, **COMMON
+    )
+    hybrid = hybrid_optimizer(host.optimizer)
+    assert device._step.flat and hybrid is not None
+    assert bool(host._step.host_steps) == pieces
+    copies = [hybrid.cpu_copy_map_grad.get(p) for sub in hybrid.cpu_optimizers for p in sub.state]
+    assert all(c is None for c in copies) if pieces else all(c is not None for c in copies)
     norms = [m["grad_norm"] for m in got]
     assert norms == [m["grad_norm"] for m in expected] and min(norms) > 0.05
     assert all(m["perf/optimizer_s"] > 0 for m in got)
@@ -148,6 +159,11 @@ def test_host_step_equals_the_device_step(fraction):
     assert len(changed) > len(host_weights) // 2  # the steps moved the weights
     for name, w in host_weights.items():
         torch.testing.assert_close(w, weights[name], rtol=0, atol=1e-6, msg=name)
+    # the hybrid optimizer owns the state its host half stepped (its checkpoints read it)
+    for sub in hybrid.cpu_optimizers:
+        for master, state in sub.state.items():
+            assert hybrid.state[hybrid.inner_param_to_orig_param[master]] is state
+            assert state["step"].item() == 3
 
 
 def test_the_fraction_splits_host_and_device_optimizers():

@@ -8,8 +8,9 @@ On an H100 the Qwen3.5-35B-A3B 4-layer cut's trainer held 52.8 GiB there against
 each family on the CPU through a step of two micro-batches and its release (``release_cache``,
 which the loop calls before the engine resumes), then walk every object the actor references
 and count each tensor storage once (``trainer_core.held``): what is left, less the parts that
-live on the host by design (megatron-core's HybridDeviceOptimizer's float32 masters, their
-AdamW state and the gradient copies its host step reads), is what a GPU would keep.
+live on the host by design (megatron-core's HybridDeviceOptimizer's float32 masters and their
+AdamW state, and the pinned pieces its host step reads and writes through, or the gradient
+copies of megatron-core's own host step), is what a GPU would keep.
 
 What that is, per parameter: bf16 weights (2, megatron-core's DDP parameter buffer), float32
 gradients (4, its gradient buffer, kept between steps and zeroed) and the float32 copies and
@@ -72,9 +73,11 @@ def step(actor: MegatronActor, batch=None):
 
 def host_side(actor: MegatronActor) -> set[int]:
     """Storages that live on the host by design, wherever the device is: the hybrid
-    optimizer's float32 masters, the gradient copies its host step reads and its host AdamW
-    state, and the offload's reused host buffers."""
+    optimizer's float32 masters and its host AdamW state, the host step's pieces (or
+    megatron-core's gradient copies), and the offload's reused host buffers."""
     tensors = list(actor._offload._host.values())
+    for step in actor._step.host_steps.values():
+        tensors += step.buffers()
     for opt in optimizers(actor.optimizer):
         hybrid = hybrid_optimizer(opt)
         if hybrid is None:

@@ -193,6 +193,7 @@ class MegatronActor:
                 self.optimizer,
                 flat=config.flat_masters,
                 host_threads=config.host_optimizer_threads,
+                pieces=config.overlap_cpu_optimizer_d2h_h2d,
             )
         startup.done()
         self.scheduler = build_scheduler(self.optimizer, config.optim)

@@ -62,8 +62,9 @@ class MegatronConfig:
     overlap_cpu_optimizer_d2h_h2d: bool = field(
         default=True,
         metadata={
-            "help": "under --optimizer-cpu-offload: megatron-core's overlap of the host step "
-            "with the gradients' copies to the host and the weights' copies back (CUDA streams)"
+            "help": "under --optimizer-cpu-offload: the host step in pieces, overlapped with "
+            "the gradients' copies to the host and the weights' copies back (two CUDA streams; "
+            "the FSDP backend's host step); off: megatron-core's own step, one tensor at a time"
         },
     )
     # torch threads of that host step (None: every core the process may use)
@@ -230,6 +231,7 @@ class MegatronConfig:
             distributed_optimizer=self.distributed_optimizer,
             vision_patches_per_token=vision_patches_per_token,
             reference_model=self.reference_model,
+            pieces=self.overlap_cpu_optimizer_d2h_h2d,
         )
 
     def describe_layout(self, layout: TrainLayout) -> list[str]:

@@ -20,16 +20,18 @@ per token, one GPU, peak allocated): 69 GiB measured, 73.1 estimated.
 
 With the optimizer offloaded (``layout.parallel.optimizer_offload`` = f: megatron-core's
 HybridDeviceOptimizer under its precision-aware distributed optimizer) f of this rank's
-optimizer shard lives on the host: float32 masters and moments (12 bytes per parameter) and
-the float32 gradient copies the host step reads (4), all pageable (trainers_megatron.optim
-keeps the gradients so; the masters are float32 widenings of pinned bf16 copies, whose rounded
-blocks it drops from torch's host cache, and the throwaway first hybrid optimizer, another
-float32 copy, is collected at build); the rest keeps its float32 copy and moments on the GPU
-(12). The distributed optimizer's own float32 masters are gone in that form, so nothing else
-changes on the GPU. :func:`host_bytes` is that host part, or with ``on_cpu`` everything a rank
-holds between steps when the CPU plays the device, as the tests run it
-(tests/test_host_memory.py measures it: the estimate is within 10 % of the resident memory the
-actor adds).
+optimizer shard lives on the host: float32 masters and moments (12 bytes per parameter,
+pageable: the masters are float32 widenings of pinned bf16 copies, whose rounded blocks
+trainers_megatron.optim drops from torch's host cache, and the throwaway first hybrid
+optimizer, another float32 copy, is collected at build), and the host step's pieces
+(trainer_core.host_memory: two float32 gradient and two bf16 weight buffers of up to 64M
+elements, pinned); with megatron-core's own step (``pieces=False``, the actor's
+``overlap_cpu_optimizer_d2h_h2d`` off) a pageable float32 copy of every offloaded gradient
+instead (4). The rest keeps its float32 copy and moments on the GPU (12). The distributed
+optimizer's own float32 masters are gone in that form, so nothing else changes on the GPU.
+:func:`host_bytes` is that host part, or with ``on_cpu`` everything a rank holds between steps
+when the CPU plays the device, as the tests run it (tests/test_host_memory.py measures it:
+the estimate is within 10 % of the resident memory the actor adds).
 
 Between steps, while a colocated engine generates, the plan counts the weights, gradients and
 optimizer state above (``MemoryEstimate.resident``; this backend has no ``resident_bytes``).
@@ -52,6 +54,7 @@ from rl_algos.run_context import (
     decoder_activations,
     vision_activations,
 )
+from trainer_core.host_memory import host_step_bytes
 
 
 def state_bytes(
@@ -61,6 +64,7 @@ def state_bytes(
     distributed_optimizer: bool,
     vision_patches_per_token: float = 0.25,
     reference_model: bool = False,
+    pieces: bool = True,
 ) -> StateBytes:
     """What one rank holds at the step's peak (see the module docstring)."""
     p = layout.parallel
@@ -69,7 +73,7 @@ def state_bytes(
     held, opt_held = _held(shape, layout, distributed_optimizer=distributed_optimizer)
     weights, gradients = 2 * held * (1 + reference_model), 2 * held + 4 * opt_held
     optimizer = 12 * opt_held * (1 - p.optimizer_offload)
-    host = host_bytes(shape, layout, distributed_optimizer=distributed_optimizer)
+    host = host_bytes(shape, layout, distributed_optimizer=distributed_optimizer, pieces=pieces)
     per_layer_token: float = 2 * (8 * h + 4 * inter)
     if p.sp:
         per_layer_token /= tp
@@ -109,17 +113,24 @@ def host_bytes(
     distributed_optimizer: bool,
     on_cpu: bool = False,
     reference_model: bool = False,
+    pieces: bool = True,
 ) -> float:
     """Host memory of one rank's trainer state between steps.
 
-    On a GPU: the offloaded part of the optimizer shard, float32 masters, AdamW moments and
-    the gradient copies the host step reads (16 bytes per parameter). ``on_cpu``: also what a
-    GPU would hold, as a one-rank actor holds it on the CPU: bf16 weights, the DDP buffers'
-    float32 gradients, the float32 copies and moments of the rest (megatron-core's bf16
-    gradients live only inside the backward), and the reference model's bf16 copy."""
+    On a GPU: the offloaded part of the optimizer shard, float32 masters and AdamW moments, and
+    the host step's pieces (``pieces``) or megatron-core's float32 gradient copies. ``on_cpu``:
+    also what a GPU would hold, as a one-rank actor holds it on the CPU: bf16 weights, the DDP
+    buffers' float32 gradients, the float32 copies and moments of the rest (megatron-core's
+    bf16 gradients live only inside the backward), and the reference model's bf16 copy."""
     held, opt_held = _held(shape, layout, distributed_optimizer=distributed_optimizer)
     offload = layout.parallel.optimizer_offload
-    host = 16 * opt_held * offload
+    offloaded = opt_held * offload
+    if not pieces:
+        host = 16 * offloaded
+    elif on_cpu:
+        host = 12 * offloaded + host_step_bytes(offloaded, on_cpu=True)
+    else:
+        host = host_step_bytes(offloaded)
     if on_cpu:
         host += (2 * (1 + reference_model) + 4) * held + 12 * opt_held * (1 - offload)
     return host

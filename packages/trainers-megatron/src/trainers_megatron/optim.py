@@ -19,15 +19,26 @@ step for step (``tests/test_lr_schedules.py``).
 distributed optimizer (``use_precision_aware_optimizer``, which megatron-core's training
 arguments require with it: the distributed optimizer then keeps no float32 masters of its own
 on the GPU). Its ``HybridDeviceOptimizer`` keeps the first fraction of this rank's shard as
-float32 host copies stepped by torch's fused CPU AdamW, one optimizer per parameter so that,
-with ``overlap_cpu_optimizer_d2h_h2d``, each parameter's gradient copy to the host, its step and
-its weights' copy back overlap the others' on two CUDA streams; the rest steps on the GPU.
-Clipping reaches every one of its AdamWs as ``grad_scale``.
+float32 host copies (one torch AdamW each) and owns them and their moments (its state dicts,
+checkpoints and resume); the rest steps on the GPU. Clipping reaches every AdamW as
+``grad_scale``.
+
+With ``overlap_offload`` (``overlap_cpu_optimizer_d2h_h2d``, the default) the host half steps
+through :class:`trainer_core.host_adamw.HostAdamW`, the FSDP backend's host step: in pieces,
+the next gradients crossing PCIe into pinned buffers and the last weights crossing back while
+the CPU steps this piece. megatron-core 0.16.1's own step (``hybrid_optimizer.py``) copies every
+float32 gradient into pageable host memory before the first host AdamW starts (a copy into
+pageable memory returns only when done), then after each AdamW copies its float32 masters
+from pageable memory into the bf16 weights, one tensor after another; it also keeps a float32
+host copy of every offloaded gradient (4 bytes a parameter) that the pieces replace.
+Without ``overlap_offload`` megatron-core's own step runs.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -39,6 +50,7 @@ from torch import Tensor
 
 from rl_algos.optimizer import OptimConfig
 from trainer_core import host_threads
+from trainer_core.host_adamw import HostAdamW, HostPiece
 from trainers_megatron.flat_masters import FlatMasters
 
 
@@ -78,8 +90,9 @@ def build_optimizer(
             optimizer_offload_fraction=offload,
             overlap_cpu_optimizer_d2h_h2d=overlap_offload,
             store_param_remainders=False,  # what its check sets without Transformer Engine
-            # pageable: megatron-core pins each gradient through torch's caching host
-            # allocator, which rounds it up to a power of two (see exact_pinned_masters)
+            # pageable, where megatron-core's own step makes host gradient copies (without
+            # overlap_offload, and a resume's first step on random gradients): it pins each
+            # through torch's caching host allocator, which rounds it up to a power of two
             pin_cpu_grads=False,
             pin_cpu_params=cuda,
         )
@@ -150,24 +163,26 @@ def init_adam_state(optimizer: MegatronOptimizer) -> None:
     The step is unchanged: torch's AdamW makes a parameter's state only where it has none."""
     for inner in adam_optimizers(optimizer):
         for group in inner.param_groups:
-            on_device = group.get("fused") or group.get("capturable")
             for p in group["params"]:
-                state = inner.state[p]
-                if state:
-                    continue
-                # as torch.optim.adam's _init_group: a float32 step on the parameter's device
-                # for the fused and capturable kernels, else on the host
-                wide = torch.get_default_dtype() == torch.float64 and not on_device
-                dtype = torch.float64 if wide else torch.float32
-                state["step"] = torch.zeros(
-                    (), dtype=dtype, device=p.device if on_device else "cpu"
-                )
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if group.get("amsgrad"):
-                    state["max_exp_avg_sq"] = torch.zeros_like(
-                        p, memory_format=torch.preserve_format
-                    )
+                if not inner.state[p]:
+                    inner.state[p].update(_fresh_adam_state(p, group))
+
+
+def _fresh_adam_state(p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
+    """Zero moments and a zero step count, as torch.optim.adam's ``_init_group`` makes them:
+    the step a float32 scalar on the parameter's device for the fused and capturable kernels,
+    else on the host."""
+    on_device = group.get("fused") or group.get("capturable")
+    wide = torch.get_default_dtype() == torch.float64 and not on_device
+    dtype = torch.float64 if wide else torch.float32
+    state = {
+        "step": torch.zeros((), dtype=dtype, device=p.device if on_device else "cpu"),
+        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+    }
+    if group.get("amsgrad"):
+        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
 
 
 def build_scheduler(optimizer: Any, cfg: OptimConfig) -> Any:
@@ -299,11 +314,18 @@ class OptimizerStep:
     """
 
     def __init__(
-        self, optimizer: MegatronOptimizer, *, flat: bool = True, host_threads: int | None = None
+        self,
+        optimizer: MegatronOptimizer,
+        *,
+        flat: bool = True,
+        host_threads: int | None = None,
+        pieces: bool = True,
     ) -> None:
         self.optimizer = optimizer
         self.parts = [(opt, FlatMasters.of(opt) if flat else None) for opt in optimizers(optimizer)]
         self.host_threads = host_threads
+        self.pieces = pieces  # the host half through HostAdamW (see the module docstring)
+        self.host_steps: dict[int, PiecewiseHostStep] = {}  # by hybrid optimizer, buffers kept
 
     @property
     def flat(self) -> bool:
@@ -353,7 +375,8 @@ class OptimizerStep:
 
     def _hybrid_step(self, opt: MegatronOptimizer, hybrid: Any, clip: float | None) -> None:
         """megatron-core's step of a HybridDeviceOptimizer: clipping as each of its fused
-        AdamWs' ``grad_scale`` (no pass over the gradients), the host part on
+        AdamWs' ``grad_scale`` (no pass over the gradients), the host half through
+        :class:`HostAdamW` where ``pieces`` is set (else megatron-core's own), on
         ``host_threads`` threads; returns once the weights are back on the device."""
         subs = hybrid.sub_optimizers
         fused = all(g.get("fused") for sub in subs for g in sub.param_groups)
@@ -365,10 +388,18 @@ class OptimizerStep:
             for sub in subs:
                 device = sub.param_groups[0]["params"][0].device
                 sub.grad_scale = torch.full((), 1.0 / clip, device=device)
+        if self.pieces and hybrid.cpu_optimizers:
+            # the distributed optimizer's step_with_ready_grads calls hybrid.step(), then
+            # gathers the weights: this step only, in its place
+            if id(hybrid) not in self.host_steps:
+                self.host_steps[id(hybrid)] = PiecewiseHostStep(hybrid, self.host_threads)
+            divide = None if clip is None else 1.0 / clip
+            hybrid.step = functools.partial(self.host_steps[id(hybrid)], divide)
         try:
             with host_threads(self.host_threads):
                 opt.step_with_ready_grads()
         finally:
+            hybrid.__dict__.pop("step", None)
             for sub in subs:
                 sub.grad_scale = None
         if torch.cuda.is_available():
@@ -383,12 +414,82 @@ class OptimizerStep:
                 opt.zero_grad()
 
 
+class PiecewiseHostStep:
+    """A HybridDeviceOptimizer's step with its host half through :class:`HostAdamW` (whose
+    pinned pieces are kept from one step to the next).
+
+    The learning rates and weight decays go to every sub-optimizer and the device half steps
+    by megatron-core's own ``step`` (its host optimizers set aside for the call); the host
+    half's AdamWs are stepped as torch's fused AdamW steps them (the step count first, then
+    ``aten::_fused_adamw_`` on the same tensors); the sub-optimizers' state is then the hybrid
+    optimizer's again (``_sync_sub_optimizers_state_to_hdo``), as after its own step
+    (megatron-core 0.16.1, ``optimizer/cpu_offloading/hybrid_optimizer.py``)."""
+
+    def __init__(self, hybrid: Any, threads: int | None = None) -> None:
+        self.hybrid, self.threads = hybrid, threads
+        self.host_step: HostAdamW | None = None
+
+    def buffers(self) -> list[Tensor]:
+        """The pinned pieces (host memory by design)."""
+        step = self.host_step
+        return [] if step is None else [*step._grads, *step._weights]
+
+    def __call__(self, grad_scale: float | None, closure: Any = None) -> None:
+        """One step; gradients divided by ``grad_scale`` (None: as they are)."""
+        hybrid = self.hybrid
+        hybrid._sync_hdo_param_groups_to_sub_optimizers()
+        host, hybrid.cpu_optimizers = hybrid.cpu_optimizers, []
+        try:
+            type(hybrid).step(hybrid, closure)
+        finally:
+            hybrid.cpu_optimizers = host
+        pieces = list(_host_pieces(hybrid))
+        if pieces:
+            if self.host_step is None:
+                weights = pieces[0].weights
+                self.host_step = HostAdamW(weights.device, weights.dtype, threads=self.threads)
+            self.host_step.step(pieces, grad_scale)
+        hybrid._sync_sub_optimizers_state_to_hdo()
+
+
 def hybrid_optimizer(opt: MegatronOptimizer) -> Any:
     """The HybridDeviceOptimizer ``opt`` steps (``optimizer_cpu_offload``), or None."""
     from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
     inner = getattr(opt, "optimizer", None)
     return inner if isinstance(inner, HybridDeviceOptimizer) else None
+
+
+def _host_pieces(hybrid: Any) -> Iterator[HostPiece]:
+    """A :class:`HostPiece` for each offloaded parameter with a gradient, its AdamW step
+    counted (torch's AdamW skips a parameter without one)."""
+    for sub in hybrid.cpu_optimizers:
+        for group in sub.param_groups:
+            if group.get("amsgrad") or group.get("maximize"):
+                raise ValueError("the host step is AdamW without amsgrad or maximize")
+            beta1, beta2 = group["betas"]
+            for master in group["params"]:
+                device_param = hybrid.cpu_copys_map_gpu_param[master]
+                grad = _grad(device_param)
+                if grad is None:
+                    continue
+                state = sub.state[master]
+                if not state:
+                    state.update(_fresh_adam_state(master, group))
+                state["step"] += 1
+                yield HostPiece(
+                    master.view(-1),
+                    state["exp_avg"].view(-1),
+                    state["exp_avg_sq"].view(-1),
+                    state["step"],
+                    grad.view(-1),
+                    device_param.detach().view(-1),
+                    lr=group["lr"],
+                    weight_decay=group["weight_decay"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                )
 
 
 def _grad(p: Tensor) -> Tensor | None:
