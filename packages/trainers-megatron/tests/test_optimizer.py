@@ -234,3 +234,90 @@ def test_large_host_masters_move_to_pinned_memory_of_their_own_size():
     assert big.is_pinned() and small.is_pinned() and torch.equal(big, expected)
     assert big in hybrid.cpu_copys_map_gpu_param  # the same object, new storage
     assert exact_pinned_masters(hybrid) == 0  # (as its post-load hook: moved once only)
+
+
+def _hybrid(device: str, sizes: list[int], fraction: float):
+    """A HybridDeviceOptimizer over bf16 shards with float32 gradients, as
+    ``get_megatron_optimizer`` builds it for --optimizer-cpu-offload (fused torch AdamW, one
+    host optimizer per parameter), from seeded values."""
+    import megatron.core.optimizer as mcore_optimizer
+
+    from trainers_megatron.optim import exact_pinned_masters
+
+    gen = torch.Generator().manual_seed(0)
+    params = []
+    for n in sizes:
+        p = torch.nn.Parameter((0.02 * torch.randn(n, generator=gen)).bfloat16().to(device))
+        p.decoupled_grad = (1e-3 * torch.randn(n, generator=gen)).to(device)
+        params.append(p)
+    hybrid = mcore_optimizer.HybridDeviceOptimizer(
+        [{"params": params, "wd_mult": 1.0, "lr_mult": 1.0}],
+        offload_fraction=fraction,
+        cpu_optimizer_cls=torch.optim.AdamW,
+        gpu_optimizer_cls=torch.optim.AdamW,
+        overlap_cpu_optimizer_d2h_h2d=True,
+        pin_cpu_grads=False,
+        pin_cpu_params=device == "cuda",
+        param_update_in_fp32=True,
+        lr=1e-2,
+        weight_decay=0.1,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=True,
+    )
+    exact_pinned_masters(hybrid)
+    return hybrid, params
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param(
+            "cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CPU plays device")
+        ),
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ],
+)
+def test_pieces_step_exactly_as_megatron_cores_own_step(device):
+    """The host half in pieces (trainers_megatron.optim.PiecewiseHostStep: pinned buffers, two
+    CUDA streams on a GPU) and megatron-core's own HybridDeviceOptimizer step, from the same
+    values, over parameters larger than a piece (``chunk`` cut to 1,000 elements), the device
+    half too, with a gradient scale: three steps give the same bf16 weights, float32 masters
+    and moments, to the bit (the same fused AdamW kernel on the same float32 values)."""
+    if device == "cpu":
+        from vlm_models.megatron import apply_cpu_compat
+
+        apply_cpu_compat()
+    from trainers_megatron.optim import PiecewiseHostStep
+
+    sizes = [2500, 700, 1000, 3, 1800]
+    own, own_params = _hybrid(device, sizes, fraction=0.6)
+    ours, our_params = _hybrid(device, sizes, fraction=0.6)
+    pieces = PiecewiseHostStep(ours)
+    before = [p.detach().clone() for p in our_params]
+    for _ in range(3):
+        # the scale as OptimizerStep._hybrid_step gives it: every AdamW's grad_scale (the
+        # pieces read theirs from the call)
+        for sub in [*own.sub_optimizers, ours.gpu_optimizer]:
+            sub.grad_scale = torch.full((), 2.0, device=sub.param_groups[0]["params"][0].device)
+        own.step()
+        pieces(2.0)
+        assert pieces.host_step is not None
+        pieces.host_step.chunk = 1000  # several pieces a parameter from the second step on
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert ours.cpu_optimizers and ours.gpu_optimizer is not None
+    for mine, theirs, first in zip(our_params, own_params, before, strict=True):
+        assert torch.equal(mine, theirs)
+        assert not torch.equal(mine, first)  # the steps moved it
+    for a, b in zip(ours.sub_optimizers, own.sub_optimizers, strict=True):
+        for p, q in zip(a.state, b.state, strict=True):
+            assert torch.equal(p, q)
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(a.state[p][key], b.state[q][key]), key
