@@ -8,7 +8,7 @@ optimizer hands it as ``decoupled_grad``), everything offloaded:
 
 - baseline: megatron-core 0.16.1's ``HybridDeviceOptimizer.step`` (every gradient copied into
   pageable host memory first, then each parameter's AdamW and its weights' copy back);
-- ours: :class:`trainers_megatron.optim.PiecewiseHostStep`, the same AdamW through
+- ours: :class:`trainers_megatron.host_step.PiecewiseHostStep`, the same AdamW through
   :class:`trainer_core.host_adamw.HostAdamW` (pieces through pinned buffers, copies overlapped
   with the CPU's step), the FSDP backend's host step.
 
@@ -121,7 +121,7 @@ def main() -> None:
     args = parse_args()
     device = torch.device(args.device)
     from trainer_core import host_threads
-    from trainers_megatron.optim import PiecewiseHostStep
+    from trainers_megatron.host_step import PiecewiseHostStep
 
     hybrid, n = build(args, device)
     pieces = PiecewiseHostStep(hybrid, args.threads)

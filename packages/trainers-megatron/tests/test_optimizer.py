@@ -285,7 +285,7 @@ def _hybrid(device: str, sizes: list[int], fraction: float):
     ],
 )
 def test_pieces_step_exactly_as_megatron_cores_own_step(device):
-    """The host half in pieces (trainers_megatron.optim.PiecewiseHostStep: pinned buffers, two
+    """The host half in pieces (``host_step.PiecewiseHostStep``: pinned buffers, two
     CUDA streams on a GPU) and megatron-core's own HybridDeviceOptimizer step, from the same
     values, over parameters larger than a piece (``chunk`` cut to 1,000 elements), the device
     half too, with a gradient scale: three steps give the same bf16 weights, float32 masters
@@ -294,7 +294,7 @@ def test_pieces_step_exactly_as_megatron_cores_own_step(device):
         from vlm_models.megatron import apply_cpu_compat
 
         apply_cpu_compat()
-    from trainers_megatron.optim import PiecewiseHostStep
+    from trainers_megatron.host_step import PiecewiseHostStep
 
     sizes = [2500, 700, 1000, 3, 1800]
     own, own_params = _hybrid(device, sizes, fraction=0.6)

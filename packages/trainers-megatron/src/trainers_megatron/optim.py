@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import functools
 import gc
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -50,8 +49,8 @@ from torch import Tensor
 
 from rl_algos.optimizer import OptimConfig
 from trainer_core import host_threads
-from trainer_core.host_adamw import HostAdamW, HostPiece
 from trainers_megatron.flat_masters import FlatMasters
+from trainers_megatron.host_step import PiecewiseHostStep, fresh_adam_state, optimizer_grad
 
 
 def wrap_ddp(model: torch.nn.Module, *, distributed_optimizer: bool) -> DistributedDataParallel:
@@ -165,24 +164,7 @@ def init_adam_state(optimizer: MegatronOptimizer) -> None:
         for group in inner.param_groups:
             for p in group["params"]:
                 if not inner.state[p]:
-                    inner.state[p].update(_fresh_adam_state(p, group))
-
-
-def _fresh_adam_state(p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
-    """Zero moments and a zero step count, as torch.optim.adam's ``_init_group`` makes them:
-    the step a float32 scalar on the parameter's device for the fused and capturable kernels,
-    else on the host."""
-    on_device = group.get("fused") or group.get("capturable")
-    wide = torch.get_default_dtype() == torch.float64 and not on_device
-    dtype = torch.float64 if wide else torch.float32
-    state = {
-        "step": torch.zeros((), dtype=dtype, device=p.device if on_device else "cpu"),
-        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-    }
-    if group.get("amsgrad"):
-        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    return state
+                    inner.state[p].update(fresh_adam_state(p, group))
 
 
 def build_scheduler(optimizer: Any, cfg: OptimConfig) -> Any:
@@ -368,7 +350,9 @@ class OptimizerStep:
                 self._hybrid_step(opt, hybrid, clip)
                 continue
             if clip is not None:
-                grads = [_grad(p) for p in opt.get_parameters() if _grad(p) is not None]
+                grads = [
+                    optimizer_grad(p) for p in opt.get_parameters() if optimizer_grad(p) is not None
+                ]
                 if grads:
                     torch._foreach_mul_(grads, clip)
             opt.step_with_ready_grads()
@@ -381,7 +365,9 @@ class OptimizerStep:
         subs = hybrid.sub_optimizers
         fused = all(g.get("fused") for sub in subs for g in sub.param_groups)
         if clip is not None and not fused:
-            grads = [_grad(p) for p in opt.get_parameters() if _grad(p) is not None]
+            grads = [
+                optimizer_grad(p) for p in opt.get_parameters() if optimizer_grad(p) is not None
+            ]
             torch._foreach_mul_(grads, clip)
             clip = None
         if clip is not None:
@@ -414,89 +400,12 @@ class OptimizerStep:
                 opt.zero_grad()
 
 
-class PiecewiseHostStep:
-    """A HybridDeviceOptimizer's step with its host half through :class:`HostAdamW` (whose
-    pinned pieces are kept from one step to the next).
-
-    The learning rates and weight decays go to every sub-optimizer and the device half steps
-    by megatron-core's own ``step`` (its host optimizers set aside for the call); the host
-    half's AdamWs are stepped as torch's fused AdamW steps them (the step count first, then
-    ``aten::_fused_adamw_`` on the same tensors); the sub-optimizers' state is then the hybrid
-    optimizer's again (``_sync_sub_optimizers_state_to_hdo``), as after its own step
-    (megatron-core 0.16.1, ``optimizer/cpu_offloading/hybrid_optimizer.py``)."""
-
-    def __init__(self, hybrid: Any, threads: int | None = None) -> None:
-        self.hybrid, self.threads = hybrid, threads
-        self.host_step: HostAdamW | None = None
-
-    def buffers(self) -> list[Tensor]:
-        """The pinned pieces (host memory by design)."""
-        step = self.host_step
-        return [] if step is None else [*step._grads, *step._weights]
-
-    def __call__(self, grad_scale: float | None, closure: Any = None) -> None:
-        """One step; gradients divided by ``grad_scale`` (None: as they are)."""
-        hybrid = self.hybrid
-        hybrid._sync_hdo_param_groups_to_sub_optimizers()
-        host, hybrid.cpu_optimizers = hybrid.cpu_optimizers, []
-        try:
-            type(hybrid).step(hybrid, closure)
-        finally:
-            hybrid.cpu_optimizers = host
-        pieces = list(_host_pieces(hybrid))
-        if pieces:
-            if self.host_step is None:
-                weights = pieces[0].weights
-                self.host_step = HostAdamW(weights.device, weights.dtype, threads=self.threads)
-            self.host_step.step(pieces, grad_scale)
-        hybrid._sync_sub_optimizers_state_to_hdo()
-
-
 def hybrid_optimizer(opt: MegatronOptimizer) -> Any:
     """The HybridDeviceOptimizer ``opt`` steps (``optimizer_cpu_offload``), or None."""
     from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
     inner = getattr(opt, "optimizer", None)
     return inner if isinstance(inner, HybridDeviceOptimizer) else None
-
-
-def _host_pieces(hybrid: Any) -> Iterator[HostPiece]:
-    """A :class:`HostPiece` for each offloaded parameter with a gradient, its AdamW step
-    counted (torch's AdamW skips a parameter without one)."""
-    for sub in hybrid.cpu_optimizers:
-        for group in sub.param_groups:
-            if group.get("amsgrad") or group.get("maximize"):
-                raise ValueError("the host step is AdamW without amsgrad or maximize")
-            beta1, beta2 = group["betas"]
-            for master in group["params"]:
-                device_param = hybrid.cpu_copys_map_gpu_param[master]
-                grad = _grad(device_param)
-                if grad is None:
-                    continue
-                state = sub.state[master]
-                if not state:
-                    state.update(_fresh_adam_state(master, group))
-                state["step"] += 1
-                yield HostPiece(
-                    master.view(-1),
-                    state["exp_avg"].view(-1),
-                    state["exp_avg_sq"].view(-1),
-                    state["step"],
-                    grad.view(-1),
-                    device_param.detach().view(-1),
-                    lr=group["lr"],
-                    weight_decay=group["weight_decay"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                )
-
-
-def _grad(p: Tensor) -> Tensor | None:
-    """A parameter's gradient as the optimizer reads it: the precision-aware optimizer's
-    ``decoupled_grad`` where set, else ``.grad``."""
-    grad = getattr(p, "decoupled_grad", None)
-    return p.grad if grad is None else grad
 
 
 def _device() -> str:
