@@ -8,7 +8,7 @@ optimizer hands it as ``decoupled_grad``), everything offloaded:
 
 - baseline: megatron-core 0.16.1's ``HybridDeviceOptimizer.step`` (every gradient copied into
   pageable host memory first, then each parameter's AdamW and its weights' copy back);
-- ours: :class:`trainers_megatron.host_step.PiecewiseHostStep`, the same AdamW through
+- ours: :func:`trainers_megatron.host_step.step_in_pieces`, the same AdamW through
   :class:`trainer_core.host_adamw.HostAdamW` (pieces through pinned buffers, copies overlapped
   with the CPU's step), the FSDP backend's host step.
 
@@ -121,14 +121,17 @@ def main() -> None:
     args = parse_args()
     device = torch.device(args.device)
     from trainer_core import host_threads
-    from trainers_megatron.host_step import PiecewiseHostStep
+    from trainers_megatron.host_step import host_adamw_for, step_in_pieces
 
     hybrid, n = build(args, device)
-    pieces = PiecewiseHostStep(hybrid, args.threads)
+    adamw = host_adamw_for(hybrid, args.threads)
     result: dict = {"device": device_name(device), "torch": torch.__version__, "params": n}
     with host_threads(args.threads):
         result["host_copy_gb_s"] = copy_gb_s()
-        for name, step in (("baseline", hybrid.step), ("ours", lambda: pieces(None))):
+        for name, step in (
+            ("baseline", hybrid.step),
+            ("ours", lambda: step_in_pieces(hybrid, adamw, None)),
+        ):
             timing = time_calls(step, device, warmup=args.warmup, repeats=args.steps)
             ms = 1e3 * timing.median
             result[name] = {"step_ms": ms, "step_times_ms": [1e3 * t for t in timing.times]}

@@ -149,7 +149,7 @@ def test_host_step_equals_the_device_step(fraction, pieces):
     )
     hybrid = hybrid_optimizer(host.optimizer)
     assert device._step.flat and hybrid is not None
-    assert bool(host._step.host_steps) == pieces
+    assert (host._step.host_adamw is not None) == pieces
     copies = [hybrid.cpu_copy_map_grad.get(p) for sub in hybrid.cpu_optimizers for p in sub.state]
     assert all(c is None for c in copies) if pieces else all(c is not None for c in copies)
     norms = [m["grad_norm"] for m in got]
@@ -285,21 +285,22 @@ def _hybrid(device: str, sizes: list[int], fraction: float):
     ],
 )
 def test_pieces_step_exactly_as_megatron_cores_own_step(device):
-    """The host half in pieces (``host_step.PiecewiseHostStep``: pinned buffers, two
-    CUDA streams on a GPU) and megatron-core's own HybridDeviceOptimizer step, from the same
-    values, over parameters larger than a piece (``chunk`` cut to 1,000 elements), the device
-    half too, with a gradient scale: three steps give the same bf16 weights, float32 masters
-    and moments, to the bit (the same fused AdamW kernel on the same float32 values)."""
+    """The host half in pieces (``host_step.step_in_pieces``: pinned buffers, two CUDA streams
+    on a GPU) and megatron-core's own HybridDeviceOptimizer step, from the same values, over
+    parameters larger than a piece (``chunk`` cut to 1,000 elements), the device half too, with
+    a gradient scale: three steps give the same bf16 weights, float32 masters and moments, to
+    the bit (the same fused AdamW kernel on the same float32 values)."""
     if device == "cpu":
         from vlm_models.megatron import apply_cpu_compat
 
         apply_cpu_compat()
-    from trainers_megatron.host_step import PiecewiseHostStep
+    from trainers_megatron.host_step import host_adamw_for, step_in_pieces
 
     sizes = [2500, 700, 1000, 3, 1800]
     own, own_params = _hybrid(device, sizes, fraction=0.6)
     ours, our_params = _hybrid(device, sizes, fraction=0.6)
-    pieces = PiecewiseHostStep(ours)
+    adamw = host_adamw_for(ours)
+    adamw.chunk = 1000  # several pieces a parameter
     before = [p.detach().clone() for p in our_params]
     for _ in range(3):
         # the scale as OptimizerStep._hybrid_step gives it: every AdamW's grad_scale (the
@@ -307,9 +308,7 @@ def test_pieces_step_exactly_as_megatron_cores_own_step(device):
         for sub in [*own.sub_optimizers, ours.gpu_optimizer]:
             sub.grad_scale = torch.full((), 2.0, device=sub.param_groups[0]["params"][0].device)
         own.step()
-        pieces(2.0)
-        assert pieces.host_step is not None
-        pieces.host_step.chunk = 1000  # several pieces a parameter from the second step on
+        step_in_pieces(ours, adamw, 2.0)
     if device == "cuda":
         torch.cuda.synchronize()
     assert ours.cpu_optimizers and ours.gpu_optimizer is not None

@@ -76,8 +76,8 @@ def host_side(actor: MegatronActor) -> set[int]:
     optimizer's float32 masters and its host AdamW state, the host step's pieces (or
     megatron-core's gradient copies), and the offload's reused host buffers."""
     tensors = list(actor._offload._host.values())
-    for step in actor._step.host_steps.values():
-        tensors += step.buffers()
+    if actor._step.host_adamw is not None:
+        tensors += actor._step.host_adamw._grads + actor._step.host_adamw._weights
     for opt in optimizers(actor.optimizer):
         hybrid = hybrid_optimizer(opt)
         if hybrid is None:

@@ -2,7 +2,7 @@
 
 The host half of both trainers' ``--optimizer-cpu-offload``: the FSDP flat masters'
 (:class:`trainers_fsdp.flat_adamw.FlatAdamW` hands it runs of its pinned host masters) and
-megatron-core's HybridDeviceOptimizer's (:mod:`trainers_megatron.optim` hands it the host
+megatron-core's HybridDeviceOptimizer's (:mod:`trainers_megatron.host_step` hands it the host
 copies that optimizer owns, in place of its own per-parameter step). Only the optimizer step
 needs the host; the bf16 compute weights and the gradients stay on the GPU.
 

@@ -13,9 +13,18 @@ from torch import Tensor
 from trainer_core.host_adamw import HostAdamW, HostPiece
 
 
-class PiecewiseHostStep:
-    """A HybridDeviceOptimizer's step with its host half through :class:`HostAdamW` (whose
-    pinned pieces are kept from one step to the next).
+def host_adamw_for(hybrid: Any, threads: int | None = None) -> HostAdamW:
+    """A :class:`HostAdamW` writing into ``hybrid``'s device parameters (their device and
+    dtype); one serves every hybrid optimizer of a model, one after another."""
+    weights = next(iter(hybrid.cpu_copys_map_gpu_param.values()))
+    return HostAdamW(weights.device, weights.dtype, threads=threads)
+
+
+def step_in_pieces(
+    hybrid: Any, host_adamw: HostAdamW, grad_scale: float | None, closure: Any = None
+) -> None:
+    """A HybridDeviceOptimizer's step with its host half through ``host_adamw``, gradients
+    divided by ``grad_scale`` (None: as they are); returns once the weights are on the device.
 
     The learning rates and weight decays go to every sub-optimizer and the device half steps
     by megatron-core's own ``step`` (its host optimizers set aside for the call); the host
@@ -23,32 +32,16 @@ class PiecewiseHostStep:
     ``aten::_fused_adamw_`` on the same tensors); the sub-optimizers' state is then the hybrid
     optimizer's again (``_sync_sub_optimizers_state_to_hdo``), as after its own step
     (megatron-core 0.16.1, ``optimizer/cpu_offloading/hybrid_optimizer.py``)."""
-
-    def __init__(self, hybrid: Any, threads: int | None = None) -> None:
-        self.hybrid, self.threads = hybrid, threads
-        self.host_step: HostAdamW | None = None
-
-    def buffers(self) -> list[Tensor]:
-        """The pinned pieces (host memory by design)."""
-        step = self.host_step
-        return [] if step is None else [*step._grads, *step._weights]
-
-    def __call__(self, grad_scale: float | None, closure: Any = None) -> None:
-        """One step; gradients divided by ``grad_scale`` (None: as they are)."""
-        hybrid = self.hybrid
-        hybrid._sync_hdo_param_groups_to_sub_optimizers()
-        host, hybrid.cpu_optimizers = hybrid.cpu_optimizers, []
-        try:
-            type(hybrid).step(hybrid, closure)
-        finally:
-            hybrid.cpu_optimizers = host
-        pieces = list(host_pieces(hybrid))
-        if pieces:
-            if self.host_step is None:
-                weights = pieces[0].weights
-                self.host_step = HostAdamW(weights.device, weights.dtype, threads=self.threads)
-            self.host_step.step(pieces, grad_scale)
-        hybrid._sync_sub_optimizers_state_to_hdo()
+    hybrid._sync_hdo_param_groups_to_sub_optimizers()
+    host, hybrid.cpu_optimizers = hybrid.cpu_optimizers, []
+    try:
+        type(hybrid).step(hybrid, closure)
+    finally:
+        hybrid.cpu_optimizers = host
+    pieces = list(host_pieces(hybrid))
+    if pieces:
+        host_adamw.step(pieces, grad_scale)
+    hybrid._sync_sub_optimizers_state_to_hdo()
 
 
 def host_pieces(hybrid: Any) -> Iterator[HostPiece]:

@@ -49,8 +49,14 @@ from torch import Tensor
 
 from rl_algos.optimizer import OptimConfig
 from trainer_core import host_threads
+from trainer_core.host_adamw import HostAdamW
 from trainers_megatron.flat_masters import FlatMasters
-from trainers_megatron.host_step import PiecewiseHostStep, fresh_adam_state, optimizer_grad
+from trainers_megatron.host_step import (
+    fresh_adam_state,
+    host_adamw_for,
+    optimizer_grad,
+    step_in_pieces,
+)
 
 
 def wrap_ddp(model: torch.nn.Module, *, distributed_optimizer: bool) -> DistributedDataParallel:
@@ -307,7 +313,7 @@ class OptimizerStep:
         self.parts = [(opt, FlatMasters.of(opt) if flat else None) for opt in optimizers(optimizer)]
         self.host_threads = host_threads
         self.pieces = pieces  # the host half through HostAdamW (see the module docstring)
-        self.host_steps: dict[int, PiecewiseHostStep] = {}  # by hybrid optimizer, buffers kept
+        self.host_adamw: HostAdamW | None = None  # the pieces' step, its buffers kept
 
     @property
     def flat(self) -> bool:
@@ -377,10 +383,10 @@ class OptimizerStep:
         if self.pieces and hybrid.cpu_optimizers:
             # the distributed optimizer's step_with_ready_grads calls hybrid.step(), then
             # gathers the weights: this step only, in its place
-            if id(hybrid) not in self.host_steps:
-                self.host_steps[id(hybrid)] = PiecewiseHostStep(hybrid, self.host_threads)
+            if self.host_adamw is None:
+                self.host_adamw = host_adamw_for(hybrid, self.host_threads)
             divide = None if clip is None else 1.0 / clip
-            hybrid.step = functools.partial(self.host_steps[id(hybrid)], divide)
+            hybrid.step = functools.partial(step_in_pieces, hybrid, self.host_adamw, divide)
         try:
             with host_threads(self.host_threads):
                 opt.step_with_ready_grads()
